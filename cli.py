@@ -1,0 +1,3 @@
+"""`stagemesh` command line (filled in as features land)."""
+def main() -> None:
+    raise SystemExit("not yet")

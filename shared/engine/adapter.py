@@ -1,0 +1,113 @@
+"""The contract between the step-machine engine and a stage's model.
+
+Every stage (Tokenizer, Talker, DiT, VAE, Codec) is one `StageAdapter` driven by the same
+engine (`stagemesh.shared.engine.engine.StepEngine`). The engine owns scheduling, cancellation,
+deadlines, metrics and event publishing; the adapter owns only the model math.
+
+All adapter methods run on the engine's compute thread, never on the asyncio loop, so they may
+block on torch. They are never called concurrently.
+
+Life of a request, as the engine sees it::
+
+    check_inputs(payload)           on submit; raises InvalidInputError -> INVALID_ARGUMENT
+    state = prepare(request)        once, when first scheduled (never for a request aborted
+                                    while waiting)
+    add_input(state, payload)       zero or more times, for streamed input (codec frames)
+    outputs = step([s1, s2, ...])   repeatedly, one step for every state in the batch
+    result = finish(state)          once, after a StepOutput with finished=True
+    release(state)                  always, exactly once, when the request leaves the engine
+                                    (completed, aborted or failed), in the same tick
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+StateT = TypeVar("StateT")
+
+
+class InvalidInputError(ValueError):
+    """Bad request input; becomes INVALID_ARGUMENT naming `field_name`."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field_name = field_name
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """How many steps a request will take, as far as is known when it is submitted.
+
+    total_steps is None for open-ended work (an autoregressive talker runs until a stop frame
+    or max_new_tokens; a streaming codec runs until its input ends).
+    """
+
+    total_steps: int | None
+    start_step: int = 0
+
+
+@dataclass
+class EngineRequest:
+    """What a servicer hands the engine for one request."""
+
+    request_id: str
+    payload: Any  # the adapter's own typed input (a dataclass built by the servicer)
+    budget: StepBudget = field(default_factory=lambda: StepBudget(total_steps=1))
+    deadline: float | None = None  # time.monotonic() value; None = no deadline
+    priority: int = 0  # lower runs first; FIFO among equals
+
+
+@dataclass
+class StepOutput:
+    """One state's outcome of one `step` call (the seed's RunnerOutput).
+
+    step_index: steps completed so far (1 after the first step). None is a bug in the adapter
+      and fails that request only ("Missing step_index in step output").
+    finished: the request needs no more steps; the engine then calls `finish`.
+    partial: an optional piece of output to stream now (codec frames, an audio chunk).
+    waiting_for_input: the state cannot advance until `add_input` brings more (streamed input).
+    error: the step failed for this request only.
+    """
+
+    step_index: int | None
+    finished: bool = False
+    partial: Any = None
+    waiting_for_input: bool = False
+    error: str | None = None
+
+
+class StageAdapter(Protocol, Generic[StateT]):
+    """A stage's model, as a step machine. See the module docstring for the call order."""
+
+    #: Name used in metrics labels and logs, e.g. "dit".
+    stage: str
+
+    def check_inputs(self, payload: Any) -> None:
+        """Validate before any compute; raise InvalidInputError naming the field."""
+        ...
+
+    def prepare(self, request: EngineRequest) -> StateT:
+        """One-time work: encode inputs, allocate, seed noise."""
+        ...
+
+    def add_input(self, state: StateT, payload: Any) -> None:
+        """Append streamed input (e.g. more codec frames). Stages without streamed input raise."""
+        ...
+
+    def step(self, states: Sequence[StateT]) -> list[StepOutput]:
+        """Advance every state by one step; return one StepOutput per state, in order."""
+        ...
+
+    def finish(self, state: StateT) -> Any:
+        """The final result of a finished state."""
+        ...
+
+    def release(self, state: StateT) -> None:
+        """Free what the state holds (latents, KV cache). Called exactly once per state."""
+        ...
+
+    def batch_key(self, state: StateT) -> Hashable:
+        """States with equal keys may share one `step` call."""
+        ...
