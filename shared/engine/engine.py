@@ -1,0 +1,487 @@
+"""The step engine: one compute thread drives a StageAdapter; asyncio callers get event streams.
+
+One tick of the compute thread, in vLLM's order (see `StepEngine._tick`):
+
+1. drain the control queue (submit, add_input, abort, shutdown); block there when idle;
+2. abort requests whose deadline has passed;
+3. schedule; prepare the newly admitted (a failing prepare fails that request only);
+4. step each batch (a failing step fails that batch only);
+5. drain the control queue again, so a cancel that arrived during the step wins over its output;
+6. apply the outputs, publish events for the requests still live, and release every request
+   that finished (completed, aborted or failed) in this same tick, exactly once.
+
+REQUEST mode runs each batch to its end in step 4 and skips step 5: a running request cannot be
+aborted. It calls the same `adapter.step`, so results are identical; it exists for benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagemesh.shared.engine.adapter import (
+    EngineRequest,
+    InvalidInputError,
+    StageAdapter,
+    StepOutput,
+)
+from stagemesh.shared.engine.events import (
+    Aborted,
+    Completed,
+    Event,
+    Failed,
+    Partial,
+    Progress,
+    Queued,
+    is_terminal,
+)
+from stagemesh.shared.engine.metrics import EngineMetrics
+from stagemesh.shared.engine.request import AbortReason, RequestRecord, RequestState
+from stagemesh.shared.engine.scheduler import Scheduler, validate_budget
+
+logger = logging.getLogger(__name__)
+
+#: An abort for an id not (yet) submitted is remembered this long, for at most this many ids,
+#: so that a submit arriving after its own cancel is aborted before any compute.
+TOMBSTONE_TTL_SECONDS = 60.0
+MAX_TOMBSTONES = 4096
+
+Sink = Callable[[Event], None]  # thread-safe: hands one event to the request's stream
+
+
+class ExecutionMode(enum.Enum):
+    STEP = "step"  # one step per tick: aborts land at the next step boundary
+    REQUEST = "request"  # a batch runs to its end in one tick: running requests ignore aborts
+
+
+# Control messages, from any thread to the compute thread.
+@dataclass(frozen=True)
+class _Submit:
+    request: EngineRequest
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Input:
+    request_id: str
+    payload: Any
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    reason: AbortReason
+    at: float  # time.monotonic() of the abort signal
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    abort_running: bool
+
+
+_Message = _Submit | _Input | _Abort | _Shutdown
+
+
+@dataclass
+class _Slot:
+    """The compute thread's side of one admitted request."""
+
+    request: EngineRequest
+    sink: Sink
+    state: Any = None  # the adapter's state, once prepared
+    prepared: bool = False
+    pending_inputs: list[Any] = field(default_factory=list)  # input that arrived before prepare
+    step_seconds: float = 0.0  # duration of the last step call it took part in
+
+
+class RequestStream:
+    """The events of one request, as an async iterator that ends after the terminal event."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        self._done = is_terminal(event)
+        return event
+
+    def put(self, event: Event) -> None:
+        """Event-loop thread only."""
+        self._queue.put_nowait(event)
+
+
+class StepEngine:
+    """Runs one StageAdapter on a compute thread. See the module docstring for the tick."""
+
+    def __init__(
+        self,
+        adapter: StageAdapter[Any],
+        *,
+        mode: ExecutionMode = ExecutionMode.STEP,
+        max_running: int = 1,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self._adapter = adapter
+        self._mode = mode
+        self._metrics = EngineMetrics(adapter.stage) if metrics is None else metrics
+        self._control: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._closing = False  # set by shutdown(): submit refuses new work
+        self._thread = threading.Thread(
+            target=self._run, name=f"stagemesh-engine-{adapter.stage}", daemon=True
+        )
+        # Event-loop side only.
+        self._streams: dict[str, RequestStream] = {}
+        # Compute thread only.
+        self._scheduler = Scheduler(max_running)
+        self._slots: dict[str, _Slot] = {}
+        self._tombstones: OrderedDict[str, tuple[float, AbortReason]] = OrderedDict()
+        self._stopping = False
+
+    # -- asyncio side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Validate at once (raises InvalidInputError) and queue the request; call on a loop."""
+        rid = request.request_id
+        if self._closing:
+            raise RuntimeError(f"{self._adapter.stage} engine is shutting down; refused {rid}")
+        if rid in self._streams:
+            raise InvalidInputError("request_id", f"Request {rid} is already in flight")
+        self._adapter.check_inputs(request.payload)
+        validate_budget(request)
+        stream = self._streams[rid] = RequestStream(rid)
+        self._control.put(_Submit(request, self._sink_for(asyncio.get_running_loop(), stream)))
+        return stream
+
+    def add_input(self, request_id: str, payload: Any) -> None:
+        """Streamed input for a submitted request; ignored for unknown or finished ids."""
+        self._control.put(_Input(request_id, payload))
+
+    def abort(self, request_id: str, reason: AbortReason = AbortReason.CANCELLED) -> None:
+        """Thread-safe, fire-and-forget. Wins even when it arrives before the submit."""
+        self._control.put(_Abort(request_id, reason, time.monotonic()))
+
+    def shutdown(self, abort_running: bool = True, timeout: float | None = 5.0) -> bool:
+        """Refuse new work, abort in-flight work (or let it finish), wait for the thread.
+
+        Returns True once the compute thread has exited. It blocks up to `timeout`; from a busy
+        event loop, prefer `await asyncio.to_thread(engine.shutdown, ...)`.
+        """
+        self._closing = True
+        self._control.put(_Shutdown(abort_running))
+        if self._thread.ident is None:  # never started
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._scheduler.num_running
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _sink_for(self, loop: asyncio.AbstractEventLoop, stream: RequestStream) -> Sink:
+        def sink(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(self._deliver, stream, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                logger.debug("dropped %s for %s", type(event).__name__, stream.request_id)
+
+        return sink
+
+    def _deliver(self, stream: RequestStream, event: Event) -> None:
+        stream.put(event)
+        if is_terminal(event) and self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    # -- compute thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            idle = False
+            while not (self._stopping and not self._scheduler.has_requests()):
+                idle = self._tick(idle)
+        except Exception:
+            logger.exception("%s engine loop crashed; failing live requests", self._adapter.stage)
+            self._stopping = True
+            self._retire(
+                self._scheduler.finish_requests(
+                    None, RequestState.FINISHED_ERROR, error="The engine stopped unexpectedly"
+                )
+            )
+        finally:
+            self._closing = True
+            self._drain_control(block=False)  # submits that raced the shutdown are aborted
+
+    def _tick(self, idle: bool) -> bool:
+        """One pass of the loop; returns True when it had nothing to prepare or step."""
+        self._drain_control(block=idle)
+        self._expire_deadlines()
+        plan = self._scheduler.schedule()
+        self._prepare(plan.to_prepare)
+        outputs = self._execute(plan.batches)
+        if self._mode is ExecutionMode.STEP:
+            self._drain_control(block=False)  # cancels during the step win over its outputs
+        finished = self._scheduler.update_from_output(plan, outputs)
+        self._publish_steps(outputs)
+        self._retire(finished)
+        self._metrics.observe_queues(self._scheduler.num_waiting, self._scheduler.num_running)
+        return plan.is_empty
+
+    def _drain_control(self, block: bool) -> None:
+        """Handle every queued message; when `block`, first wait for one (or the next deadline)."""
+        try:
+            if block:
+                message = self._control.get(timeout=self._idle_timeout())
+            else:
+                message = self._control.get_nowait()
+            while True:
+                self._handle(message)
+                message = self._control.get_nowait()
+        except queue.Empty:
+            return
+
+    def _idle_timeout(self) -> float | None:
+        deadline = self._scheduler.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _handle(self, message: _Message) -> None:
+        match message:
+            case _Submit(request, sink):
+                self._admit(request, sink)
+            case _Input(request_id, payload):
+                self._add_input(request_id, payload)
+            case _Abort(request_id, reason, at):
+                self._abort(request_id, reason, at)
+            case _Shutdown(abort_running):
+                self._stopping = True
+                if abort_running:
+                    self._abort_all(AbortReason.SHUTDOWN)
+
+    def _admit(self, request: EngineRequest, sink: Sink) -> None:
+        rid = request.request_id
+        tombstone = self._take_tombstone(rid)
+        if tombstone is None and self._stopping:
+            tombstone = (time.monotonic(), AbortReason.SHUTDOWN)
+        if tombstone is not None:  # never admitted, never prepared
+            at, reason = tombstone
+            self._emit(sink, Aborted(request.budget.start_step, reason, time.monotonic() - at))
+            return
+        try:
+            self._scheduler.add_request(request)
+        except InvalidInputError as exc:
+            self._emit(sink, Failed(str(exc), exc.field_name))
+            return
+        self._slots[rid] = _Slot(request, sink)
+        sink(Queued(self._scheduler.position(rid)))
+
+    def _add_input(self, request_id: str, payload: Any) -> None:
+        slot = self._slots.get(request_id)
+        if slot is None:
+            logger.debug("input for unknown or finished request %s ignored", request_id)
+        elif not slot.prepared:
+            slot.pending_inputs.append(payload)
+        else:
+            try:
+                self._adapter.add_input(slot.state, payload)
+            except Exception as exc:
+                self._fail(request_id, exc)
+                return
+            self._scheduler.mark_input_ready(request_id)
+
+    def _abort(self, request_id: str, reason: AbortReason, at: float) -> None:
+        if request_id not in self._slots:  # not submitted yet (or already gone)
+            self._remember_tombstone(request_id, reason, at)
+            return
+        finished = self._scheduler.finish_requests(
+            request_id, RequestState.FINISHED_ABORTED, reason, signal_at=at
+        )
+        self._retire(finished)
+
+    def _abort_all(self, reason: AbortReason) -> None:
+        self._retire(self._scheduler.finish_requests(None, RequestState.FINISHED_ABORTED, reason))
+
+    def _expire_deadlines(self) -> None:
+        for rid in self._scheduler.expired(time.monotonic()):
+            finished = self._scheduler.finish_requests(
+                rid,
+                RequestState.FINISHED_ABORTED,
+                AbortReason.DEADLINE_EXCEEDED,
+                signal_at=self._slots[rid].request.deadline,
+            )
+            self._retire(finished)
+
+    def _remember_tombstone(self, request_id: str, reason: AbortReason, at: float) -> None:
+        expired_before = time.monotonic() - TOMBSTONE_TTL_SECONDS
+        while self._tombstones and (
+            len(self._tombstones) >= MAX_TOMBSTONES
+            or next(iter(self._tombstones.values()))[0] < expired_before
+        ):
+            self._tombstones.popitem(last=False)
+        self._tombstones[request_id] = (at, reason)
+
+    def _take_tombstone(self, request_id: str) -> tuple[float, AbortReason] | None:
+        tombstone = self._tombstones.pop(request_id, None)
+        if tombstone is None or tombstone[0] < time.monotonic() - TOMBSTONE_TTL_SECONDS:
+            return None
+        return tombstone
+
+    def _prepare(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            slot, record = self._slots[rid], self._record(rid)
+            self._metrics.observe_queue_time(time.monotonic() - record.submitted_at)
+            try:
+                slot.state = self._adapter.prepare(slot.request)
+                slot.prepared = True
+                self._scheduler.mark_prepared(rid, self._adapter.batch_key(slot.state))
+                for payload in slot.pending_inputs:
+                    self._adapter.add_input(slot.state, payload)
+                slot.pending_inputs.clear()
+            except Exception as exc:
+                self._fail(rid, exc)
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        """An adapter call raised for this request only: it fails, the engine keeps serving."""
+        field_name = exc.field_name if isinstance(exc, InvalidInputError) else None
+        if field_name is None:
+            logger.error("%s request %s failed", self._adapter.stage, request_id, exc_info=exc)
+        finished = self._scheduler.finish_requests(
+            request_id, RequestState.FINISHED_ERROR, error=_describe(exc), error_field=field_name
+        )
+        self._retire(finished)
+
+    def _execute(self, batches: list[list[str]]) -> dict[str, StepOutput]:
+        outputs: dict[str, StepOutput] = {}
+        run_batch = self._step if self._mode is ExecutionMode.STEP else self._run_to_end
+        for batch in batches:
+            outputs.update(run_batch(batch))
+        return outputs
+
+    def _step(self, request_ids: list[str]) -> dict[str, StepOutput]:
+        """One `adapter.step` call; an exception becomes an error output for the whole batch."""
+        states = [self._slots[rid].state for rid in request_ids]
+        started = time.monotonic()
+        try:
+            results = self._adapter.step(states)
+            if len(results) != len(states):
+                raise RuntimeError(f"step returned {len(results)} outputs for {len(states)} states")
+        except Exception as exc:
+            logger.exception("%s step failed for %s", self._adapter.stage, request_ids)
+            results = [StepOutput(step_index=None, finished=True, error=_describe(exc))] * len(
+                states
+            )
+        seconds = time.monotonic() - started
+        self._metrics.observe_step(seconds, len(states))
+        for rid in request_ids:
+            self._slots[rid].step_seconds = seconds
+        return dict(zip(request_ids, results, strict=True))
+
+    def _run_to_end(self, request_ids: list[str]) -> dict[str, StepOutput]:
+        """REQUEST mode: step until each request stops, publishing progress, seeing no aborts."""
+        outputs: dict[str, StepOutput] = {}
+        live = request_ids
+        while live:
+            step_outputs = self._step(live)
+            outputs.update(step_outputs)
+            live = [rid for rid in live if _steps_on(step_outputs[rid])]
+            self._publish_steps({rid: step_outputs[rid] for rid in live})
+        return outputs
+
+    def _publish_steps(self, outputs: dict[str, StepOutput]) -> None:
+        """Progress (and any partial output) for each request still running or just completed."""
+        now = time.monotonic()
+        for rid, output in outputs.items():
+            record = self._scheduler.get(rid)
+            if record is None or output.step_index is None or record.state in _NOT_PUBLISHED:
+                continue
+            slot = self._slots[rid]
+            total = record.request.budget.total_steps
+            elapsed = now - record.submitted_at
+            slot.sink(Progress(output.step_index, total, slot.step_seconds, elapsed))
+            if output.partial is not None:
+                slot.sink(Partial(output.partial))
+
+    def _retire(self, request_ids: Iterable[str]) -> None:
+        """Finish, release and tell each finished request once; repeated ids are skipped."""
+        for rid in request_ids:
+            record, slot = self._scheduler.pop(rid), self._slots.pop(rid, None)
+            if record is None or slot is None:
+                continue
+            completed = self._collect(record, slot)
+            if slot.prepared:
+                self._release(rid, slot.state)
+            self._emit(slot.sink, completed or self._end_event(record))
+
+    def _collect(self, record: RequestRecord, slot: _Slot) -> Completed | Failed | None:
+        if record.state is not RequestState.FINISHED_COMPLETED:
+            return None
+        try:
+            return Completed(self._adapter.finish(slot.state), record.step_index)
+        except Exception as exc:
+            logger.exception("%s finish failed for %s", self._adapter.stage, record.request_id)
+            return Failed(_describe(exc))
+
+    def _release(self, request_id: str, state: Any) -> None:
+        try:
+            self._adapter.release(state)
+        except Exception:
+            logger.exception("%s release failed for %s", self._adapter.stage, request_id)
+
+    @staticmethod
+    def _end_event(record: RequestRecord) -> Aborted | Failed:
+        """Aborted or Failed; call after release, since abort latency runs up to the release."""
+        if record.state is RequestState.FINISHED_ERROR:
+            return Failed(record.error or "Request failed", record.error_field)
+        reason = record.abort_reason or AbortReason.CANCELLED
+        now = time.monotonic()
+        signal_at = now if record.abort_signal_at is None else record.abort_signal_at
+        return Aborted(record.step_index, reason, now - signal_at)
+
+    def _emit(self, sink: Sink, event: Completed | Aborted | Failed) -> None:
+        self._metrics.observe_terminal(event)
+        sink(event)
+
+    def _record(self, request_id: str) -> RequestRecord:
+        record = self._scheduler.get(request_id)
+        assert record is not None, f"no record for live request {request_id}"
+        return record
+
+
+_NOT_PUBLISHED = (RequestState.FINISHED_ABORTED, RequestState.FINISHED_ERROR)
+
+
+def _steps_on(output: StepOutput) -> bool:
+    """Whether a request-mode run keeps stepping this request after `output`."""
+    return (
+        output.error is None
+        and output.step_index is not None
+        and not output.finished
+        and not output.waiting_for_input
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
