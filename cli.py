@@ -1,3 +1,129 @@
-"""`stagemesh` command line (filled in as features land)."""
-def main() -> None:
-    raise SystemExit("not yet")
+"""The `stagemesh` command line.
+
+    stagemesh serve                       every stage of the recipes + the gateway
+    stagemesh stage NAME --port P --model DIR   one stage (the Kubernetes entry point)
+    stagemesh bench abort|tts             benchmarks (JSON + PNG)
+    stagemesh train tiny-shapes           retrain the shipped default image model
+    stagemesh eval tiny-shapes            measure it through a running mesh
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+# Nothing in stagemesh may try the network: model hubs are unreachable by design.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from stagemesh.shared.logs import configure_logging
+
+log = logging.getLogger("stagemesh")
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from stagemesh.gateway.app import GatewayConfig
+    from stagemesh.gateway.recipes import DEFAULT_RECIPES, load_recipes
+    from stagemesh.serve import serve, with_free_ports
+
+    recipes = load_recipes(args.recipes or DEFAULT_RECIPES)
+    if args.stage_ports == "auto":
+        recipes = with_free_ports(recipes)
+    serve(recipes, GatewayConfig(host=args.host, http_port=args.http_port,
+                                 grpc_port=args.grpc_port))
+
+
+def _cmd_stage(args: argparse.Namespace) -> None:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from stagemesh.services.registry import build_stage
+    from stagemesh.shared.stage_runtime import serve_stage
+
+    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    bundle = build_stage(args.name, Path(args.model), json.loads(args.options))
+    asyncio.run(serve_stage(bundle, host=args.host, port=args.port,
+                            metrics_port=args.metrics_port))
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    if args.which == "abort":
+        from stagemesh.bench.abort import main as bench_main
+    else:
+        from stagemesh.bench.tts import main as bench_main
+    bench_main(args.rest)
+
+
+def _cmd_train(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes.train import train
+
+    train(Path(args.out), smoke=args.smoke, seed=args.seed)
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
+
+    eval_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the stages and the gateway")
+    serve.add_argument("--recipes", help="recipe YAML (default: the embedded default mesh)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=50051)
+    serve.add_argument("--stage-ports", choices=["recipe", "auto"], default="recipe",
+                       help="auto: put stages on free ports instead of the recipe's")
+    serve.set_defaults(func=_cmd_serve)
+
+    stage = sub.add_parser("stage", help="run one stage service")
+    stage.add_argument("name", choices=["tokenizer", "dit", "vae", "talker", "codec"])
+    stage.add_argument("--model", required=True, help="model folder")
+    stage.add_argument("--host", default="0.0.0.0")
+    stage.add_argument("--port", type=int, required=True)
+    stage.add_argument("--metrics-port", type=int, default=None)
+    stage.add_argument("--options", default="{}", help="stage options as JSON")
+    stage.add_argument("--threads", type=int, default=int(os.environ.get("STAGEMESH_THREADS", 1)),
+                       help="torch CPU threads (default 1: stages share the machine)")
+    stage.set_defaults(func=_cmd_stage)
+
+    bench = sub.add_parser("bench", help="benchmarks (not tests)")
+    bench.add_argument("which", choices=["abort", "tts"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
+    bench.set_defaults(func=_cmd_bench)
+
+    train = sub.add_parser("train", help="train the shipped tiny-shapes model")
+    train.add_argument("model", choices=["tiny-shapes"])
+    train.add_argument("--out", default="assets/tiny-shapes")
+    train.add_argument("--smoke", action="store_true", help="the whole path in seconds")
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(func=_cmd_train)
+
+    evaluate = sub.add_parser("eval", help="evaluate tiny-shapes through a running mesh")
+    evaluate.add_argument("model", choices=["tiny-shapes"])
+    evaluate.add_argument("--url", default="http://127.0.0.1:8000")
+    evaluate.add_argument("--out", default="eval-results/tiny-shapes")
+    evaluate.add_argument("--subset", type=int, default=0, help="0 = the whole grammar")
+    evaluate.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.command if args.command != "stage" else f"stage:{args.name}",
+                      args.log_level)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,5 @@
+"""`python -m stagemesh` == the `stagemesh` command."""
+
+from stagemesh.cli import main
+
+main()

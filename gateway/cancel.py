@@ -1,0 +1,134 @@
+"""Per-request cancellation scope: one deadline, one owner of every downstream call.
+
+Triggers and what they do:
+- client disconnect / gRPC cancel: the task running the request is cancelled; the open stage call
+  is cancelled with it (the stage sees a cancelled RPC and aborts the request at once);
+- explicit cancel by id (`cancel`): a Cancel message goes down the open stage stream, and the
+  caller gets the stage's acknowledgement (step reached, abort latency);
+- deadline: every stage call gets `timeout = remaining budget`, so the stage drops the request
+  itself when it passes (grpc-python does not propagate deadlines).
+Once cancelled, no later stage is started for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from stagemesh.shared.proto.v1 import common_pb2
+
+#: Longest request id accepted from a client.
+MAX_REQUEST_ID_CHARS = 128
+#: How long a cancel-by-id waits for the stage's acknowledgement.
+CANCEL_ACK_TIMEOUT_S = 10.0
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled by id; carries what the stage acknowledged."""
+
+    def __init__(self, outcome: CancelOutcome) -> None:
+        super().__init__(f"request cancelled in stage {outcome.stage or '(none)'}")
+        self.outcome = outcome
+
+
+class DeadlineExceeded(Exception):
+    """The request's time budget ran out before a stage call could start."""
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    request_id: str
+    state: int  # common_pb2.RequestState
+    stage: str = ""
+    step_index: int = 0
+    abort_latency_seconds: float = 0.0
+
+
+SendCancel = Callable[[str], Awaitable[None]]
+
+
+class CancelScope:
+    """Deadline and cancellation of one gateway request (see the module docstring)."""
+
+    def __init__(self, request_id: str, timeout: float | None) -> None:
+        self.request_id = request_id
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.outcome: CancelOutcome | None = None
+        self._stage = ""
+        self._send_cancel: SendCancel | None = None
+        self._acknowledged = asyncio.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.outcome is not None
+
+    def remaining(self) -> float | None:
+        """Seconds left, for the next stage call's timeout; raises when none are left."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"request {self.request_id} ran out of time")
+        return left
+
+    def check(self) -> None:
+        """Raise if the request was cancelled: call before starting each stage."""
+        if self.outcome is not None:
+            raise RequestCancelled(self.outcome)
+
+    def enter_stage(self, stage: str, send_cancel: SendCancel) -> None:
+        self.check()
+        self._stage, self._send_cancel = stage, send_cancel
+
+    def leave_stage(self) -> None:
+        self._stage, self._send_cancel = "", None
+
+    def acknowledge(self, stage: str, aborted: common_pb2.Aborted) -> CancelOutcome:
+        """The stage confirmed the abort: record it and wake the canceller."""
+        self.outcome = CancelOutcome(
+            request_id=self.request_id, state=common_pb2.REQUEST_STATE_ABORTED, stage=stage,
+            step_index=aborted.step_index, abort_latency_seconds=aborted.abort_latency_seconds)
+        self._acknowledged.set()
+        return self.outcome
+
+    async def cancel(self, reason: str) -> CancelOutcome:
+        """Cancel by id: stop the current stage call (or the next one) and await the ack."""
+        if self.outcome is not None:
+            return self.outcome
+        if self._send_cancel is None:
+            # Between stages (or not started): no stage will be started any more.
+            return self.acknowledge("", common_pb2.Aborted())
+        await self._send_cancel(reason)
+        try:
+            await asyncio.wait_for(self._acknowledged.wait(), CANCEL_ACK_TIMEOUT_S)
+        except TimeoutError:
+            return self.acknowledge(self._stage, common_pb2.Aborted())
+        assert self.outcome is not None
+        return self.outcome
+
+
+class ScopeRegistry:
+    """The live scopes by request id, for cancel-by-id."""
+
+    def __init__(self) -> None:
+        self._scopes: dict[str, CancelScope] = {}
+
+    def open(self, request_id: str | None, timeout: float | None) -> CancelScope:
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request id longer than {MAX_REQUEST_ID_CHARS} characters")
+        if request_id in self._scopes:
+            raise KeyError(request_id)
+        scope = CancelScope(request_id, timeout)
+        self._scopes[request_id] = scope
+        return scope
+
+    def close(self, scope: CancelScope) -> None:
+        if self._scopes.get(scope.request_id) is scope:
+            del self._scopes[scope.request_id]
+
+    def get(self, request_id: str) -> CancelScope | None:
+        return self._scopes.get(request_id)

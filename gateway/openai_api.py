@@ -1,0 +1,264 @@
+"""OpenAI-compatible REST routes: images, chat completions (image output), models, health.
+
+These are written explicitly because their JSON shapes are OpenAI's, not the proto's. Every
+handler runs its work next to a disconnect listener: a client that goes away cancels the request
+(its CancelScope), including for non-streaming responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from stagemesh.gateway.errors import GatewayError, InvalidRequest, http_status
+from stagemesh.gateway.events import Done, Output, StageEvent, stream_pipeline
+from stagemesh.gateway.images import (
+    GeneratedImage,
+    generate_images,
+    parse_size,
+    validate_image_params,
+)
+from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.recipes import Task
+from stagemesh.shared.proto.v1 import common_pb2
+
+T = TypeVar("T")
+MAX_BODY_BYTES = 32 * 1024 * 1024
+TIMEOUT_HEADER = "x-request-timeout"
+
+EXECUTION_MODES = {"step": common_pb2.EXECUTION_MODE_STEP,
+                   "request": common_pb2.EXECUTION_MODE_REQUEST}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.to_openai(), status_code=http_status(error.code))
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise InvalidRequest("body", f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as error:
+        raise InvalidRequest("body", f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "request body must be a JSON object")
+    # Clients that send `extra_body` literally (curl users copying SDK code) get it merged.
+    extra = body.pop("extra_body", None)
+    if isinstance(extra, dict):
+        body = {**body, **extra}
+    return body
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (and raise ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.create_task(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone()
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def _typed(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kind) or (isinstance(value, bool)
+                              and kind is not bool)):
+        raise InvalidRequest(name, f"{name} must be of type {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _timeout(request: Request, body: dict[str, Any]) -> float | None:
+    value = body.get("timeout", request.headers.get(TIMEOUT_HEADER))
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequest("timeout",
+                             f"timeout must be a number of seconds, got {value!r}") from None
+
+
+def image_params_from(mesh: Mesh, body: dict[str, Any]) -> tuple[Any, Any]:
+    """OpenAI image fields + stagemesh extensions -> (recipe, ImageParams)."""
+    recipe = mesh.recipe(_typed(body, "model", str), Task.TEXT_TO_IMAGE)
+    width, height = (parse_size(body["size"]) if isinstance(body.get("size"), str)
+                     else (_typed(body, "width", int), _typed(body, "height", int)))
+    if body.get("response_format", "b64_json") != "b64_json":
+        raise InvalidRequest("response_format", "only response_format 'b64_json' is supported")
+    scale = body.get("true_cfg_scale", body.get("guidance_scale"))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise InvalidRequest("true_cfg_scale", "true_cfg_scale must be a number")
+    mode = body.get("execution_mode")
+    if mode is not None and mode not in EXECUTION_MODES:
+        raise InvalidRequest("execution_mode", f"execution_mode must be one of "
+                             f"{sorted(EXECUTION_MODES)}")
+    params = validate_image_params(
+        recipe, prompt=_typed(body, "prompt", str),
+        negative_prompt=_typed(body, "negative_prompt", str), n=_typed(body, "n", int),
+        width=width, height=height,
+        num_inference_steps=_typed(body, "num_inference_steps", int),
+        true_cfg_scale=scale, seed=_typed(body, "seed", int),
+        execution_mode=EXECUTION_MODES.get(mode, common_pb2.EXECUTION_MODE_UNSPECIFIED))
+    return recipe, params
+
+
+def _b64(image: GeneratedImage) -> str:
+    return base64.b64encode(image.png).decode()
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _progress_payload(item: StageEvent) -> dict[str, Any] | None:
+    kind = item.response.WhichOneof("event")
+    if kind == "queued":
+        return {"type": "queued", "stage": item.stage, "position": item.response.queued.position}
+    if kind == "progress":
+        p = item.response.progress
+        return {"type": "progress", "stage": item.stage, "step": p.step_index,
+                "total_steps": p.total_steps, "step_seconds": p.step_seconds,
+                "elapsed_seconds": p.elapsed_seconds}
+    return None
+
+
+class OpenAIRoutes:
+    """Handlers bound to one Mesh."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/images/generations", self.images_generations, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+
+    async def _generate(self, request: Request, body: dict[str, Any]) -> list[GeneratedImage]:
+        recipe, params = image_params_from(self.mesh, body)
+        async with self.mesh.request_scope(recipe, request.state.request_id,
+                                           _timeout(request, body)) as scope:
+            return await until_disconnect(request, generate_images(
+                recipe, params, scope, self.mesh.stubs(recipe)))
+
+    async def images_generations(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            if body.get("stream"):
+                return await self._images_stream(request, body)
+            images = await self._generate(request, body)
+        except GatewayError as error:
+            return error_response(error)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({"created": int(time.time()),
+                             "data": [{"b64_json": _b64(i), "revised_prompt": None,
+                                       "seed": i.seed} for i in images]})
+
+    async def _images_stream(self, request: Request, body: dict[str, Any]) -> Response:
+        recipe, params = image_params_from(self.mesh, body)  # 400 before the stream starts
+        timeout = _timeout(request, body)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async with self.mesh.request_scope(recipe, request.state.request_id,
+                                                   timeout) as scope:
+                    yield _sse({"type": "request", "request_id": scope.request_id})
+                    async for item in stream_pipeline(lambda emit: generate_images(
+                            recipe, params, scope, self.mesh.stubs(recipe), emit)):
+                        if isinstance(item, StageEvent):
+                            payload = _progress_payload(item)
+                            if payload:
+                                yield _sse(payload)
+                        elif isinstance(item, Output):
+                            yield _sse({"type": "image", "b64_json": _b64(item.value),
+                                        "seed": item.value.seed})
+                        elif isinstance(item, Done):
+                            yield _sse({"type": "done"})
+            except GatewayError as error:
+                yield _sse({"type": "error", **error.to_openai()})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            body["prompt"] = _last_user_text(body.get("messages"))
+            if "height" in body or "width" in body:
+                body.pop("size", None)
+            images = await self._generate(request, body)
+        except GatewayError as error:
+            return error_response(error)
+        except ClientGone:
+            return Response(status_code=499)
+        content = [{"type": "image_url",
+                    "image_url": {"url": f"data:image/png;base64,{_b64(i)}"}} for i in images]
+        return JSONResponse({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": body.get("model") or "",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        })
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "stagemesh",
+             "task": recipe.task.value} for name, recipe in self.mesh.recipes.items()]})
+
+    async def health(self, request: Request) -> Response:
+        stages = await self.mesh.stage_infos()
+        healthy = all(s.health == "SERVING" for s in stages)
+        return JSONResponse({"status": "ok" if healthy else "degraded",
+                             "stages": {f"{s.recipe}/{s.name}": s.health for s in stages}},
+                            status_code=200 if healthy else 503)
+
+
+def _last_user_text(messages: Any) -> str:
+    """The prompt of a chat request: the text of the last user message."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", "messages must be a non-empty list")
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                texts = [p.get("text", "") for p in content
+                         if isinstance(p, dict) and p.get("type") == "text"]
+                return " ".join(t for t in texts if t)
+    raise InvalidRequest("messages", "messages must contain a user message with text")
+

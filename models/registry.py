@@ -1,0 +1,56 @@
+"""Model specs in recipes: a folder path, or `builtin:<name>` for a model stagemesh provides.
+
+Built-in models are either shipped in the repository (trained here) or built on first use from
+seeded configs into a cache folder; both load through the same `from_pretrained` path as a real
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TINY_SHAPES = REPO_ROOT / "assets" / "tiny-shapes"
+
+
+def _tiny_shapes() -> Path:
+    if not (SHIPPED_TINY_SHAPES / "model_index.json").exists():
+        raise FileNotFoundError(f"{SHIPPED_TINY_SHAPES} is missing; run "
+                                "`stagemesh train tiny-shapes` to rebuild it")
+    return SHIPPED_TINY_SHAPES
+
+
+def _qwen_image(preset: str) -> Callable[[], Path]:
+    def build() -> Path:
+        from stagemesh.models.qwen_image import ensure_model
+
+        return ensure_model(preset)
+    return build
+
+
+def _speech() -> Path:
+    from stagemesh.models.speech import ensure_speech_model
+
+    return ensure_speech_model()
+
+
+BUILTIN: dict[str, Callable[[], Path]] = {
+    "tiny-shapes": _tiny_shapes,
+    "qwen-image-tiny": _qwen_image("tiny"),
+    "qwen-image-bench": _qwen_image("bench"),
+    "csm-tiny": _speech,
+}
+
+
+def resolve_model(spec: str) -> Path:
+    """`builtin:<name>` -> its folder (built if needed); anything else is a folder path."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        if name not in BUILTIN:
+            raise ValueError(f"unknown built-in model {name!r}; known: {sorted(BUILTIN)}")
+        return BUILTIN[name]()
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    return path

@@ -1,0 +1,146 @@
+"""`stagemesh serve`: start every stage the recipes need (one process each), then the gateway.
+
+Stages are started as `python -m stagemesh stage ...` subprocesses — the same entry point a
+Kubernetes Deployment runs — and the gateway waits until each reports SERVING on grpc.health.
+Ctrl-C (SIGINT) or SIGTERM stops the gateway, then the stages, each with a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stagemesh.gateway.app import GatewayConfig, run_gateway
+from stagemesh.gateway.recipes import Recipe, StageEndpoint
+from stagemesh.models.registry import resolve_model
+
+log = logging.getLogger(__name__)
+
+STAGE_START_TIMEOUT_S = 180.0
+STAGE_STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class StageLaunch:
+    """One stage process to start."""
+
+    endpoint: StageEndpoint
+    model_dir: Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def with_free_ports(recipes: dict[str, Recipe]) -> dict[str, Recipe]:
+    """The same recipes with every stage moved to free ports (tests, side-by-side meshes)."""
+    moved: dict[str, StageEndpoint] = {}
+    result = {}
+    for name, recipe in recipes.items():
+        stages = {}
+        for stage, endpoint in recipe.stages.items():
+            if endpoint.address not in moved:
+                moved[endpoint.address] = dataclasses.replace(
+                    endpoint, address=f"{endpoint.host}:{free_port(endpoint.host)}",
+                    metrics_port=free_port(endpoint.host) if endpoint.metrics_port else None)
+            stages[stage] = moved[endpoint.address]
+        result[name] = dataclasses.replace(recipe, stages=stages)
+    return result
+
+
+def plan_launches(recipes: dict[str, Recipe]) -> list[StageLaunch]:
+    """One launch per distinct stage address; models resolved (and built) here, once."""
+    launches: dict[str, StageLaunch] = {}
+    for recipe in recipes.values():
+        model_dir = resolve_model(recipe.model)
+        for endpoint in recipe.stages.values():
+            if endpoint.address not in launches:
+                launches[endpoint.address] = StageLaunch(endpoint, model_dir)
+    return list(launches.values())
+
+
+def spawn_stage(launch: StageLaunch) -> subprocess.Popen[bytes]:
+    endpoint = launch.endpoint
+    command = [sys.executable, "-m", "stagemesh", "stage", endpoint.name,
+               "--host", endpoint.host, "--port", str(endpoint.port),
+               "--model", str(launch.model_dir), "--options", json.dumps(endpoint.options)]
+    if endpoint.metrics_port:
+        command += ["--metrics-port", str(endpoint.metrics_port)]
+    log.info("starting stage %s on %s", endpoint.name, endpoint.address)
+    return subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                          "TRANSFORMERS_OFFLINE": "1"})
+
+
+def wait_serving(launch: StageLaunch, process: subprocess.Popen[bytes],
+                 timeout: float = STAGE_START_TIMEOUT_S) -> None:
+    """Poll grpc.health until SERVING; fail fast if the process dies."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(launch.endpoint.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"stage {launch.endpoint.name} exited with code "
+                                   f"{process.returncode} during start-up")
+            with contextlib.suppress(grpc.RpcError):
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.2)
+    raise TimeoutError(f"stage {launch.endpoint.name} not SERVING after {timeout:.0f} s")
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM all (they drain), then SIGKILL what is left after the grace period."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STAGE_STOP_TIMEOUT_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("stage pid %d did not stop in time; killing it", process.pid)
+            process.kill()
+            process.wait()
+
+
+async def _gateway_until_signal(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run_gateway(recipes, config, stop=stop)
+
+
+def serve(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
+    """Start stages, wait for them, run the gateway until Ctrl-C, then stop everything."""
+    launches = plan_launches(recipes)
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for launch in launches:
+            processes.append(spawn_stage(launch))
+        for launch, process in zip(launches, processes, strict=True):
+            wait_serving(launch, process)
+        log.info("all %d stages are serving", len(launches))
+        asyncio.run(_gateway_until_signal(recipes, config))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        log.info("stopping %d stage processes", len(processes))
+        stop_processes(processes)
