@@ -4,12 +4,13 @@ Every stage (Tokenizer, Talker, DiT, VAE, Codec) is one `StageAdapter` driven by
 engine (`stagemesh.shared.engine.engine.StepEngine`). The engine owns scheduling, cancellation,
 deadlines, metrics and event publishing; the adapter owns only the model math.
 
-All adapter methods run on the engine's compute thread, never on the asyncio loop, so they may
-block on torch. They are never called concurrently.
+All adapter methods but `check_inputs` run on the engine's compute thread, never on the asyncio
+loop, so they may block on torch. They are never called concurrently.
 
 Life of a request, as the engine sees it::
 
-    check_inputs(payload)           on submit; raises InvalidInputError -> INVALID_ARGUMENT
+    check_inputs(payload)           on submit, on the caller's thread (keep it cheap, touch no
+                                    state); raises InvalidInputError -> INVALID_ARGUMENT
     state = prepare(request)        once, when first scheduled (never for a request aborted
                                     while waiting)
     add_input(state, payload)       zero or more times, for streamed input (codec frames)
@@ -21,6 +22,7 @@ Life of a request, as the engine sees it::
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -34,6 +36,13 @@ class InvalidInputError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(message)
         self.field_name = field_name
+
+
+class ExecutionMode(enum.Enum):
+    """How the engine runs a multi-step request."""
+
+    STEP = "step"  # one step per tick: aborts land at the next step boundary
+    REQUEST = "request"  # the whole request in one tick: a running request ignores aborts
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class EngineRequest:
     budget: StepBudget = field(default_factory=lambda: StepBudget(total_steps=1))
     deadline: float | None = None  # time.monotonic() value; None = no deadline
     priority: int = 0  # lower runs first; FIFO among equals
+    mode: ExecutionMode | None = None  # None = the engine's default mode
 
 
 @dataclass

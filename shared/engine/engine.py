@@ -17,7 +17,6 @@ aborted. It calls the same `adapter.step`, so results are identical; it exists f
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import queue
 import threading
@@ -29,6 +28,7 @@ from typing import Any
 
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
+    ExecutionMode,
     InvalidInputError,
     StageAdapter,
     StepOutput,
@@ -55,11 +55,6 @@ TOMBSTONE_TTL_SECONDS = 60.0
 MAX_TOMBSTONES = 4096
 
 Sink = Callable[[Event], None]  # thread-safe: hands one event to the request's stream
-
-
-class ExecutionMode(enum.Enum):
-    STEP = "step"  # one step per tick: aborts land at the next step boundary
-    REQUEST = "request"  # a batch runs to its end in one tick: running requests ignore aborts
 
 
 # Control messages, from any thread to the compute thread.
@@ -242,8 +237,8 @@ class StepEngine:
         self._expire_deadlines()
         plan = self._scheduler.schedule()
         self._prepare(plan.to_prepare)
-        outputs = self._execute(plan.batches)
-        if self._mode is ExecutionMode.STEP:
+        outputs, stepwise = self._execute(plan.batches)
+        if stepwise:
             self._drain_control(block=False)  # cancels during the step win over its outputs
         finished = self._scheduler.update_from_output(plan, outputs)
         self._publish_steps(outputs)
@@ -373,12 +368,25 @@ class StepEngine:
         )
         self._retire(finished)
 
-    def _execute(self, batches: list[list[str]]) -> dict[str, StepOutput]:
+    def _execute(self, batches: list[list[str]]) -> tuple[dict[str, StepOutput], bool]:
+        """Run every batch; also say whether any ran step-wise (then aborts are drained)."""
         outputs: dict[str, StepOutput] = {}
-        run_batch = self._step if self._mode is ExecutionMode.STEP else self._run_to_end
+        stepwise = False
         for batch in batches:
-            outputs.update(run_batch(batch))
-        return outputs
+            if self._mode_of(batch) is ExecutionMode.STEP:
+                stepwise = True
+                outputs.update(self._step(batch))
+            else:
+                outputs.update(self._run_to_end(batch))
+        return outputs, stepwise
+
+    def _mode_of(self, batch: list[str]) -> ExecutionMode:
+        """A batch runs to its end if the engine or any of its requests asks for REQUEST mode."""
+        for rid in batch:
+            record = self._scheduler.get(rid)
+            if record is not None and (record.request.mode or self._mode) is ExecutionMode.REQUEST:
+                return ExecutionMode.REQUEST
+        return ExecutionMode.STEP
 
     def _step(self, request_ids: list[str]) -> dict[str, StepOutput]:
         """One `adapter.step` call; an exception becomes an error output for the whole batch."""

@@ -4,6 +4,7 @@ can hold open, so cancels land exactly where each test wants them. No model, no 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -424,6 +425,23 @@ async def test_request_mode_ignores_aborts_and_gives_the_same_result(
     assert events[-1] == step_events[-1] == Completed(result=("a", 3, ()), step_index=3)
     assert len(adapter.step_calls) == len(step_adapter.step_calls) == 3
     adapter.assert_released_once()
+
+
+async def test_a_request_can_ask_for_request_mode_in_a_step_engine(
+    make_engine: EngineFactory,
+) -> None:
+    adapter = FakeAdapter(gated=True)
+    engine = make_engine(adapter)  # STEP by default
+    engine.start()
+    request = dataclasses.replace(make_request("a", total_steps=3), mode=ExecutionMode.REQUEST)
+    stream = engine.submit(request)
+    await entered_step(adapter)
+    engine.abort("a")
+    adapter.open()
+    events = await collect(stream)
+
+    assert events[-1] == Completed(result=("a", 3, ()), step_index=3)
+    assert len(adapter.step_calls) == 3
 
 
 @pytest.mark.parametrize(
