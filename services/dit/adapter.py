@@ -1,0 +1,289 @@
+"""DiT stage for Qwen-Image: prompt embeddings -> denoised packed latents, one step per tick.
+
+Loads the `transformer` and `scheduler` components of a diffusers Qwen-Image folder and runs
+`QwenImagePipeline.__call__` phases 4-6 (latents, timesteps, denoising loop) as a step machine:
+`prepare` seeds the latents and the schedule, each `step` is one iteration of the pipeline's loop
+body, and `finish` returns the latents exactly as the pipeline holds them before decoding.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.utils.torch_utils import randn_tensor
+
+from stagemesh.models.qwen_image import latent_factor
+from stagemesh.services.tokenizer.adapter import PromptEmbeddings
+from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepOutput
+
+MAX_STEPS = 1000
+MAX_SIDE = 2048  # pixels; bounds latent memory per request
+MAX_TRUE_CFG_SCALE = 30.0
+MAX_TEXT_TOKENS = 1024  # QwenImagePipeline's prompt limit
+
+
+@dataclass(frozen=True)
+class DenoiseInput:
+    """One text-to-image denoise. Guidance runs only with negative embeddings and scale > 1."""
+
+    embeddings: PromptEmbeddings
+    height: int
+    width: int
+    num_inference_steps: int
+    true_cfg_scale: float
+    seed: int
+    sigmas: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class DenoisedLatents:
+    """The DiT stage's result: packed latents [1, tokens, z_dim * 4], the pixel size they make."""
+
+    latents: torch.Tensor
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a request fixes in `prepare` and every step reads."""
+
+    timesteps: torch.Tensor
+    img_shapes: list[list[tuple[int, int, int]]]
+    do_true_cfg: bool
+    true_cfg_scale: float
+    height: int
+    width: int
+
+
+@dataclass
+class _Work:
+    """What a request holds while it runs; dropped on release."""
+
+    latents: torch.Tensor
+    embeddings: PromptEmbeddings
+    scheduler: FlowMatchEulerDiscreteScheduler  # a per-request copy: step() mutates it
+
+
+@dataclass
+class DenoiseState:
+    plan: _Plan
+    work: _Work | None
+    step_index: int = 0  # denoise steps done
+
+    def live(self) -> _Work:
+        if self.work is None:
+            raise RuntimeError("denoise state used after release")
+        return self.work
+
+
+class DenoiseAdapter:
+    """`StageAdapter[DenoiseState]` over QwenImageTransformer2DModel + FlowMatch scheduler."""
+
+    stage = "dit"
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.transformer = QwenImageTransformer2DModel.from_pretrained(
+            model_dir, subfolder="transformer", local_files_only=True
+        ).eval()
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+            model_dir, subfolder="scheduler", local_files_only=True
+        )
+        if self.transformer.config.guidance_embeds:
+            raise ValueError("guidance-distilled Qwen-Image transformers are not supported")
+        self.latent_factor = latent_factor(Path(model_dir))
+        self.vae_scale_factor = self.latent_factor // 2
+        self._device = self.transformer.device
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def check_inputs(self, payload: Any) -> None:
+        if not isinstance(payload, DenoiseInput):
+            raise TypeError(f"expected DenoiseInput, got {type(payload).__name__}")
+        self._check_size(payload.height, payload.width)
+        steps = payload.num_inference_steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise InvalidInputError(
+                "num_inference_steps",
+                f"num_inference_steps must be in [1, {MAX_STEPS}], got {steps}",
+            )
+        if payload.sigmas is not None:
+            _check_sigmas(payload.sigmas, steps)
+        scale = payload.true_cfg_scale
+        if not (math.isfinite(scale) and 0.0 <= scale <= MAX_TRUE_CFG_SCALE):
+            raise InvalidInputError(
+                "true_cfg_scale",
+                f"true_cfg_scale must be in [0, {MAX_TRUE_CFG_SCALE}], got {scale}",
+            )
+        if not 0 <= payload.seed < 2**64:
+            raise InvalidInputError("seed", f"seed must be in [0, 2**64), got {payload.seed}")
+        self._check_embeddings(payload.embeddings)
+
+    def _check_size(self, height: int, width: int) -> None:
+        factor = self.latent_factor
+        for side in (height, width):
+            if not (0 < side <= MAX_SIDE and side % factor == 0):
+                raise InvalidInputError(
+                    "size",
+                    f"height and width must be positive multiples of {factor} up to {MAX_SIDE}, "
+                    f"got {height}x{width}",
+                )
+
+    def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
+        dim = self.transformer.config.joint_attention_dim
+        _check_embeds("prompt_embeds", embeddings.prompt_embeds, embeddings.prompt_embeds_mask, dim)
+        neg, neg_mask = embeddings.negative_prompt_embeds, embeddings.negative_prompt_embeds_mask
+        if neg is not None:
+            _check_embeds("negative_prompt_embeds", neg, neg_mask, dim)
+        elif neg_mask is not None:
+            raise InvalidInputError(
+                "embeddings", "negative_prompt_embeds_mask given without negative_prompt_embeds"
+            )
+
+    # -- step machine -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prepare(self, request: EngineRequest) -> DenoiseState:
+        payload: DenoiseInput = request.payload
+        embeddings = payload.embeddings
+        latents = self.prepare_latents(payload, embeddings.prompt_embeds.dtype)
+        scheduler = copy.deepcopy(self.scheduler)
+        timesteps = self.prepare_timesteps(scheduler, payload, image_seq_len=latents.shape[1])
+        has_negative = embeddings.negative_prompt_embeds is not None
+        patches = (payload.height // self.latent_factor, payload.width // self.latent_factor)
+        plan = _Plan(
+            timesteps=timesteps,
+            img_shapes=[[(1, *patches)]],
+            do_true_cfg=payload.true_cfg_scale > 1 and has_negative,
+            true_cfg_scale=payload.true_cfg_scale,
+            height=payload.height,
+            width=payload.width,
+        )
+        return DenoiseState(plan=plan, work=_Work(latents, embeddings, scheduler))
+
+    def add_input(self, state: DenoiseState, payload: Any) -> None:
+        raise NotImplementedError("the DiT stage takes no streamed input")
+
+    def step(self, states: Sequence[DenoiseState]) -> list[StepOutput]:
+        return [self.denoise_step(state) for state in states]
+
+    def finish(self, state: DenoiseState) -> DenoisedLatents:
+        return DenoisedLatents(state.live().latents, state.plan.height, state.plan.width)
+
+    def release(self, state: DenoiseState) -> None:
+        state.work = None
+
+    def batch_key(self, state: DenoiseState) -> Hashable:
+        return (state.plan.height, state.plan.width, state.plan.do_true_cfg)
+
+    # -- phases (QwenImagePipeline.__call__ steps 4-6) ----------------------------------------
+
+    def prepare_latents(self, payload: DenoiseInput, dtype: torch.dtype) -> torch.Tensor:
+        """Seeded noise, packed into 2x2 patches (the pipeline's prepare_latents)."""
+        channels = self.transformer.config.in_channels // 4
+        height = payload.height // self.vae_scale_factor
+        width = payload.width // self.vae_scale_factor
+        generator = torch.Generator(device="cpu").manual_seed(payload.seed)
+        noise = randn_tensor(
+            (1, 1, channels, height, width), generator=generator, device=self._device, dtype=dtype
+        )
+        return QwenImagePipeline._pack_latents(noise, 1, channels, height, width)
+
+    def prepare_timesteps(
+        self, scheduler: FlowMatchEulerDiscreteScheduler, payload: DenoiseInput, image_seq_len: int
+    ) -> torch.Tensor:
+        """Resolution-shifted sigmas set on `scheduler` (the pipeline's step 5)."""
+        steps = payload.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps) if payload.sigmas is None else payload.sigmas
+        config = scheduler.config
+        mu = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self._device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return timesteps
+
+    @torch.inference_mode()
+    def denoise_step(self, state: DenoiseState) -> StepOutput:
+        """One iteration of the pipeline's denoising loop for one request."""
+        work, plan = state.live(), state.plan
+        t = plan.timesteps[state.step_index]
+        timestep = t.expand(work.latents.shape[0]).to(work.latents.dtype)
+        emb = work.embeddings
+        with self.transformer.cache_context("cond"):
+            noise_pred = self._predict(state, timestep, emb.prompt_embeds, emb.prompt_embeds_mask)
+        if plan.do_true_cfg:
+            neg, neg_mask = emb.negative_prompt_embeds, emb.negative_prompt_embeds_mask
+            with self.transformer.cache_context("uncond"):
+                neg_pred = self._predict(state, timestep, neg, neg_mask)
+            noise_pred = _true_cfg(noise_pred, neg_pred, plan.true_cfg_scale)
+        work.latents = work.scheduler.step(noise_pred, t, work.latents, return_dict=False)[0]
+        state.step_index += 1
+        return StepOutput(
+            step_index=state.step_index, finished=state.step_index == len(plan.timesteps)
+        )
+
+    def _predict(
+        self,
+        state: DenoiseState,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=state.live().latents,
+            timestep=timestep / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds,
+            img_shapes=state.plan.img_shapes,
+            return_dict=False,
+        )[0]
+
+
+def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Qwen-Image's true CFG: combine, then rescale to the conditional prediction's norm."""
+    combined = uncond + scale * (cond - uncond)
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+    return combined * (cond_norm / combined_norm)
+
+
+def _check_sigmas(sigmas: list[float], steps: int) -> None:
+    if len(sigmas) != steps:
+        raise InvalidInputError(
+            "sigmas", f"sigmas must have num_inference_steps={steps} values, got {len(sigmas)}"
+        )
+    if not all(math.isfinite(s) and 0.0 < s <= 1.0 for s in sigmas):
+        raise InvalidInputError("sigmas", "every sigma must be in (0, 1]")
+
+
+def _check_embeds(name: str, embeds: torch.Tensor, mask: torch.Tensor | None, dim: int) -> None:
+    shape = tuple(embeds.shape)
+    if embeds.ndim != 3 or shape[0] != 1 or shape[2] != dim or not 1 <= shape[1] <= MAX_TEXT_TOKENS:
+        raise InvalidInputError(
+            "embeddings", f"{name} must be [1, 1..{MAX_TEXT_TOKENS}, {dim}], got {list(shape)}"
+        )
+    if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
+        raise InvalidInputError("embeddings", f"{name} must be finite floating-point values")
+    if mask is not None and tuple(mask.shape) != shape[:2]:
+        raise InvalidInputError(
+            "embeddings", f"{name} mask must be {list(shape[:2])}, got {list(mask.shape)}"
+        )

@@ -1,0 +1,316 @@
+"""The Qwen-Image folder split over the Tokenizer, DiT and VAE adapters equals the pipeline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+
+from stagemesh.models import qwen_image
+from stagemesh.services.dit.adapter import (
+    DenoiseAdapter,
+    DenoisedLatents,
+    DenoiseInput,
+    DenoiseState,
+)
+from stagemesh.services.tokenizer.adapter import (
+    PromptEmbeddings,
+    PromptEncoderAdapter,
+    PromptInput,
+)
+from stagemesh.services.vae.adapter import (
+    DecodedImages,
+    LatentDecoderAdapter,
+    LatentsInput,
+)
+from stagemesh.shared.engine.adapter import (
+    EngineRequest,
+    InvalidInputError,
+    StepOutput,
+)
+
+PROMPT = "a red circle on the left"
+SIZE = 64
+STEPS = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    # The CI box has 2 cores shared by many processes; 2 torch threads thrash under that load.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return qwen_image.build_tiny_qwen_image(tmp_path_factory.mktemp("qwen-image") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def encoder(model_dir: Path) -> PromptEncoderAdapter:
+    return PromptEncoderAdapter(model_dir)
+
+
+@pytest.fixture(scope="module")
+def dit(model_dir: Path) -> DenoiseAdapter:
+    return DenoiseAdapter(model_dir)
+
+
+@pytest.fixture(scope="module")
+def decoder(model_dir: Path) -> LatentDecoderAdapter:
+    return LatentDecoderAdapter(model_dir)
+
+
+@pytest.fixture(scope="module")
+def pipe(model_dir: Path) -> QwenImagePipeline:
+    pipe = QwenImagePipeline.from_pretrained(model_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _run_single_step(adapter: Any, payload: Any) -> Any:
+    """check_inputs -> prepare -> step -> finish -> release, as the engine drives a stage."""
+    adapter.check_inputs(payload)
+    state = adapter.prepare(EngineRequest(request_id="r", payload=payload))
+    (out,) = adapter.step([state])
+    assert out == StepOutput(step_index=1, finished=True)
+    result = adapter.finish(state)
+    adapter.release(state)
+    return result
+
+
+def _denoise_input(embeddings: PromptEmbeddings, seed: int, cfg: float) -> DenoiseInput:
+    return DenoiseInput(embeddings, SIZE, SIZE, STEPS, true_cfg_scale=cfg, seed=seed)
+
+
+def _start(dit: DenoiseAdapter, payload: DenoiseInput) -> DenoiseState:
+    dit.check_inputs(payload)
+    return dit.prepare(EngineRequest(request_id=str(payload.seed), payload=payload))
+
+
+def _step(dit: DenoiseAdapter, state: DenoiseState, expected_index: int) -> None:
+    (out,) = dit.step([state])
+    assert out.step_index == expected_index
+    assert out.finished == (expected_index == STEPS)
+
+
+def _finish(dit: DenoiseAdapter, state: DenoiseState) -> DenoisedLatents:
+    result = dit.finish(state)
+    dit.release(state)
+    return result
+
+
+def _denoise(dit: DenoiseAdapter, payload: DenoiseInput) -> DenoisedLatents:
+    state = _start(dit, payload)
+    for i in range(STEPS):
+        _step(dit, state, i + 1)
+    return _finish(dit, state)
+
+
+def _mesh(
+    encoder: PromptEncoderAdapter,
+    dit: DenoiseAdapter,
+    decoder: LatentDecoderAdapter,
+    negative_prompt: str | None,
+    cfg: float,
+    seed: int = 0,
+) -> DecodedImages:
+    embeddings = _run_single_step(encoder, PromptInput(PROMPT, negative_prompt))
+    latents = _denoise(dit, _denoise_input(embeddings, seed, cfg))
+    return _run_single_step(decoder, LatentsInput(latents.latents, latents.height, latents.width))
+
+
+@pytest.mark.parametrize(("negative_prompt", "cfg"), [(None, 1.0), ("blurry", 4.0)])
+def test_mesh_equals_pipeline(
+    encoder: PromptEncoderAdapter,
+    dit: DenoiseAdapter,
+    decoder: LatentDecoderAdapter,
+    pipe: QwenImagePipeline,
+    negative_prompt: str | None,
+    cfg: float,
+) -> None:
+    mesh = _mesh(encoder, dit, decoder, negative_prompt, cfg)
+    kwargs: dict[str, Any] = {
+        "prompt": PROMPT,
+        "negative_prompt": negative_prompt,
+        "true_cfg_scale": cfg,
+        "height": SIZE,
+        "width": SIZE,
+        "num_inference_steps": STEPS,
+    }
+    reference = pipe(**kwargs, generator=torch.Generator().manual_seed(0), output_type="np")
+    pil = pipe(**kwargs, generator=torch.Generator().manual_seed(0), output_type="pil")
+    assert mesh.images.shape == (1, SIZE, SIZE, 3)
+    assert np.abs(mesh.images - reference.images).max() <= 1e-5
+    assert mesh.pixels.dtype == np.uint8
+    np.testing.assert_array_equal(mesh.pixels[0], np.asarray(pil.images[0]))
+
+
+def test_guidance_changes_the_image(
+    encoder: PromptEncoderAdapter, dit: DenoiseAdapter, decoder: LatentDecoderAdapter
+) -> None:
+    plain = _mesh(encoder, dit, decoder, None, 4.0)  # no negative prompt: guidance stays off
+    also_plain = _mesh(encoder, dit, decoder, "blurry", 1.0)  # scale <= 1: guidance stays off
+    guided = _mesh(encoder, dit, decoder, "blurry", 4.0)
+    np.testing.assert_array_equal(plain.images, also_plain.images)
+    assert np.abs(plain.images - guided.images).max() > 1e-3
+
+
+def test_interleaved_requests_equal_sequential(
+    encoder: PromptEncoderAdapter, dit: DenoiseAdapter
+) -> None:
+    emb_a = _run_single_step(encoder, PromptInput("a blue square", "dark"))
+    emb_b = _run_single_step(encoder, PromptInput("a green triangle at the top"))
+    payload_a = _denoise_input(emb_a, seed=1, cfg=4.0)
+    payload_b = replace(_denoise_input(emb_b, seed=2, cfg=1.0), sigmas=[1.0, 0.7, 0.4, 0.1])
+    sequential = [_denoise(dit, payload_a).latents, _denoise(dit, payload_b).latents]
+
+    state_a, state_b = _start(dit, payload_a), _start(dit, payload_b)
+    for i in range(STEPS):
+        _step(dit, state_a, i + 1)
+        _step(dit, state_b, i + 1)
+    interleaved = [_finish(dit, state_a).latents, _finish(dit, state_b).latents]
+
+    assert not torch.equal(sequential[0], sequential[1])
+    for got, want in zip(interleaved, sequential, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_release_frees_the_state(encoder: PromptEncoderAdapter, dit: DenoiseAdapter) -> None:
+    embeddings = _run_single_step(encoder, PromptInput(PROMPT))
+    state = _start(dit, _denoise_input(embeddings, seed=0, cfg=1.0))
+    dit.release(state)
+    assert state.work is None
+    with pytest.raises(RuntimeError, match="after release"):
+        dit.step([state])
+
+
+def test_batch_key_separates_size_and_guidance(
+    encoder: PromptEncoderAdapter, dit: DenoiseAdapter
+) -> None:
+    embeddings = _run_single_step(encoder, PromptInput(PROMPT, ""))
+    guided = _start(dit, _denoise_input(embeddings, seed=0, cfg=4.0))
+    plain = _start(dit, _denoise_input(embeddings, seed=0, cfg=1.0))
+    wide = _start(dit, replace(_denoise_input(embeddings, seed=0, cfg=4.0), width=2 * SIZE))
+    assert dit.batch_key(guided) == (SIZE, SIZE, True)
+    assert dit.batch_key(plain) == (SIZE, SIZE, False)
+    assert dit.batch_key(wide) == (SIZE, 2 * SIZE, True)
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def _field_of(adapter: Any, payload: Any) -> str:
+    with pytest.raises(InvalidInputError) as info:
+        adapter.check_inputs(payload)
+    return info.value.field_name
+
+
+def test_prompt_validation(encoder: PromptEncoderAdapter) -> None:
+    assert _field_of(encoder, PromptInput("")) == "prompt"
+    assert _field_of(encoder, PromptInput("   ")) == "prompt"
+    assert _field_of(encoder, PromptInput(PROMPT, max_sequence_length=0)) == "max_sequence_length"
+    assert _field_of(encoder, PromptInput(PROMPT, max_sequence_length=1025)) == (
+        "max_sequence_length"
+    )
+    n_tokens = encoder.prompt_token_count(PROMPT)
+    encoder.check_inputs(PromptInput(PROMPT, max_sequence_length=n_tokens))  # exactly at the limit
+    too_long = PromptInput(PROMPT, max_sequence_length=n_tokens - 1)
+    assert _field_of(encoder, too_long) == "prompt"
+    long_negative = PromptInput("a cat", PROMPT * 4, max_sequence_length=n_tokens)
+    assert _field_of(encoder, long_negative) == "negative_prompt"
+
+
+def test_denoise_validation(encoder: PromptEncoderAdapter, dit: DenoiseAdapter) -> None:
+    embeddings = _run_single_step(encoder, PromptInput(PROMPT))
+    good = _denoise_input(embeddings, seed=0, cfg=4.0)
+    dit.check_inputs(good)
+    factor = dit.latent_factor
+    wrong_dim = torch.zeros(1, 3, embeddings.prompt_embeds.shape[-1] + 1)
+    cases = {
+        "size": [replace(good, height=SIZE + factor // 2), replace(good, width=0)],
+        "num_inference_steps": [replace(good, num_inference_steps=0)],
+        "sigmas": [replace(good, sigmas=[1.0, 0.5]), replace(good, sigmas=[1.0, 0.5, 0.2, 0.0])],
+        "true_cfg_scale": [replace(good, true_cfg_scale=-1.0), replace(good, true_cfg_scale=1e9)],
+        "seed": [replace(good, seed=-1)],
+        "embeddings": [
+            replace(good, embeddings=PromptEmbeddings(wrong_dim, None)),
+            replace(good, embeddings=replace(embeddings, negative_prompt_embeds=wrong_dim)),
+        ],
+    }
+    for field_name, payloads in cases.items():
+        for payload in payloads:
+            assert _field_of(dit, payload) == field_name
+
+
+def test_decode_validation(decoder: LatentDecoderAdapter) -> None:
+    factor = decoder.latent_factor
+    tokens = (SIZE // factor) ** 2
+    channels = decoder.vae.config.z_dim * 4
+    decoder.check_inputs(LatentsInput(torch.zeros(1, tokens, channels), SIZE, SIZE))
+    assert _field_of(decoder, LatentsInput(torch.zeros(1, tokens, channels), SIZE + 1, SIZE)) == (
+        "size"
+    )
+    assert _field_of(decoder, LatentsInput(torch.zeros(1, tokens + 1, channels), SIZE, SIZE)) == (
+        "latents"
+    )
+    nan = torch.full((1, tokens, channels), float("nan"))
+    assert _field_of(decoder, LatentsInput(nan, SIZE, SIZE)) == "latents"
+
+
+# -- the builder --------------------------------------------------------------------------------
+
+
+def test_builder_is_deterministic_and_loads_offline(
+    model_dir: Path, pipe: QwenImagePipeline, tmp_path: Path
+) -> None:
+    again = qwen_image.build_tiny_qwen_image(tmp_path / "again")
+    weights = sorted(p.relative_to(model_dir) for p in model_dir.rglob("*.safetensors"))
+    assert len(weights) == 3  # transformer, vae, text_encoder
+    for rel in weights:
+        assert (model_dir / rel).read_bytes() == (again / rel).read_bytes(), rel
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert type(pipe.tokenizer).__name__ == "Qwen2Tokenizer"
+    assert len(pipe.tokenizer) == pipe.text_encoder.config.text_config.vocab_size
+    # The real Qwen2.5 tokenizer: the template's system prefix is the 34 tokens the pipeline drops.
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx
+    assert qwen_image.latent_factor(model_dir) == 16
+
+
+def test_ensure_model_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    builds: list[Path] = []
+
+    def fake_build(out_dir: Path, *, preset: str, seed: int) -> Path:
+        builds.append(out_dir)
+        out_dir.mkdir(exist_ok=True)
+        (out_dir / "stagemesh_build.json").write_text(json.dumps(qwen_image._stamp(preset, seed)))
+        return out_dir
+
+    monkeypatch.setenv("STAGEMESH_CACHE", str(tmp_path))
+    monkeypatch.setattr(qwen_image, "build_tiny_qwen_image", fake_build)
+    first = qwen_image.ensure_model("tiny")
+    assert first == tmp_path / "models" / "qwen-image-tiny"
+    assert qwen_image.ensure_model("tiny") == first
+    assert len(builds) == 1 and builds[0] != first  # built aside, then renamed into place
+
+    (first / "stagemesh_build.json").write_text("{}")  # a folder from an older builder
+    assert qwen_image.ensure_model("tiny") == first
+    assert len(builds) == 2
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["qwen-image-tiny"]
+    with pytest.raises(ValueError, match="unknown preset"):
+        qwen_image.ensure_model("huge")
