@@ -1,6 +1,7 @@
 """The `stagemesh` command line.
 
     stagemesh serve                       every stage of the recipes + the gateway
+    stagemesh gateway                     only the gateway (stages run elsewhere, e.g. Kubernetes)
     stagemesh stage NAME --port P --model DIR   one stage (the Kubernetes entry point)
     stagemesh bench abort|tts             benchmarks (JSON + PNG)
     stagemesh train tiny-shapes           retrain the shipped default image model
@@ -38,16 +39,27 @@ def _cmd_serve(args: argparse.Namespace) -> None:
                                  grpc_port=args.grpc_port))
 
 
+def _cmd_gateway(args: argparse.Namespace) -> None:
+    from stagemesh.gateway.app import GatewayConfig
+    from stagemesh.gateway.recipes import DEFAULT_RECIPES, load_recipes
+    from stagemesh.serve import run_gateway_until_signal
+
+    recipes = load_recipes(args.recipes or DEFAULT_RECIPES)
+    asyncio.run(run_gateway_until_signal(recipes, GatewayConfig(
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)))
+
+
 def _cmd_stage(args: argparse.Namespace) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from stagemesh.models.registry import resolve_model
     from stagemesh.services.registry import build_stage
     from stagemesh.shared.stage_runtime import serve_stage
 
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
-    bundle = build_stage(args.name, Path(args.model), json.loads(args.options))
+    bundle = build_stage(args.name, resolve_model(args.model), json.loads(args.options))
     asyncio.run(serve_stage(bundle, host=args.host, port=args.port,
                             metrics_port=args.metrics_port))
 
@@ -86,9 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: put stages on free ports instead of the recipe's")
     serve.set_defaults(func=_cmd_serve)
 
+    gateway = sub.add_parser("gateway", help="run only the gateway (stages run elsewhere)")
+    gateway.add_argument("--recipes", help="recipe YAML (default: the embedded default mesh)")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--http-port", type=int, default=8000)
+    gateway.add_argument("--grpc-port", type=int, default=50051)
+    gateway.set_defaults(func=_cmd_gateway)
+
     stage = sub.add_parser("stage", help="run one stage service")
     stage.add_argument("name", choices=["tokenizer", "dit", "vae", "talker", "codec"])
-    stage.add_argument("--model", required=True, help="model folder")
+    stage.add_argument("--model", required=True, help="model folder, or builtin:<name>")
     stage.add_argument("--host", default="0.0.0.0")
     stage.add_argument("--port", type=int, required=True)
     stage.add_argument("--metrics-port", type=int, default=None)

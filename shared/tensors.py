@@ -42,7 +42,7 @@ def to_proto(tensor: torch.Tensor) -> common_pb2.Tensor:
         raise TypeError(f"cannot send tensors of dtype {tensor.dtype}")
     flat = tensor.detach().to("cpu").contiguous()
     # Reinterpret as bytes without going through numpy, which lacks bfloat16.
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    raw = flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return common_pb2.Tensor(dtype=_TO_PROTO[flat.dtype], shape=list(flat.shape), data=raw)
 
 
