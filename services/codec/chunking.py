@@ -1,0 +1,126 @@
+"""When the codec decodes: the seed's async-chunk emission rule, as pure logic.
+
+Frames reach the codec one at a time while the talker generates. Decoding each frame alone
+would make seams audible, and waiting for the whole utterance costs time to first audio, so the
+seed decodes in chunks:
+
+* initial-chunk (IC) phase, while `n_frames <= chunk_frames` (`<=`, as in the seed): emit every
+  `initial_chunk_frames` frames, so the first audio leaves early;
+* normal phase: with `initial_coverage = (chunk_frames // initial_chunk_frames) *
+  initial_chunk_frames`, emit when `(n_frames - initial_coverage) % chunk_frames == 0`;
+* a finished request flushes whatever is left (in either phase).
+
+Each emission decodes its new frames with up to `left_context_frames` already-emitted frames in
+front (`left_context_size = min(left_context_frames, frames emitted before)`), and the samples of
+those context frames are trimmed from the output, so chunk seams match a one-shot decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Emission:
+    """One chunk to decode: frames [start, end) of the request, the first `left_context_size`
+    of them context only (decoded, then trimmed)."""
+
+    left_context_size: int
+    frames_in_payload: int  # left_context_size + new frames
+    end: int  # frames emitted once this chunk is decoded
+
+    @property
+    def start(self) -> int:
+        return self.end - self.frames_in_payload
+
+    @property
+    def new_frames(self) -> int:
+        return self.frames_in_payload - self.left_context_size
+
+    def as_tuple(self) -> tuple[int, int]:
+        """The seed's test expectation `(left_context_size, payload_frames)`."""
+        return (self.left_context_size, self.frames_in_payload)
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    """The per-request emission rule. Stateless: everything follows from `n_frames`."""
+
+    chunk_frames: int = 25
+    initial_chunk_frames: int = 5
+    left_context_frames: int = 25
+
+    def __post_init__(self) -> None:
+        if self.chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be >= 1, got {self.chunk_frames}")
+        if self.initial_chunk_frames < 1:
+            raise ValueError(f"initial_chunk_frames must be >= 1, got {self.initial_chunk_frames}")
+        if self.left_context_frames < 0:
+            raise ValueError(f"left_context_frames must be >= 0, got {self.left_context_frames}")
+
+    @property
+    def initial_coverage(self) -> int:
+        return (self.chunk_frames // self.initial_chunk_frames) * self.initial_chunk_frames
+
+    def is_boundary(self, n_frames: int) -> bool:
+        """Does the rule emit when exactly `n_frames` frames have accumulated?"""
+        if n_frames <= 0:
+            return False
+        if n_frames <= self.chunk_frames:
+            return n_frames % self.initial_chunk_frames == 0
+        return (n_frames - self.initial_coverage) % self.chunk_frames == 0
+
+    def last_boundary_before(self, n_frames: int) -> int:
+        """Frames emitted by the boundaries strictly before `n_frames` (0 if none)."""
+        prev = n_frames - 1
+        if prev <= 0:
+            return 0
+        initial_last = (min(prev, self.chunk_frames) // self.initial_chunk_frames) * (
+            self.initial_chunk_frames
+        )
+        if prev <= self.chunk_frames:
+            return initial_last
+        coverage = self.initial_coverage
+        normal_last = coverage + ((prev - coverage) // self.chunk_frames) * self.chunk_frames
+        # normal-phase boundaries only exist past chunk_frames
+        return normal_last if normal_last > self.chunk_frames else initial_last
+
+    def decide(self, n_frames: int, finished: bool) -> Emission | None:
+        """The seed's rule at one call: emit now (and what), or hold (None)."""
+        if n_frames <= 0 or not (finished or self.is_boundary(n_frames)):
+            return None
+        emitted = self.last_boundary_before(n_frames)
+        return self.emission(emitted, n_frames)
+
+    def emission(self, emitted: int, end: int) -> Emission:
+        """The chunk that takes a request from `emitted` to `end` frames."""
+        context = min(self.left_context_frames, emitted)
+        return Emission(
+            left_context_size=context, frames_in_payload=context + end - emitted, end=end
+        )
+
+
+class ChunkTracker:
+    """A request's position under a `ChunkRule` when frames may arrive several at a time.
+
+    `next_emission` returns the first boundary past what was already emitted, even if frames
+    arrived in a burst that jumped over it; called once per new frame it agrees with
+    `ChunkRule.decide`.
+    """
+
+    def __init__(self, rule: ChunkRule) -> None:
+        self.rule = rule
+        self.emitted = 0
+
+    def next_emission(self, available: int, finished: bool) -> Emission | None:
+        for n_frames in range(self.emitted + 1, available + 1):
+            if self.rule.is_boundary(n_frames):
+                return self._take(n_frames)
+        if finished and available > self.emitted:
+            return self._take(available)
+        return None
+
+    def _take(self, end: int) -> Emission:
+        emission = self.rule.emission(self.emitted, end)
+        self.emitted = end
+        return emission
