@@ -120,7 +120,7 @@ def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
-async def _gateway_until_signal(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
+async def run_gateway_until_signal(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -138,7 +138,7 @@ def serve(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
         for launch, process in zip(launches, processes, strict=True):
             wait_serving(launch, process)
         log.info("all %d stages are serving", len(launches))
-        asyncio.run(_gateway_until_signal(recipes, config))
+        asyncio.run(run_gateway_until_signal(recipes, config))
     except KeyboardInterrupt:
         pass
     finally:
