@@ -4,9 +4,10 @@ A stage stream is: first client message `start` -> engine.submit; later client m
 (engine.add_input) or `cancel` (engine.abort); server messages mirror the engine's events. What
 differs per stage (message classes, how payloads are built and encoded) is a `StageWire`.
 
-Cancellation: an explicit `cancel` ends the stream with an `aborted` event; a cancelled RPC (the
-client went away) or a passed deadline cancels this handler, and the `finally` below aborts the
-request in the engine, which drops it at once if it waits or at its next step if it runs.
+Cancellation: an explicit `cancel` ends the stream with an `aborted` event; a passed deadline ends
+it with DEADLINE_EXCEEDED; a cancelled RPC (the client went away) cancels this handler, and the
+`finally` below aborts the request in the engine, which drops it at once if it waits or at its next
+step if it runs.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ async def serve_stage_stream(
                                  field_name=event.field_name)
                 return
             terminal_seen = isinstance(event, (Completed, Aborted))
+            if isinstance(event, Aborted) and event.reason is AbortReason.DEADLINE_EXCEEDED:
+                await abort_with(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"deadline passed after {event.step_index} steps",
+                                 reason="DEADLINE_EXCEEDED")
             response = _event_to_response(wire, event)
             if response is not None:
                 yield response

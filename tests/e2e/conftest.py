@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -18,28 +18,35 @@ from stagemesh.serve import free_port
 START_TIMEOUT_S = 240
 
 
-@dataclass(frozen=True)
+@dataclass
 class Served:
     http_url: str
     grpc_target: str
     process: subprocess.Popen[bytes]
+    _metrics_urls: dict[str, str] = field(default_factory=dict)
 
     def stages(self) -> dict[str, dict[str, str]]:
         """name -> stage info (address, health, metrics_url) from GET /v1/stages."""
         stages = httpx.get(f"{self.http_url}/v1/stages", timeout=10).json()["stages"]
         return {s["name"]: s for s in stages}
 
-    def metric(self, stage: str, name: str, **labels: str) -> float:
-        """Read one sample from a stage's /metrics (Prometheus text format)."""
-        text = httpx.get(self.stages()[stage]["metrics_url"], timeout=10).text
-        wanted = ",".join(f'{k}="{v}"' for k, v in sorted({"stage": stage, **labels}.items()))
-        for line in text.splitlines():
-            if line.startswith(f"{name}{{"):
+    def metrics(self, stage: str) -> dict[str, float]:
+        """One stage's /metrics as {'name{label="v",...}': value}, labels sorted."""
+        if stage not in self._metrics_urls:
+            self._metrics_urls.update({n: s["metrics_url"] for n, s in self.stages().items()})
+        samples = {}
+        for line in httpx.get(self._metrics_urls[stage], timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
                 series, value = line.rsplit(" ", 1)
-                got = ",".join(sorted(series[len(name) + 1:-1].split(",")))
-                if got == wanted:
-                    return float(value)
-        return 0.0
+                name, _, labels = series.partition("{")
+                key = f"{name}{{{','.join(sorted(labels.rstrip('}').split(',')))}}}"
+                samples[key] = float(value)
+        return samples
+
+    def metric(self, stage: str, name: str, **labels: str) -> float:
+        """One sample of a stage's metrics (0 when the series does not exist yet)."""
+        wanted = ",".join(f'{k}="{v}"' for k, v in sorted({"stage": stage, **labels}.items()))
+        return self.metrics(stage).get(f"{name}{{{wanted}}}", 0.0)
 
 
 def start_serve(*extra: str) -> Served:

@@ -1,0 +1,202 @@
+"""End to end: a request nobody waits for stops costing compute at once.
+
+Each test reads the stages' own Prometheus metrics (through the URLs that GET /v1/stages lists)
+before and after, so the claims are about what the DiT and VAE processes actually did.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import ClassVar
+
+import grpc
+import httpx
+import pytest
+
+from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
+from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+SIZE = "256x256"  # larger images make each tiny-model step long enough to observe
+LARGE = "512x512"
+
+
+class Snapshot:
+    """Counters of the DiT and VAE stages at one moment."""
+
+    NAMES: ClassVar[dict[str, tuple[str, str, dict[str, str]]]] = {
+        "dit_steps": ("dit", "stagemesh_steps_total", {}),
+        "dit_aborted": ("dit", "stagemesh_requests_finished_total", {"status": "aborted"}),
+        "dit_completed": ("dit", "stagemesh_requests_finished_total", {"status": "completed"}),
+        "abort_latency_sum": ("dit", "stagemesh_abort_latency_seconds_sum", {}),
+        "step_seconds_sum": ("dit", "stagemesh_step_seconds_sum", {}),
+        "step_seconds_count": ("dit", "stagemesh_step_seconds_count", {}),
+        "vae_steps": ("vae", "stagemesh_steps_total", {}),
+        "vae_finished": ("vae", "stagemesh_requests_finished_total", {"status": "completed"}),
+    }
+
+    def __init__(self, served) -> None:
+        metrics = {stage: served.metrics(stage) for stage in ("dit", "vae")}
+        self.values = {}
+        for key, (stage, name, labels) in self.NAMES.items():
+            wanted = ",".join(f'{k}="{v}"' for k, v in sorted({"stage": stage, **labels}.items()))
+            self.values[key] = metrics[stage].get(f"{name}{{{wanted}}}", 0.0)
+
+    def delta(self, later: Snapshot, key: str) -> float:
+        return later.values[key] - self.values[key]
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict]:
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: "):])
+
+
+def timed_generation(served, steps: int) -> float:
+    started = time.monotonic()
+    response = httpx.post(f"{served.http_url}/v1/images/generations", timeout=120, json={
+        "prompt": "a red circle", "size": SIZE, "num_inference_steps": steps, "seed": 1})
+    assert response.status_code == 200
+    return time.monotonic() - started
+
+
+def test_stream_reports_queued_each_step_then_the_image(served) -> None:
+    with httpx.stream("POST", f"{served.http_url}/v1/images/generations", timeout=60, json={
+            "prompt": "a blue square", "size": "64x64", "num_inference_steps": 5,
+            "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(response))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "request" and kinds[-1] == "done" and "image" in kinds
+    assert {"type": "queued", "stage": "dit", "position": 0} in events
+    dit_steps = [e["step"] for e in events if e["type"] == "progress" and e["stage"] == "dit"]
+    assert dit_steps == [1, 2, 3, 4, 5]
+    assert all(e["total_steps"] == 5 for e in events if e.get("stage") == "dit"
+               and e["type"] == "progress")
+
+
+def test_disconnect_after_ten_steps_stops_the_dit_and_skips_the_vae(served) -> None:
+    baseline = min(timed_generation(served, 50) for _ in range(2))
+    before = Snapshot(served)
+    seen = 0
+    with httpx.stream("POST", f"{served.http_url}/v1/images/generations", timeout=60, json={
+            "prompt": "a red circle", "size": SIZE, "num_inference_steps": 200,
+            "stream": True}) as response:
+        for event in sse_events(response):
+            if event["type"] == "progress" and event["stage"] == "dit":
+                seen = event["step"]
+                if seen >= 10:
+                    break  # leaving the block closes the connection: the client is gone
+    deadline = time.monotonic() + 30
+    after = Snapshot(served)
+    while before.delta(after, "dit_aborted") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = Snapshot(served)
+
+    assert before.delta(after, "dit_aborted") == 1
+    assert before.delta(after, "dit_completed") == 0
+    steps_run = before.delta(after, "dit_steps")
+    assert seen <= steps_run < 200, "the DiT must stop long before its 200 steps"
+    mean_step = before.delta(after, "step_seconds_sum") / before.delta(after, "step_seconds_count")
+    # Abort latency (cancel signal -> state freed) is at most the step in flight, plus overhead.
+    assert before.delta(after, "abort_latency_sum") < 2 * mean_step + 0.25
+    assert before.delta(after, "vae_steps") == 0 and before.delta(after, "vae_finished") == 0
+
+    post_abort = timed_generation(served, 50)
+    assert post_abort < 2 * baseline + 0.5, (baseline, post_abort)
+
+
+def test_cancel_by_id_answers_with_the_stage_step_and_latency(served) -> None:
+    request_id = f"cancel-me-{time.monotonic_ns()}"
+    result: dict[str, httpx.Response] = {}
+
+    def generate() -> None:
+        result["response"] = httpx.post(
+            f"{served.http_url}/v1/images/generations", timeout=120,
+            headers={"x-request-id": request_id},
+            json={"prompt": "a red circle", "size": LARGE, "num_inference_steps": 200})
+
+    worker = threading.Thread(target=generate)
+    before = Snapshot(served)
+    worker.start()
+    while before.delta(Snapshot(served), "dit_steps") < 3:
+        time.sleep(0.02)
+    cancel = httpx.post(f"{served.http_url}/v1/requests/{request_id}/cancel", timeout=30)
+    worker.join(timeout=60)
+
+    assert cancel.status_code == 200, cancel.text
+    ack = cancel.json()
+    assert ack["request_id"] == request_id and ack["stage"] == "dit"
+    assert ack["state"] == "REQUEST_STATE_ABORTED"
+    assert 3 <= ack["step_index"] < 200
+    assert 0 < ack["abort_latency_seconds"] < 5
+    assert result["response"].status_code == 499
+    assert result["response"].headers["x-request-id"] == request_id
+    after = Snapshot(served)
+    assert before.delta(after, "vae_steps") == 0
+
+
+def test_grpc_cancel_and_deadline_stop_the_dit(served) -> None:
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        before = Snapshot(served)
+        call = stub.GenerateImage(pb.GenerateImageRequest(
+            prompt="a red circle", width=256, height=256, num_inference_steps=200), timeout=60)
+        for event in call:
+            if event.stage == "dit" and event.WhichOneof("event") == "progress":
+                break
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as expired:
+            for _ in stub.GenerateImage(pb.GenerateImageRequest(
+                    prompt="a red circle", width=256, height=256, num_inference_steps=200),
+                    timeout=0.8):
+                pass
+        assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+        deadline = time.monotonic() + 30
+        after = Snapshot(served)
+        while before.delta(after, "dit_aborted") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            after = Snapshot(served)
+        assert before.delta(after, "dit_aborted") == 2
+        assert before.delta(after, "dit_steps") < 200
+        assert before.delta(after, "vae_steps") == 0
+
+        # Cancel by id over gRPC: unknown ids are NOT_FOUND, never a hang.
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.CancelRequest(pb.CancelRequestRequest(request_id="nobody"), timeout=10)
+        assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_rest_timeout_becomes_the_deadline(served) -> None:
+    started = time.monotonic()
+    response = httpx.post(f"{served.http_url}/v1/images/generations", timeout=60, json={
+        "prompt": "a red circle", "size": SIZE, "num_inference_steps": 200, "timeout": 0.5})
+    assert response.status_code == 504
+    assert time.monotonic() - started < 10
+
+
+def test_step_and_request_modes_give_identical_bytes(served) -> None:
+    def generate(mode: str) -> str:
+        response = httpx.post(f"{served.http_url}/v1/images/generations", timeout=60, json={
+            "prompt": "a green triangle", "size": "64x64", "num_inference_steps": 6,
+            "seed": 9, "execution_mode": mode})
+        assert response.status_code == 200
+        return response.json()["data"][0]["b64_json"]
+
+    assert generate("step") == generate("request")
+
+
+def test_stages_expose_the_cancellation_metrics(served) -> None:
+    stages = served.stages()
+    assert {"tokenizer", "dit", "vae"} <= set(stages)
+    text = httpx.get(stages["dit"]["metrics_url"], timeout=10).text
+    for name in ("stagemesh_requests_waiting", "stagemesh_requests_running",
+                 "stagemesh_requests_finished_total", "stagemesh_step_seconds",
+                 "stagemesh_queue_seconds", "stagemesh_abort_latency_seconds"):
+        assert f'{name}' in text and 'stage="dit"' in text
+
