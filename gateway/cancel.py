@@ -59,11 +59,8 @@ class CancelScope:
         self.outcome: CancelOutcome | None = None
         self._stage = ""
         self._send_cancel: SendCancel | None = None
-        self._acknowledged = asyncio.Event()
-
-    @property
-    def cancelled(self) -> bool:
-        return self.outcome is not None
+        self._cancel_requested = False
+        self._settled = asyncio.Event()  # set once `outcome` is final
 
     def remaining(self) -> float | None:
         """Seconds left, for the next stage call's timeout; raises when none are left."""
@@ -74,38 +71,53 @@ class CancelScope:
             raise DeadlineExceeded(f"request {self.request_id} ran out of time")
         return left
 
-    def check(self) -> None:
-        """Raise if the request was cancelled: call before starting each stage."""
+    def check(self, stage: str = "") -> None:
+        """Raise RequestCancelled if a cancel arrived (call before work that is not a stage)."""
         if self.outcome is not None:
             raise RequestCancelled(self.outcome)
+        if self._cancel_requested:
+            raise RequestCancelled(self.acknowledge(stage, common_pb2.Aborted()))
 
     def enter_stage(self, stage: str, send_cancel: SendCancel) -> None:
-        self.check()
+        """Called once a stage call has started. Raises if a cancel came first: the caller then
+        cancels the call it just opened, and no later stage runs."""
+        self.check(stage)
         self._stage, self._send_cancel = stage, send_cancel
 
     def leave_stage(self) -> None:
         self._stage, self._send_cancel = "", None
 
     def acknowledge(self, stage: str, aborted: common_pb2.Aborted) -> CancelOutcome:
-        """The stage confirmed the abort: record it and wake the canceller."""
-        self.outcome = CancelOutcome(
-            request_id=self.request_id, state=common_pb2.REQUEST_STATE_ABORTED, stage=stage,
-            step_index=aborted.step_index, abort_latency_seconds=aborted.abort_latency_seconds)
-        self._acknowledged.set()
+        """The request stopped in `stage` (the stage's own ack, or before it started)."""
+        if self.outcome is None:
+            self.outcome = CancelOutcome(
+                request_id=self.request_id, state=common_pb2.REQUEST_STATE_ABORTED, stage=stage,
+                step_index=aborted.step_index,
+                abort_latency_seconds=aborted.abort_latency_seconds)
+            self._settled.set()
         return self.outcome
 
+    def settle(self, state: int) -> None:
+        """The request ended without a stage ack (completed, failed): tell a waiting canceller."""
+        if self.outcome is None:
+            self.outcome = CancelOutcome(request_id=self.request_id, state=state)
+            self._settled.set()
+
     async def cancel(self, reason: str) -> CancelOutcome:
-        """Cancel by id: stop the current stage call (or the next one) and await the ack."""
-        if self.outcome is not None:
-            return self.outcome
-        if self._send_cancel is None:
-            # Between stages (or not started): no stage will be started any more.
-            return self.acknowledge("", common_pb2.Aborted())
-        await self._send_cancel(reason)
-        try:
-            await asyncio.wait_for(self._acknowledged.wait(), CANCEL_ACK_TIMEOUT_S)
-        except TimeoutError:
-            return self.acknowledge(self._stage, common_pb2.Aborted())
+        """Cancel by id: stop the current stage call (or the next one) and await the outcome.
+
+        If the request is inside a stage, that stage gets a Cancel message and its ack carries
+        the step reached and the abort latency. Between stages, the next stage call is stopped
+        as soon as it opens. A request that completes first reports SUCCEEDED.
+        """
+        if self.outcome is None:
+            self._cancel_requested = True
+            if self._send_cancel is not None:
+                await self._send_cancel(reason)
+            try:
+                await asyncio.wait_for(self._settled.wait(), CANCEL_ACK_TIMEOUT_S)
+            except TimeoutError:
+                self.acknowledge(self._stage, common_pb2.Aborted())
         assert self.outcome is not None
         return self.outcome
 

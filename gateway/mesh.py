@@ -24,6 +24,7 @@ from stagemesh.gateway.stage_client import StageCallError
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import (
     codec_service_pb2_grpc,
+    common_pb2,
     dit_service_pb2_grpc,
     gateway_service_pb2,
     talker_service_pb2_grpc,
@@ -103,8 +104,10 @@ class Mesh:
         except ValueError as error:
             raise InvalidRequest("request_id", str(error)) from None
         token = request_id_var.set(scope.request_id)
+        state = common_pb2.REQUEST_STATE_FAILED
         try:
             yield scope
+            state = common_pb2.REQUEST_STATE_SUCCEEDED
         except RequestCancelled as cancelled:
             raise GatewayError(grpc.StatusCode.CANCELLED,
                                f"request {scope.request_id} was cancelled "
@@ -114,6 +117,7 @@ class Mesh:
         except StageCallError as failed:
             raise self._stage_error(recipe, failed) from None
         finally:
+            scope.settle(state)
             self.scopes.close(scope)
             request_id_var.reset(token)
 

@@ -52,10 +52,10 @@ async def call_stage(
     async def send_cancel(reason: str) -> None:
         await call.write(request_cls(cancel=common_pb2.Cancel(reason=reason)))
 
-    scope.enter_stage(stage, send_cancel)
     pump = None
     try:
         await call.write(request_cls(start=start))
+        scope.enter_stage(stage, send_cancel)
         if pump_inputs is not None:
             pump = asyncio.create_task(pump_inputs(call))
         async for response in call:
