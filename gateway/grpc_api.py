@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -12,6 +13,12 @@ from stagemesh.gateway.events import Done, Output, StageEvent, stream_pipeline
 from stagemesh.gateway.images import generate_images, validate_image_params
 from stagemesh.gateway.mesh import Mesh
 from stagemesh.gateway.recipes import TASK_STAGES, Task
+from stagemesh.gateway.speech import (
+    StreamEncoder,
+    recipe_voices,
+    synthesize,
+    validate_speech_params,
+)
 from stagemesh.shared.errors import build_status
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc
@@ -58,9 +65,42 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     async def SynthesizeSpeech(
         self, request: pb.SynthesizeSpeechRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SynthesizeSpeechResponse]:
-        await _abort(context, GatewayError(grpc.StatusCode.UNIMPLEMENTED,
-                                           "speech synthesis is not available yet"))
-        yield pb.SynthesizeSpeechResponse()  # pragma: no cover (abort raises)
+        """The same audio bytes as POST /v1/audio/speech with stream=true, one message per
+        chunk (a WAV's header rides on the first)."""
+        try:
+            recipe = self.mesh.recipe(request.model, Task.TEXT_TO_SPEECH)
+            params = validate_speech_params(
+                recipe, input=request.input, voices=await asyncio.to_thread(recipe_voices, recipe),
+                voice=request.voice or None, response_format=request.response_format or None,
+                speed=request.speed or None, task_type=request.task_type or None,
+                language=request.language, instructions=request.instructions,
+                ref_audio=request.ref_audio or None, ref_text=request.ref_text,
+                seed=request.seed if request.HasField("seed") else None,
+                max_new_tokens=(request.max_new_tokens
+                                if request.HasField("max_new_tokens") else None))
+            async with self.mesh.request_scope(recipe, request.request_id,
+                                               context.time_remaining()) as scope:
+                encoder: StreamEncoder | None = None
+                async for item in stream_pipeline(
+                    lambda emit: synthesize(recipe, params, scope, self.mesh.stubs(recipe),
+                                            emit)):
+                    if isinstance(item, Output):
+                        piece = item.value
+                        encoder = encoder or StreamEncoder(params.response_format,
+                                                           piece.sample_rate)
+                        audio = encoder.chunk(piece.pcm)
+                    elif isinstance(item, Done):
+                        encoder = encoder or StreamEncoder(params.response_format,
+                                                           item.result.sample_rate)
+                        audio = encoder.end()
+                    else:
+                        continue
+                    if audio:
+                        yield pb.SynthesizeSpeechResponse(request_id=scope.request_id,
+                                                          audio=audio,
+                                                          sample_rate=encoder.sample_rate)
+        except GatewayError as error:
+            await _abort(context, error)
 
     async def CancelRequest(
         self, request: pb.CancelRequestRequest, context: grpc.aio.ServicerContext

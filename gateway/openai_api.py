@@ -1,4 +1,5 @@
-"""OpenAI-compatible REST routes: images, chat completions (image output), models, health.
+"""OpenAI-compatible REST routes: images, chat completions (image output), speech, models,
+health.
 
 These are written explicitly because their JSON shapes are OpenAI's, not the proto's. Every
 handler runs its work next to a disconnect listener: a client that goes away cancels the request
@@ -11,11 +12,13 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -29,9 +32,22 @@ from stagemesh.gateway.images import (
     validate_image_params,
 )
 from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.recipes import Task
+from stagemesh.gateway.recipes import Recipe, Task
+from stagemesh.gateway.speech import (
+    MEDIA_TYPES,
+    AudioPiece,
+    SpeechParams,
+    SpeechSummary,
+    StreamEncoder,
+    recipe_voices,
+    ref_audio_bytes,
+    synthesize,
+    synthesize_all,
+    validate_speech_params,
+)
 from stagemesh.shared.proto.v1 import common_pb2
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 TIMEOUT_HEADER = "x-request-timeout"
@@ -161,6 +177,8 @@ class OpenAIRoutes:
         return [
             Route("/v1/images/generations", self.images_generations, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/audio/speech", self.audio_speech, methods=["POST"]),
+            Route("/v1/audio/voices", self.audio_voices, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
@@ -234,6 +252,59 @@ class OpenAIRoutes:
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
         })
 
+    async def audio_speech(self, request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            recipe, params, stream = await speech_params_from(self.mesh, body)
+            if stream:
+                return await self._speech_stream(request, body, recipe, params)
+            async with self.mesh.request_scope(recipe, request.state.request_id,
+                                               _timeout(request, body)) as scope:
+                audio, _ = await until_disconnect(request, synthesize_all(
+                    recipe, params, scope, self.mesh.stubs(recipe)))
+        except GatewayError as error:
+            return error_response(error)
+        except ClientGone:
+            return Response(status_code=499)
+        return Response(audio, media_type=MEDIA_TYPES[params.response_format])
+
+    async def _speech_stream(self, request: Request, body: dict[str, Any], recipe: Recipe,
+                             params: SpeechParams) -> Response:
+        """Audio bytes as the codec produces them.
+
+        The response is committed only when the first audio chunk is ready, so an error before
+        any audio (a bad field the talker found, a stage down) is still a JSON error with its
+        status; after that, an error cuts the connection instead (see `_speech_body`).
+        """
+        timeout = _timeout(request, body)
+
+        async def run(emit: Any) -> Any:
+            async with self.mesh.request_scope(recipe, request.state.request_id,
+                                               timeout) as scope:
+                return await synthesize(recipe, params, scope, self.mesh.stubs(recipe), emit)
+
+        items = stream_pipeline(run)
+        try:
+            first = await until_disconnect(request, _next_audio(items))
+        except BaseException:
+            await items.aclose()
+            raise
+        return StreamingResponse(_speech_body(first, items, params),
+                                 media_type=MEDIA_TYPES[params.response_format],
+                                 headers={"cache-control": "no-cache"})
+
+    async def audio_voices(self, request: Request) -> Response:
+        try:
+            recipe = self.mesh.recipe(request.query_params.get("model"), Task.TEXT_TO_SPEECH)
+        except GatewayError as error:
+            return error_response(error)
+        voices = await asyncio.to_thread(recipe_voices, recipe)
+        if voices is None:
+            return error_response(GatewayError(
+                grpc.StatusCode.UNAVAILABLE, f"the voices of {recipe.name} are not readable "
+                "from this gateway (its model folder is not mounted here)"))
+        return JSONResponse({"model": recipe.name, "voices": voices})
+
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "stagemesh",
@@ -245,6 +316,75 @@ class OpenAIRoutes:
         return JSONResponse({"status": "ok" if healthy else "degraded",
                              "stages": {f"{s.recipe}/{s.name}": s.health for s in stages}},
                             status_code=200 if healthy else 503)
+
+
+#: Speech fields that are plain strings in the request body.
+_SPEECH_STRINGS = ("voice", "response_format", "task_type", "language", "instructions",
+                   "ref_text")
+
+
+async def speech_params_from(mesh: Mesh, body: dict[str, Any]) -> tuple[Recipe, SpeechParams,
+                                                                        bool]:
+    """OpenAI speech fields + the seed's extensions -> (recipe, SpeechParams, stream)."""
+    recipe = mesh.recipe(_typed(body, "model", str), Task.TEXT_TO_SPEECH)
+    stream = bool(_typed(body, "stream", bool))
+    stream_format = _typed(body, "stream_format", str)
+    if stream_format not in (None, "audio"):
+        raise InvalidRequest("stream_format", "only stream_format 'audio' is supported")
+    ref_audio = _typed(body, "ref_audio", str)
+    speed = _typed(body, "speed", (int, float))
+    params = validate_speech_params(
+        recipe, input=_typed(body, "input", str),
+        voices=await asyncio.to_thread(recipe_voices, recipe),
+        **{name: _typed(body, name, str) for name in _SPEECH_STRINGS},
+        speed=None if speed is None else float(speed),
+        ref_audio=None if ref_audio is None else ref_audio_bytes(ref_audio),
+        seed=_typed(body, "seed", int), max_new_tokens=_typed(body, "max_new_tokens", int),
+        temperature=_typed(body, "temperature", (int, float)),
+        top_p=_typed(body, "top_p", (int, float)), top_k=_typed(body, "top_k", int))
+    return recipe, params, stream
+
+
+async def _next_audio(items: AsyncIterator[Any]) -> AudioPiece | SpeechSummary:
+    """The pipeline's first audio chunk, or its summary if it finished without audio."""
+    async for item in items:
+        if isinstance(item, Output):
+            return item.value  # type: ignore[no-any-return]
+        if isinstance(item, Done):
+            return item.result  # type: ignore[no-any-return]
+    raise RuntimeError("the speech pipeline ended without a result")
+
+
+class AudioStreamBroken(Exception):
+    """A streamed speech response failed after its first bytes: the connection is cut."""
+
+
+async def _speech_body(first: AudioPiece | SpeechSummary, items: AsyncIterator[Any],
+                       params: SpeechParams) -> AsyncIterator[bytes]:
+    """Encoded audio: the first chunk (with the WAV header), then each chunk as it comes.
+
+    Binary audio is never followed by a JSON error: a failure mid-stream is logged and ends the
+    response without its terminating chunk, which every HTTP client reports as an error.
+    """
+    if isinstance(first, SpeechSummary):  # no audio at all (an immediate end-of-audio frame)
+        yield StreamEncoder(params.response_format, first.sample_rate).end()
+        return
+    encoder = StreamEncoder(params.response_format, first.sample_rate)
+    try:
+        yield encoder.chunk(first.pcm)
+        async for item in items:
+            if isinstance(item, Output):
+                piece = encoder.chunk(item.value.pcm)
+                if piece:
+                    yield piece
+        tail = encoder.end()
+        if tail:
+            yield tail
+    except GatewayError as error:
+        log.error("speech stream failed after audio was sent: %s", error.message)
+        raise AudioStreamBroken(error.message) from None
+    finally:
+        await items.aclose()
 
 
 def _last_user_text(messages: Any) -> str:

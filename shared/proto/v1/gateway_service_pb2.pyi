@@ -205,6 +205,7 @@ class SynthesizeSpeechRequest(_message.Message):
     REF_TEXT_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default speech recipe."""
     input: _builtins.str
@@ -212,7 +213,7 @@ class SynthesizeSpeechRequest(_message.Message):
     voice: _builtins.str
     """Voice name."""
     response_format: _builtins.str
-    """"wav" or "pcm" (raw int16 little-endian mono)."""
+    """"wav", "pcm" (raw int16 little-endian mono) or "flac"; empty = "wav"."""
     speed: _builtins.float
     """Playback speed factor; 0 = 1.0."""
     task_type: _builtins.str
@@ -229,6 +230,8 @@ class SynthesizeSpeechRequest(_message.Message):
     """Client-chosen id; empty = the gateway assigns one."""
     seed: _builtins.int
     """Seed of the talker's sampling; unset = random."""
+    max_new_tokens: _builtins.int
+    """Upper bound on generated codec frames (12.5 per second of audio); unset = the default."""
     def __init__(
         self,
         *,
@@ -244,13 +247,19 @@ class SynthesizeSpeechRequest(_message.Message):
         ref_text: _builtins.str = ...,
         request_id: _builtins.str = ...,
         seed: _builtins.int | None = ...,
+        max_new_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_seed", b"_seed", "max_new_tokens", b"max_new_tokens", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "input", b"input", "instructions", b"instructions", "language", b"language", "model", b"model", "ref_audio", b"ref_audio", "ref_text", b"ref_text", "request_id", b"request_id", "response_format", b"response_format", "seed", b"seed", "speed", b"speed", "task_type", b"task_type", "voice", b"voice"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_seed", b"_seed", "input", b"input", "instructions", b"instructions", "language", b"language", "max_new_tokens", b"max_new_tokens", "model", b"model", "ref_audio", b"ref_audio", "ref_text", b"ref_text", "request_id", b"request_id", "response_format", b"response_format", "seed", b"seed", "speed", b"speed", "task_type", b"task_type", "voice", b"voice"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_new_tokens) -> _WhichOneofReturnType__max_new_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SynthesizeSpeechRequest: _TypeAlias = SynthesizeSpeechRequest  # noqa: Y015
