@@ -13,6 +13,7 @@ Once cancelled, no later stage is started for the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -57,8 +58,7 @@ class CancelScope:
         self.request_id = request_id
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.outcome: CancelOutcome | None = None
-        self._stage = ""
-        self._send_cancel: SendCancel | None = None
+        self._open: dict[str, SendCancel] = {}  # stage -> how to cancel its open call
         self._cancel_requested = False
         self._settled = asyncio.Event()  # set once `outcome` is final
 
@@ -82,10 +82,10 @@ class CancelScope:
         """Called once a stage call has started. Raises if a cancel came first: the caller then
         cancels the call it just opened, and no later stage runs."""
         self.check(stage)
-        self._stage, self._send_cancel = stage, send_cancel
+        self._open[stage] = send_cancel
 
-    def leave_stage(self) -> None:
-        self._stage, self._send_cancel = "", None
+    def leave_stage(self, stage: str) -> None:
+        self._open.pop(stage, None)
 
     def acknowledge(self, stage: str, aborted: common_pb2.Aborted) -> CancelOutcome:
         """The request stopped in `stage` (the stage's own ack, or before it started)."""
@@ -106,18 +106,20 @@ class CancelScope:
     async def cancel(self, reason: str) -> CancelOutcome:
         """Cancel by id: stop the current stage call (or the next one) and await the outcome.
 
-        If the request is inside a stage, that stage gets a Cancel message and its ack carries
-        the step reached and the abort latency. Between stages, the next stage call is stopped
-        as soon as it opens. A request that completes first reports SUCCEEDED.
+        Every open stage call (a speech request has two at once) gets a Cancel message; the
+        first ack, with the step reached and the abort latency, is the answer. Between stages,
+        the next stage call is stopped as soon as it opens. A request that completes first
+        reports SUCCEEDED.
         """
         if self.outcome is None:
             self._cancel_requested = True
-            if self._send_cancel is not None:
-                await self._send_cancel(reason)
+            for send_cancel in list(self._open.values()):
+                with contextlib.suppress(Exception):  # a stream that just ended
+                    await send_cancel(reason)
             try:
                 await asyncio.wait_for(self._settled.wait(), CANCEL_ACK_TIMEOUT_S)
             except TimeoutError:
-                self.acknowledge(self._stage, common_pb2.Aborted())
+                self.acknowledge(next(iter(self._open), ""), common_pb2.Aborted())
         assert self.outcome is not None
         return self.outcome
 

@@ -71,7 +71,7 @@ async def call_stage(
     except grpc.aio.AioRpcError as error:
         raise StageCallError(stage, parse_rpc_error(error)) from None
     finally:
-        scope.leave_stage()
+        scope.leave_stage(stage)
         if pump is not None:
             pump.cancel()
         call.cancel()
