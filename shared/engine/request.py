@@ -48,6 +48,9 @@ class RequestRecord:
     prepared: bool = False  # the adapter holds a state for it; set once, kept over preemption
     batch_key: Hashable = None  # meaningful only once prepared
     waiting_for_input: bool = False  # not stepped until `add_input` brings more
+    # Input arrived since the request was last scheduled: a step that reported "waiting for
+    # input" did so before seeing it, so that report must not put the request to sleep.
+    input_since_schedule: bool = False
     error: str | None = None  # set for FINISHED_ERROR only
     error_field: str | None = None  # the input field an error is about, when there is one
     abort_reason: AbortReason | None = None  # set for FINISHED_ABORTED only

@@ -149,6 +149,7 @@ class Scheduler:
         for rid in self._running:
             record = self._records[rid]
             if record.prepared and not record.waiting_for_input:
+                record.input_since_schedule = False
                 groups.setdefault(record.batch_key, []).append(rid)
         return list(groups.values())
 
@@ -163,6 +164,7 @@ class Scheduler:
         record = self._records.get(request_id)
         if record is not None:
             record.waiting_for_input = False
+            record.input_since_schedule = True
 
     # -- outcomes --------------------------------------------------------------------------
 
@@ -192,7 +194,7 @@ class Scheduler:
             self._finish(record, RequestState.FINISHED_ERROR, error=MISSING_STEP_INDEX)
         else:
             record.step_index = output.step_index
-            record.waiting_for_input = output.waiting_for_input
+            record.waiting_for_input = output.waiting_for_input and not record.input_since_schedule
             if output.finished:
                 self._finish(record, RequestState.FINISHED_COMPLETED)
 

@@ -323,3 +323,26 @@ def test_expired_and_next_deadline() -> None:
     assert scheduler.next_deadline() == 5.0
     assert scheduler.expired(now=4.0) == []
     assert sorted(scheduler.expired(now=10.0)) == ["early", "late"]
+
+
+def test_input_that_arrives_during_a_step_is_not_lost() -> None:
+    """The step said "waiting for input", but input landed before its output was applied."""
+    scheduler = Scheduler()
+    start_running(scheduler, "codec")
+    plan = scheduler.schedule()
+    assert plan.batches == [["codec"]]
+    scheduler.mark_input_ready("codec")  # drained after the step, before update_from_output
+    scheduler.update_from_output(plan, {"codec": StepOutput(step_index=1,
+                                                           waiting_for_input=True)})
+    assert scheduler.schedule().batches == [["codec"]]
+
+
+def test_waiting_for_input_sleeps_until_input_arrives() -> None:
+    scheduler = Scheduler()
+    start_running(scheduler, "codec")
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, {"codec": StepOutput(step_index=1,
+                                                           waiting_for_input=True)})
+    assert scheduler.schedule().batches == []
+    scheduler.mark_input_ready("codec")
+    assert scheduler.schedule().batches == [["codec"]]
