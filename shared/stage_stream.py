@@ -72,16 +72,27 @@ def _deadline_of(context: grpc.aio.ServicerContext) -> float | None:
 
 
 async def _read_client_messages(
-    engine: StepEngine, wire: StageWire, request_id: str, requests: AsyncIterator[Any]
+    engine: StepEngine, wire: StageWire, request_id: str, requests: AsyncIterator[Any],
+    bad_input: list[InvalidInputError | TensorDecodeError],
 ) -> None:
-    """Forward `input` and `cancel` messages that follow `start` to the engine."""
+    """Forward `input` and `cancel` messages that follow `start` to the engine.
+
+    Undecodable input stops the request (recorded in `bad_input`, so the stream then ends
+    with INVALID_ARGUMENT instead of waiting forever for input that will never come).
+    """
     async for message in requests:
         kind = message.WhichOneof("kind")
         if kind == "cancel":
             log.info("cancel received: %s", message.cancel.reason or "no reason given")
             engine.abort(request_id, AbortReason.CANCELLED)
         elif kind == "input" and wire.make_input is not None:
-            engine.add_input(request_id, wire.make_input(message.input))
+            try:
+                payload = wire.make_input(message.input)
+            except (InvalidInputError, TensorDecodeError) as error:
+                bad_input.append(error)
+                engine.abort(request_id, AbortReason.CANCELLED)
+                return
+            engine.add_input(request_id, payload)
         else:
             log.warning("ignoring unexpected %r message after start", kind)
 
@@ -138,10 +149,17 @@ async def serve_stage_stream(
                          field_name=getattr(error, "field_name", "start"))
         return
 
-    reader = asyncio.create_task(_read_client_messages(engine, wire, start.request_id, requests))
+    bad_input: list[InvalidInputError | TensorDecodeError] = []
+    reader = asyncio.create_task(
+        _read_client_messages(engine, wire, start.request_id, requests, bad_input))
     terminal_seen = False
     try:
         async for event in stream:
+            if isinstance(event, Aborted) and bad_input:
+                terminal_seen = True
+                await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(bad_input[0]),
+                                 reason="INVALID_ARGUMENT",
+                                 field_name=getattr(bad_input[0], "field_name", "input"))
             if isinstance(event, Failed):
                 terminal_seen = True
                 code = (grpc.StatusCode.INVALID_ARGUMENT if event.field_name
