@@ -54,7 +54,7 @@ from transformers import (
 logger = logging.getLogger(__name__)
 
 #: Bump when the tiny configs change, so cached builds are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 MODEL_NAME = "csm-tiny"
 CODEC_SUBFOLDER = "codec"
 VOICES_FILE = "voices.json"
@@ -162,6 +162,20 @@ def load_shipped_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def _randomise_codebooks(codec: torch.nn.Module, seed: int) -> None:
+    """Give Mimi's codebooks seeded random entries.
+
+    transformers initialises every codebook's `embed_sum` to zeros, so an untrained Mimi decodes
+    every frame to the same audio; with random entries the audio follows the frames, which the
+    streaming tests rely on.
+    """
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buffer in codec.named_buffers():
+            if name.endswith("embed_sum"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator))
+
+
 def build_tiny_csm(out_dir: str | Path, seed: int = 0) -> Path:
     """Build the tiny CSM talker + Mimi codec with seeded random weights into `out_dir`."""
     out = Path(out_dir)
@@ -169,6 +183,7 @@ def build_tiny_csm(out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer = load_shipped_tokenizer()
     torch.manual_seed(seed)
     model = CsmForConditionalGeneration(_csm_config(tokenizer)).eval()
+    _randomise_codebooks(model.codec_model, seed)
     model.generation_config.do_sample = True
     model.generation_config.temperature = 0.9
     model.generation_config.top_k = 50

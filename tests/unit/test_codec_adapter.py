@@ -21,9 +21,10 @@ from stagemesh.services.codec.adapter import (
 )
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError
 
-#: Streamed vs one-shot, max abs sample difference (audio is about +-1): measured ~1.1e-6 with
-#: the default 25-frame left context, ~1.3 without any.
-STREAM_TOLERANCE = 1e-4
+#: Streamed vs one-shot, max abs sample difference (the tiny codec's audio peaks at about +-3):
+#: measured ~1e-4 with the default 25-frame left context (float rounding in the decoder's
+#: attention over a different window), ~1.3 without any context.
+STREAM_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module", autouse=True)
