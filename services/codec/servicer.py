@@ -29,7 +29,7 @@ from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
 from stagemesh.shared.proto.v1 import codec_service_pb2_grpc, common_pb2
 from stagemesh.shared.stage_runtime import StageBundle
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
-from stagemesh.shared.tensors import TensorDecodeError, from_proto, to_proto
+from stagemesh.shared.tensors import from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
 DEFAULT_MAX_RUNNING = 8
@@ -59,13 +59,9 @@ class _DecodeWire:
         if message.codes.dtype == common_pb2.DTYPE_UNSPECIFIED:  # unset: no frames (final=true)
             return FramesInput(frames=torch.empty((0, self._adapter.num_codebooks),
                                                   dtype=torch.long), final=message.final)
-        try:
-            frames = from_proto(message.codes)
-        except TensorDecodeError:
-            # An undecodable tensor must fail the request as INVALID_ARGUMENT("frames"): an
-            # empty float tensor is what the adapter's own frame check rejects that way.
-            frames = torch.empty(0)
-        return FramesInput(frames=frames, final=message.final)
+        # An undecodable tensor raises TensorDecodeError: serve_stage_stream then ends the
+        # request with INVALID_ARGUMENT.
+        return FramesInput(frames=from_proto(message.codes), final=message.final)
 
     def _chunk(self, pcm: torch.Tensor) -> tuple[str, pb.AudioChunk]:
         return "chunk", pb.AudioChunk(

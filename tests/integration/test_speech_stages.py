@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import soundfile
@@ -21,6 +22,9 @@ from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.gateway.speech import AudioPiece, synthesize, validate_speech_params
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.services.registry import build_stage
+from stagemesh.shared.errors import parse_rpc_error
+from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
+from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.stage_runtime import start_stage, stop_stage
 
 pytestmark = pytest.mark.timeout(180)
@@ -189,3 +193,16 @@ async def test_a_stage_side_bad_field_is_invalid_argument_naming_it(mesh: Mesh) 
         await run(mesh, voice="nobody")
     assert raised.value.code.name == "INVALID_ARGUMENT" and raised.value.field_name == "voice"
 
+
+
+async def test_undecodable_streamed_frames_end_the_codec_request_as_invalid(mesh: Mesh) -> None:
+    codec = mesh.stubs(mesh.recipes["speech"])("codec")
+    call = codec.DecodeAudio(timeout=10)
+    await call.write(pb.DecodeAudioRequest(start=pb.DecodeAudioStart(request_id="bad-frames")))
+    broken = common_pb2.Tensor(dtype=common_pb2.DTYPE_INT64, shape=[2, 8], data=b"\x00" * 3)
+    await call.write(pb.DecodeAudioRequest(input=pb.DecodeAudioInput(codes=broken)))
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        async for _ in call:
+            pass
+    error = parse_rpc_error(failure.value)
+    assert error.code is grpc.StatusCode.INVALID_ARGUMENT and "bytes" in error.message
