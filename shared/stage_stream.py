@@ -24,7 +24,7 @@ import grpc
 from google.protobuf.message import Message
 
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError
-from stagemesh.shared.engine.engine import StepEngine
+from stagemesh.shared.engine.engine import QueueFullError, StepEngine
 from stagemesh.shared.engine.events import Aborted, Completed, Failed, Partial, Progress, Queued
 from stagemesh.shared.engine.request import AbortReason
 from stagemesh.shared.errors import abort_with
@@ -147,6 +147,10 @@ async def serve_stage_stream(
         await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(error),
                          reason="INVALID_ARGUMENT",
                          field_name=getattr(error, "field_name", "start"))
+        return
+    except QueueFullError as error:
+        await abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error),
+                         reason="QUEUE_FULL")
         return
 
     bad_input: list[InvalidInputError | TensorDecodeError] = []

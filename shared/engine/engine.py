@@ -54,6 +54,14 @@ logger = logging.getLogger(__name__)
 TOMBSTONE_TTL_SECONDS = 60.0
 MAX_TOMBSTONES = 4096
 
+#: Requests in flight (waiting + running) an engine accepts before refusing new ones.
+DEFAULT_MAX_PENDING = 256
+
+
+class QueueFullError(RuntimeError):
+    """The engine has `max_pending` requests in flight; becomes RESOURCE_EXHAUSTED."""
+
+
 Sink = Callable[[Event], None]  # thread-safe: hands one event to the request's stream
 
 
@@ -129,10 +137,12 @@ class StepEngine:
         *,
         mode: ExecutionMode = ExecutionMode.STEP,
         max_running: int = 1,
+        max_pending: int = DEFAULT_MAX_PENDING,
         metrics: EngineMetrics | None = None,
     ) -> None:
         self._adapter = adapter
         self._mode = mode
+        self._max_pending = max_pending
         self._metrics = EngineMetrics(adapter.stage) if metrics is None else metrics
         self._control: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._closing = False  # set by shutdown(): submit refuses new work
@@ -159,6 +169,9 @@ class StepEngine:
             raise RuntimeError(f"{self._adapter.stage} engine is shutting down; refused {rid}")
         if rid in self._streams:
             raise InvalidInputError("request_id", f"Request {rid} is already in flight")
+        if len(self._streams) >= self._max_pending:
+            raise QueueFullError(f"{self._adapter.stage} stage has {len(self._streams)} requests "
+                                 f"in flight (limit {self._max_pending}); retry later")
         self._adapter.check_inputs(request.payload)
         validate_budget(request)
         stream = self._streams[rid] = RequestStream(rid)

@@ -21,7 +21,7 @@ from stagemesh.shared.engine.adapter import (
     StepBudget,
     StepOutput,
 )
-from stagemesh.shared.engine.engine import ExecutionMode, RequestStream, StepEngine
+from stagemesh.shared.engine.engine import ExecutionMode, QueueFullError, RequestStream, StepEngine
 from stagemesh.shared.engine.events import (
     Aborted,
     Completed,
@@ -513,3 +513,16 @@ async def test_bad_input_fails_fast_in_submit(make_engine: EngineFactory) -> Non
         engine.submit(make_request("c"))
     assert caught.value.field_name == "request_id"
     assert not {"a", "b"} & set(adapter.prepared)
+
+
+async def test_a_full_engine_refuses_new_requests(make_engine: EngineFactory) -> None:
+    adapter = FakeAdapter(gated=True)
+    engine = make_engine(adapter, max_pending=2)
+    engine.start()
+    first, second = engine.submit(make_request("a")), engine.submit(make_request("b"))
+    with pytest.raises(QueueFullError, match="limit 2"):
+        engine.submit(make_request("c"))
+    adapter.open()
+    await collect(first)
+    await collect(second)
+    assert isinstance((await collect(engine.submit(make_request("c"))))[-1], Completed)
