@@ -7,6 +7,7 @@ before and after, so the claims are about what the DiT and VAE processes actuall
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -200,3 +201,24 @@ def test_stages_expose_the_cancellation_metrics(served) -> None:
                  "stagemesh_queue_seconds", "stagemesh_abort_latency_seconds"):
         assert f'{name}' in text and 'stage="dit"' in text
 
+
+
+def test_a_non_streaming_client_that_disconnects_cancels_too(served) -> None:
+    before = Snapshot(served)
+    host, port = served.http_url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "a red circle", "size": LARGE, "num_inference_steps": 200})
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall((f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                        f"{body}").encode())
+        while before.delta(Snapshot(served), "dit_steps") < 3:
+            time.sleep(0.02)
+    # The socket is closed: the gateway must notice and stop the DiT.
+    deadline = time.monotonic() + 30
+    after = Snapshot(served)
+    while before.delta(after, "dit_aborted") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = Snapshot(served)
+    assert before.delta(after, "dit_aborted") == 1
+    assert before.delta(after, "dit_steps") < 200
+    assert before.delta(after, "vae_steps") == 0
