@@ -51,6 +51,16 @@ class Snapshot:
         return later.values[key] - self.values[key]
 
 
+def wait_for_aborts(served, before: Snapshot, count: int, timeout: float = 30) -> Snapshot:
+    """Poll the DiT's metrics until `count` more requests were aborted (or time runs out)."""
+    deadline = time.monotonic() + timeout
+    after = Snapshot(served)
+    while before.delta(after, "dit_aborted") < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = Snapshot(served)
+    return after
+
+
 def sse_events(response: httpx.Response) -> Iterator[dict]:
     for line in response.iter_lines():
         if line.startswith("data: ") and line != "data: [DONE]":
@@ -92,11 +102,7 @@ def test_disconnect_after_ten_steps_stops_the_dit_and_skips_the_vae(served) -> N
                 seen = event["step"]
                 if seen >= 10:
                     break  # leaving the block closes the connection: the client is gone
-    deadline = time.monotonic() + 30
-    after = Snapshot(served)
-    while before.delta(after, "dit_aborted") < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-        after = Snapshot(served)
+    after = wait_for_aborts(served, before, 1)
 
     assert before.delta(after, "dit_aborted") == 1
     assert before.delta(after, "dit_completed") == 0
@@ -158,11 +164,7 @@ def test_grpc_cancel_and_deadline_stop_the_dit(served) -> None:
                 pass
         assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
 
-        deadline = time.monotonic() + 30
-        after = Snapshot(served)
-        while before.delta(after, "dit_aborted") < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            after = Snapshot(served)
+        after = wait_for_aborts(served, before, 2)
         assert before.delta(after, "dit_aborted") == 2
         assert before.delta(after, "dit_steps") < 200
         assert before.delta(after, "vae_steps") == 0
@@ -214,11 +216,7 @@ def test_a_non_streaming_client_that_disconnects_cancels_too(served) -> None:
         while before.delta(Snapshot(served), "dit_steps") < 3:
             time.sleep(0.02)
     # The socket is closed: the gateway must notice and stop the DiT.
-    deadline = time.monotonic() + 30
-    after = Snapshot(served)
-    while before.delta(after, "dit_aborted") < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-        after = Snapshot(served)
+    after = wait_for_aborts(served, before, 1)
     assert before.delta(after, "dit_aborted") == 1
     assert before.delta(after, "dit_steps") < 200
     assert before.delta(after, "vae_steps") == 0
