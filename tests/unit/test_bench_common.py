@@ -1,0 +1,111 @@
+"""The benchmark helpers that turn samples into reports: percentiles, summaries, tables, metrics,
+and the PNG chart (written with the Agg backend, no display)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from stagemesh.bench.common import (
+    BarGroup,
+    markdown_table,
+    metric_value,
+    overhead_pct,
+    parse_metrics,
+    percentile,
+    summarize,
+    write_bar_chart,
+    write_json,
+)
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"),
+    [(0, 1.0), (50, 2.5), (100, 4.0), (25, 1.75), (99, 3.97)],
+)
+def test_percentile_interpolates_between_ranks_like_numpy(q: float, expected: float) -> None:
+    assert percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected)
+
+
+def test_percentile_of_one_value_is_that_value() -> None:
+    assert percentile([7.5], 99) == 7.5
+
+
+@pytest.mark.parametrize("q", [-1, 100.5])
+def test_percentile_rejects_q_outside_0_100(q: float) -> None:
+    with pytest.raises(ValueError, match="within"):
+        percentile([1.0], q)
+
+
+def test_percentile_rejects_no_values() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+
+
+def test_summarize_reports_centre_spread_and_count() -> None:
+    stats = summarize([1.0, 2.0, 3.0, 4.0, 10.0])
+    assert stats["n"] == 5
+    assert stats["mean"] == pytest.approx(4.0)
+    assert stats["p50"] == pytest.approx(3.0)
+    assert stats["min"] == 1.0 and stats["max"] == 10.0
+    assert stats["cv_pct"] == pytest.approx(100 * math.sqrt(12.5) / 4.0)
+
+
+def test_summarize_of_one_value_has_no_spread_and_of_none_only_a_count() -> None:
+    assert summarize([2.0])["cv_pct"] == 0.0
+    assert summarize([]) == {"n": 0}
+
+
+def test_overhead_is_relative_to_baseline_in_percent() -> None:
+    assert overhead_pct(15.0, 10.0) == pytest.approx(50.0)
+    assert overhead_pct(9.0, 10.0) == pytest.approx(-10.0)
+    with pytest.raises(ValueError, match="positive"):
+        overhead_pct(1.0, 0.0)
+
+
+def test_markdown_table_has_header_separator_and_rows() -> None:
+    text = markdown_table(["a", "b"], [[1, "x"], [2.5, "y"]])
+    assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | x |", "| 2.5 | y |"]
+
+
+def test_markdown_table_rejects_a_row_of_the_wrong_width() -> None:
+    with pytest.raises(ValueError, match="3 cells for 2 headers"):
+        markdown_table(["a", "b"], [[1, 2, 3]])
+
+
+METRICS_TEXT = """\
+# HELP stagemesh_requests_finished_total Requests that left the engine
+# TYPE stagemesh_requests_finished_total counter
+stagemesh_requests_finished_total{stage="dit",status="completed"} 3.0
+stagemesh_requests_finished_total{stage="dit",status="aborted"} 2.0
+# HELP stagemesh_abort_latency_seconds From the abort signal to the state's release
+# TYPE stagemesh_abort_latency_seconds histogram
+stagemesh_abort_latency_seconds_bucket{le="0.1",stage="dit"} 1.0
+stagemesh_abort_latency_seconds_bucket{le="+Inf",stage="dit"} 2.0
+stagemesh_abort_latency_seconds_count{stage="dit"} 2.0
+stagemesh_abort_latency_seconds_sum{stage="dit"} 0.35
+"""
+
+
+def test_metric_value_selects_by_name_and_labels_and_sums_the_rest() -> None:
+    samples = parse_metrics(METRICS_TEXT)
+    assert metric_value(samples, "stagemesh_requests_finished_total", status="aborted") == 2.0
+    assert metric_value(samples, "stagemesh_requests_finished_total") == 5.0
+    assert metric_value(samples, "stagemesh_abort_latency_seconds_sum") == pytest.approx(0.35)
+    assert metric_value(samples, "stagemesh_requests_finished_total", stage="vae") == 0.0
+
+
+def test_write_json_creates_folders_and_round_trips(tmp_path: Path) -> None:
+    path = write_json(tmp_path / "deep" / "r.json", {"a": [1, 2.5], "b": None})
+    assert json.loads(path.read_text()) == {"a": [1, 2.5], "b": None}
+
+
+def test_bar_chart_is_a_png(tmp_path: Path) -> None:
+    panel = BarGroup("latency", "s", ["x", "y"], {"baseline": [1.0, 2.0], "post": [1.5, 2.0]},
+                     labels=["+50%", "+0%"])
+    path = write_bar_chart(tmp_path / "chart.png", [panel, panel], suptitle="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5_000
