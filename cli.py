@@ -73,9 +73,16 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    from stagemesh.models.tiny_shapes.train import train
+    import dataclasses
 
-    train(Path(args.out), smoke=args.smoke, seed=args.seed)
+    from stagemesh.models.tiny_shapes.train import TrainConfig, train
+
+    base = TrainConfig.smoke() if args.smoke else TrainConfig()
+    config = dataclasses.replace(base, threads=args.threads)
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES
+
+    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES, smoke=args.smoke, seed=args.seed,
+          config=config)
 
 
 def _cmd_eval(args: argparse.Namespace) -> None:
@@ -123,9 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the shipped tiny-shapes model")
     train.add_argument("model", choices=["tiny-shapes"])
-    train.add_argument("--out", default="assets/tiny-shapes")
+    train.add_argument("--out", default=None,
+                       help="output folder (default: the shipped assets/tiny-shapes)")
     train.add_argument("--smoke", action="store_true", help="the whole path in seconds")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, default=1,
+                       help="torch threads (1 is fastest on a busy 2-core machine)")
     train.set_defaults(func=_cmd_train)
 
     evaluate = sub.add_parser("eval", help="evaluate tiny-shapes through a running mesh")
@@ -133,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--url", default="http://127.0.0.1:8000")
     evaluate.add_argument("--out", default="eval-results/tiny-shapes")
     evaluate.add_argument("--subset", type=int, default=0, help="0 = the whole grammar")
+    evaluate.add_argument("--model-name", default="tiny-shapes", help="recipe to ask for")
+    evaluate.add_argument("--steps", type=int, default=16)
+    evaluate.add_argument("--guidance", type=float, default=4.0)
+    evaluate.add_argument("--seed", type=int, default=0)
     evaluate.set_defaults(func=_cmd_eval)
     return parser
 

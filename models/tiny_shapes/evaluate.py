@@ -1,0 +1,202 @@
+"""Runs the tiny-shapes grammar through any image generator and scores what comes back.
+
+`evaluate(generate, out_dir)` is independent of how images are made: `generate(prompt, seed)`
+may call the stock pipeline in-process (`pipeline_generator`) or a running mesh over REST. It
+writes `metrics.json` (accuracy per attribute, confusion per attribute, every prompt's reading,
+and how each attribute is measured) and `grid.png` (every image, labelled with its prompt and
+any attribute the scorer read differently).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from stagemesh.models.tiny_shapes.data import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, all_specs
+from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, METHODS, measure, parse_caption
+
+logger = logging.getLogger(__name__)
+
+Generate = Callable[[str, int], np.ndarray]
+"""generate(prompt, seed) -> uint8 RGB array (H, W, 3)."""
+
+VALUES: dict[str, tuple[str, ...]] = {
+    "colour": tuple(COLOURS),
+    "shape": SHAPES,
+    "position": POSITIONS,
+    "background": tuple(BACKGROUNDS),
+}
+DEFAULT_STEPS = 16
+DEFAULT_GUIDANCE = 4.0
+_CELL_SCALE = 5
+_LABEL_HEIGHT = 52
+
+
+def all_prompts() -> list[str]:
+    """The whole grammar: 270 prompts in a fixed order."""
+    return [spec.caption for spec in all_specs()]
+
+
+def subset_prompts(n: int = 18) -> list[str]:
+    """A stable subset of `n` prompts (n >= 6) in which every value of every attribute appears.
+
+    Walks the grammar in a fixed pseudo-random order, first taking prompts that add an unseen
+    value, then filling up to `n` in the same order; the same `n` always gives the same list.
+    """
+    needed = max(len(v) for v in VALUES.values())
+    if n < needed:
+        raise ValueError(f"n must be at least {needed} to cover every value, got {n}")
+    order = [all_specs()[i] for i in np.random.default_rng(20261130).permutation(270)]
+    chosen, seen = [], {name: set() for name in ATTRIBUTES}
+    for spec in order:
+        if any(getattr(spec, name) not in seen[name] for name in ATTRIBUTES):
+            chosen.append(spec)
+            for name in ATTRIBUTES:
+                seen[name].add(getattr(spec, name))
+    chosen += [spec for spec in order if spec not in chosen][: max(0, n - len(chosen))]
+    return [spec.caption for spec in chosen[:n]]
+
+
+def _confusion(records: list[dict], name: str) -> dict[str, dict[str, int]]:
+    table = {wanted: dict.fromkeys(VALUES[name], 0) for wanted in VALUES[name]}
+    for record in records:
+        table[record["wanted"][name]][record["seen"][name]] += 1
+    return table
+
+
+def _record(prompt: str, image: np.ndarray) -> dict:
+    wanted, seen = parse_caption(prompt), measure(image)
+    return {
+        "prompt": prompt,
+        "wanted": {name: getattr(wanted, name) for name in ATTRIBUTES},
+        "seen": {name: getattr(seen, name) for name in ATTRIBUTES},
+        "correct": {name: getattr(seen, name) == getattr(wanted, name) for name in ATTRIBUTES},
+        "fill": round(seen.fill, 3),
+        "corners": round(seen.corners, 3),
+        "taper": round(seen.taper, 3),
+    }
+
+
+def _cell(image: np.ndarray, record: dict) -> Image.Image:
+    h, w = image.shape[:2]
+    cell = Image.new("RGB", (w * _CELL_SCALE, h * _CELL_SCALE + _LABEL_HEIGHT), "white")
+    cell.paste(Image.fromarray(image).resize((w * _CELL_SCALE, h * _CELL_SCALE),
+                                             Image.Resampling.NEAREST))
+    draw = ImageDraw.Draw(cell)
+    font = ImageFont.load_default()
+    lines = textwrap.wrap(record["prompt"], width=w * _CELL_SCALE // 6)
+    wrong = [f"{n}: {record['seen'][n]}" for n in ATTRIBUTES if not record["correct"][n]]
+    y = h * _CELL_SCALE + 1
+    for line in lines[:3]:
+        draw.text((2, y), line, fill="black", font=font)
+        y += 12
+    if wrong:
+        draw.text((2, y), ", ".join(wrong), fill=(200, 0, 0), font=font)
+    return cell
+
+
+def write_grid(images: list[np.ndarray], records: list[dict], path: Path, columns: int = 15
+               ) -> None:
+    """Saves every image (upscaled 5x) with its prompt and the attributes it got wrong in red."""
+    cells = [_cell(image, record) for image, record in zip(images, records, strict=True)]
+    cw, ch = cells[0].size
+    rows = -(-len(cells) // columns)
+    grid = Image.new("RGB", (cw * min(columns, len(cells)), ch * rows), (230, 230, 230))
+    for i, cell in enumerate(cells):
+        grid.paste(cell, ((i % columns) * cw, (i // columns) * ch))
+    grid.save(path)
+
+
+def _check_image(image: np.ndarray, prompt: str) -> np.ndarray:
+    image = np.asarray(image)
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"generate({prompt!r}) must return uint8 (H, W, 3), got "
+                         f"{image.dtype} {image.shape}")
+    return image
+
+
+def evaluate(generate: Generate, out_dir: str | Path, prompts: list[str] | None = None,
+             seed: int = 0) -> dict:
+    """Generates one image per prompt (all with `seed`), scores them, writes metrics and grid.
+
+    Returns the metrics dict that is also written to `out_dir/metrics.json`: `accuracy` (per
+    attribute, 0..1), `confusion` (per attribute: wanted value -> seen value -> count), `n`,
+    `seed`, `methods` (how each attribute is measured) and `records` (one per prompt).
+    """
+    prompts = all_prompts() if prompts is None else list(prompts)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    images, records = [], []
+    for i, prompt in enumerate(prompts):
+        images.append(_check_image(generate(prompt, seed), prompt))
+        records.append(_record(prompt, images[-1]))
+        if (i + 1) % 30 == 0:
+            logger.info("evaluated %d/%d prompts", i + 1, len(prompts))
+    metrics = {
+        "n": len(prompts),
+        "seed": seed,
+        "accuracy": {n: float(np.mean([r["correct"][n] for r in records])) for n in ATTRIBUTES},
+        "confusion": {name: _confusion(records, name) for name in ATTRIBUTES},
+        "methods": METHODS,
+        "records": records,
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_grid(images, records, out / "grid.png")
+    logger.info("accuracy over %d prompts: %s", len(prompts), metrics["accuracy"])
+    return metrics
+
+
+def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
+                       guidance: float = DEFAULT_GUIDANCE, size: int = 32) -> Generate:
+    """A `Generate` backed by the stock `diffusers.QwenImagePipeline`, loaded from `folder`.
+
+    Guidance uses an empty negative prompt with `true_cfg_scale=guidance` (the pipeline skips
+    guidance without a negative prompt); the seed drives a CPU `torch.Generator`.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from diffusers import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate(prompt: str, seed: int) -> np.ndarray:
+        result = pipe(prompt, negative_prompt="", true_cfg_scale=guidance, height=size,
+                      width=size, num_inference_steps=steps, output_type="np",
+                      generator=torch.Generator().manual_seed(seed))
+        return (result.images[0] * 255.0).round().astype(np.uint8)
+
+    return generate
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Score a tiny-shapes diffusers folder in-process.")
+    parser.add_argument("folder")
+    parser.add_argument("out_dir")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE)
+    parser.add_argument("--subset", type=int, default=0, help="score subset_prompts(n) only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    generate = pipeline_generator(args.folder, steps=args.steps, guidance=args.guidance)
+    prompts = subset_prompts(args.subset) if args.subset else None
+    metrics = evaluate(generate, args.out_dir, prompts, seed=args.seed)
+    print(json.dumps(metrics["accuracy"]))
+
+
+if __name__ == "__main__":
+    main()

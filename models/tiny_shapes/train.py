@@ -1,0 +1,482 @@
+"""Trains the tiny-shapes model and writes a stock diffusers Qwen-Image folder.
+
+Three phases, each seeded: render the dataset (`data.make_dataset`), train the VAE, then train the
+DiT and the text encoder together. The folder holds model_index.json, transformer/, vae/,
+text_encoder/, tokenizer/ and scheduler/ and loads with `QwenImagePipeline.from_pretrained`.
+
+Training follows the pipeline's own conventions exactly (the text path *is* the pipeline's
+`encode_prompt`, latents are normalised with the `latents_mean` / `latents_std` written into the
+VAE config, packed 2x2, and the DiT sees timestep = sigma), so sampling with the stock pipeline
+needs no glue code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+from tqdm.auto import tqdm
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+from stagemesh.models.tiny_shapes.data import IMAGE_SIZE, all_specs, make_dataset
+from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, score
+
+logger = logging.getLogger(__name__)
+
+# The pipeline wraps every prompt in this template and drops its first 34 tokens (the system
+# prefix); the tokenizer must split that prefix into exactly 34 tokens, as Qwen's own does.
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity,"
+    " text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
+TEMPLATE_PREFIX_TOKENS = 34
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                  "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# Qwen-Image's own scheduler configuration.
+SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides the trained weights besides the seed."""
+
+    n_images: int = 12000
+    # VAE
+    vae_base_dim: int = 16
+    vae_dim_mult: tuple[int, ...] = (1, 2, 2)
+    z_dim: int = 16
+    vae_steps: int = 1400
+    vae_batch: int = 32
+    vae_lr: float = 1e-3
+    vae_shape_weight: float = 5.0
+    vae_kl_weight: float = 1e-5
+    # DiT + text encoder
+    dit_layers: int = 4
+    dit_heads: int = 4
+    dit_head_dim: int = 32
+    text_dim: int = 64
+    dit_steps: int = 3000
+    dit_batch: int = 64
+    dit_lr: float = 6e-4
+    dit_warmup: int = 100
+    caption_dropout: float = 0.1
+    ema_decay: float = 0.998
+    threads: int = 1  # 2 was ~10x slower whenever other processes competed for the 2 cores
+
+    @classmethod
+    def smoke(cls) -> TrainConfig:
+        return cls(n_images=540, vae_steps=8, vae_batch=8, dit_steps=8, dit_batch=8, dit_warmup=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Components
+
+
+def build_tokenizer(captions: list[str]) -> Qwen2Tokenizer:
+    """A byte-level BPE over the captions and the template, wrapped in the stock Qwen2Tokenizer."""
+    bpe = Tokenizer(BPE(unk_token=None))
+    bpe.pre_tokenizer = Qwen2Tokenizer().backend_tokenizer.pre_tokenizer
+    trainer = BpeTrainer(
+        vocab_size=1000,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    template_text = PROMPT_TEMPLATE.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    corpus = [template_text.format(c) for c in sorted(set(captions))] + [template_text.format("")]
+    bpe.train_from_iterator(corpus * 4, trainer=trainer)
+    with tempfile.TemporaryDirectory() as tmp:
+        bpe.model.save(tmp)
+        vocab = json.loads(Path(tmp, "vocab.json").read_text())
+        lines = Path(tmp, "merges.txt").read_text().splitlines()
+    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#")]
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    n_prefix = len(tokenizer(prefix).input_ids)
+    if n_prefix != TEMPLATE_PREFIX_TOKENS:
+        raise RuntimeError(f"template prefix is {n_prefix} tokens, the pipeline drops 34")
+    return tokenizer
+
+
+def build_text_encoder(tokenizer: Qwen2Tokenizer, dim: int) -> Qwen2_5_VLForConditionalGeneration:
+    """A 2-layer Qwen2.5-VL text model (and a 1-layer vision tower the pipeline never calls)."""
+    ids = tokenizer.convert_tokens_to_ids
+    heads = 4
+    half_head = dim // heads // 2
+    section = [half_head // 4, (half_head - half_head // 4) // 2]
+    section.append(half_head - sum(section))  # mrope sections must sum to half the head dim
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": dim,
+            "intermediate_size": dim * 2,
+            "num_hidden_layers": 2,
+            "num_attention_heads": heads,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": section},
+            "bos_token_id": ids("<|endoftext|>"),
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": ids("<|endoftext|>"),
+            "tie_word_embeddings": True,
+        },
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": dim, "fullatt_block_indexes": [0]},
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def build_vae(cfg: TrainConfig) -> AutoencoderKLQwenImage:
+    """No attention, one res block, spatial-only downsampling (factor 2 ** (len(dim_mult) - 1))."""
+    vae = AutoencoderKLQwenImage(
+        base_dim=cfg.vae_base_dim,
+        z_dim=cfg.z_dim,
+        dim_mult=list(cfg.vae_dim_mult),
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False] * (len(cfg.vae_dim_mult) - 1),
+        latents_mean=[0.0] * cfg.z_dim,
+        latents_std=[1.0] * cfg.z_dim,
+    )
+    with torch.no_grad():  # with a tiny KL weight the default log-variance is far too large
+        vae.quant_conv.bias[cfg.z_dim :].fill_(-6.0)
+    return vae
+
+
+def build_transformer(cfg: TrainConfig) -> QwenImageTransformer2DModel:
+    head_dim = cfg.dit_head_dim
+    rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=cfg.z_dim * 4,
+        out_channels=cfg.z_dim,
+        num_layers=cfg.dit_layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=cfg.dit_heads,
+        joint_attention_dim=cfg.text_dim,
+        guidance_embeds=False,
+        axes_dims_rope=rope,
+    )
+
+
+def build_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    return FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------
+# VAE
+
+
+@contextlib.contextmanager
+def single_frame_convs() -> Iterator[None]:
+    """Runs every causal 3-D convolution as the 2-D convolution it equals on one frame.
+
+    Causal padding puts two zero frames before a single frame, so only the kernel's last temporal
+    slice ever touches data; computing just that slice cuts the VAE's cost by about 3x. Classes
+    and weights are unchanged.
+    """
+    original = QwenImageCausalConv3d.forward
+
+    def forward(self: QwenImageCausalConv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if x.shape[2] != 1 or cache_x is not None or self.stride[0] != 1:
+            return original(self, x, cache_x)
+        pad_w, _, pad_h = self._padding[:3]
+        weight = self.weight[:, :, -1]
+        return F.conv2d(x[:, :, 0], weight, self.bias, self.stride[1:], (pad_h, pad_w))[:, :, None]
+
+    QwenImageCausalConv3d.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        QwenImageCausalConv3d.forward = original  # type: ignore[method-assign]
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> float (N, 3, H, W) in [-1, 1]."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
+
+def shape_weights(images: np.ndarray, weight: float) -> torch.Tensor:
+    """Per-pixel loss weight: `weight` on pixels that differ from the border colour, else 1."""
+    border = np.concatenate([images[:, 0], images[:, -1], images[:, :, 0], images[:, :, -1]], 1)
+    background = np.median(border.astype(np.float32), axis=1)[:, None, None]
+    distance = np.linalg.norm(images.astype(np.float32) - background, axis=-1)
+    return torch.from_numpy(1.0 + (weight - 1.0) * (distance > 20.0)).float()[:, None]
+
+
+def vae_forward(vae: AutoencoderKLQwenImage, x: torch.Tensor, *, sample: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(reconstruction, mean, log-variance) without `decode`'s clamp, which kills the gradient."""
+    moments = vae.quant_conv(vae.encoder(x[:, :, None]))
+    mean, logvar = moments.chunk(2, dim=1)
+    logvar = logvar.clamp(-30.0, 20.0)
+    z = mean + torch.randn_like(mean) * (0.5 * logvar).exp() if sample else mean
+    return vae.decoder(vae.post_quant_conv(z))[:, :, 0], mean[:, :, 0], logvar[:, :, 0]
+
+
+def cosine_lr(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def _progress(total: int, desc: str) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+def train_vae(vae: AutoencoderKLQwenImage, images: np.ndarray, cfg: TrainConfig,
+              gen: torch.Generator) -> None:
+    x_all, w_all = to_tensor(images), shape_weights(images, cfg.vae_shape_weight)
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    vae.train()
+    with single_frame_convs(), _progress(cfg.vae_steps, "vae") as bar:
+        for step in range(cfg.vae_steps):
+            idx = torch.randint(0, len(x_all), (cfg.vae_batch,), generator=gen)
+            x, w = x_all[idx], w_all[idx]
+            recon, mean, logvar = vae_forward(vae, x)
+            err = recon - x
+            rec = (w * (err.pow(2) + 0.5 * err.abs())).mean()
+            kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
+            loss = rec + cfg.vae_kl_weight * kl
+            for group in opt.param_groups:
+                group["lr"] = cfg.vae_lr * cosine_lr(step, cfg.vae_steps, 50)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(vae.parameters(), 0.5)
+            opt.step()
+            bar.update()
+            if step % 50 == 0:
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+    vae.eval()
+
+
+@torch.no_grad()
+def encode_latents(vae: AutoencoderKLQwenImage, images: np.ndarray, batch: int = 256
+                   ) -> torch.Tensor:
+    """Posterior means (N, z, h, w) of the whole dataset."""
+    with single_frame_convs():
+        return torch.cat([vae_forward(vae, to_tensor(images[i : i + batch]), sample=False)[1]
+                          for i in range(0, len(images), batch)])
+
+
+@torch.no_grad()
+def vae_report(vae: AutoencoderKLQwenImage, images: np.ndarray, captions: list[str]
+               ) -> dict[str, float]:
+    """Held-out PSNR (dB, pixels in [0, 1]) and the scorer's accuracy on the reconstructions.
+
+    The accuracies bound what the DiT can reach: an attribute the VAE cannot reproduce from a
+    perfect latent will not be drawn from a generated one either.
+    """
+    x = to_tensor(images)
+    with single_frame_convs():
+        recon = vae_forward(vae, x, sample=False)[0].clamp(-1.0, 1.0)
+    mse = ((recon - x) / 2.0).pow(2).mean().item()
+    pixels = recon.add(1.0).mul(127.5).round().byte().permute(0, 2, 3, 1).numpy()
+    hits = [score(p, c) for p, c in zip(pixels, captions, strict=True)]
+    report = {"psnr_db": round(10.0 * math.log10(1.0 / max(mse, 1e-12)), 2)}
+    for name in ATTRIBUTES:
+        report[f"recon_{name}"] = round(float(np.mean([h[name] for h in hits])), 4)
+    return report
+
+
+def set_latent_stats(vae: AutoencoderKLQwenImage, latents: torch.Tensor) -> torch.Tensor:
+    """Writes per-channel mean/std into the VAE config and returns the normalised latents."""
+    mean = latents.mean(dim=(0, 2, 3))
+    std = latents.std(dim=(0, 2, 3)).clamp_min(1e-4)
+    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    return (latents - mean[None, :, None, None]) / std[None, :, None, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# DiT + text encoder
+
+
+def sample_sigmas(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Logit-normal sigmas, with 10% drawn uniformly so the ends of the schedule are covered."""
+    logit_normal = torch.sigmoid(torch.randn(n, generator=gen))
+    uniform = torch.rand(n, generator=gen)
+    pick_uniform = torch.rand(n, generator=gen) < 0.1
+    return torch.where(pick_uniform, uniform, logit_normal).clamp(1e-3, 1.0)
+
+
+def dit_loss(pipe: QwenImagePipeline, x0: torch.Tensor, captions: list[str],
+             gen: torch.Generator) -> torch.Tensor:
+    """Rectified flow in the pipeline's conventions: x_t = (1-s) x0 + s noise, v = noise - x0."""
+    b, c, h, w = x0.shape
+    noise = torch.randn(x0.shape, generator=gen)
+    sigma = sample_sigmas(b, gen)
+    s = sigma[:, None, None, None]
+    xt = (1.0 - s) * x0 + s * noise
+    embeds, mask = pipe.encode_prompt(captions, device=torch.device("cpu"))
+    pred = pipe.transformer(
+        hidden_states=pipe._pack_latents(xt, b, c, h, w),
+        timestep=sigma,
+        encoder_hidden_states=embeds,
+        encoder_hidden_states_mask=mask,
+        img_shapes=[[(1, h // 2, w // 2)]] * b,
+        return_dict=False,
+    )[0]
+    return F.mse_loss(pred, pipe._pack_latents(noise - x0, b, c, h, w))
+
+
+def train_dit(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str],
+              cfg: TrainConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Trains transformer + text encoder jointly; returns the EMA weights of both."""
+    modules = torch.nn.ModuleDict({"transformer": pipe.transformer,
+                                   "text_encoder": pipe.text_encoder.model.language_model})
+    params = [p for p in modules.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.dit_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ema = {k: v.detach().clone() for k, v in modules.state_dict().items()}
+    modules.train()
+    with _progress(cfg.dit_steps, "dit") as bar:
+        for step in range(cfg.dit_steps):
+            idx = torch.randint(0, len(latents), (cfg.dit_batch,), generator=gen)
+            drop = torch.rand(cfg.dit_batch, generator=gen) < cfg.caption_dropout
+            batch_captions = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist(),
+                                                                      strict=True)]
+            loss = dit_loss(pipe, latents[idx], batch_captions, gen)
+            for group in opt.param_groups:
+                group["lr"] = cfg.dit_lr * cosine_lr(step, cfg.dit_steps, cfg.dit_warmup)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            with torch.no_grad():
+                decay = min(cfg.ema_decay, (1 + step) / (10 + step))
+                for k, v in modules.state_dict().items():
+                    ema[k].lerp_(v, 1.0 - decay)
+            bar.update()
+            if step % 50 == 0:
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+    modules.load_state_dict(ema)
+    modules.eval()
+    return ema
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _phase(name: str, fn: Callable[[], object], timings: dict[str, float]) -> object:
+    start = time.perf_counter()
+    result = fn()
+    timings[name] = round(time.perf_counter() - start, 1)
+    logger.info("%s done in %.1f s", name, timings[name])
+    return result
+
+
+def train(out_dir: str | Path, *, smoke: bool = False, seed: int = 0,
+          config: TrainConfig | None = None) -> Path:
+    """Renders the dataset, trains VAE then DiT + text encoder, and writes a diffusers folder.
+
+    `smoke` runs the whole path on a tiny dataset for a few steps (for CI); `config` overrides the
+    hyperparameters (default: `TrainConfig()`, or `TrainConfig.smoke()` when `smoke`).
+    Returns the output folder.
+    """
+    cfg = config or (TrainConfig.smoke() if smoke else TrainConfig())
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _train(Path(out_dir), cfg, seed)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _train(out: Path, cfg: TrainConfig, seed: int) -> Path:
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    timings: dict[str, float] = {}
+    cpu_start = time.process_time()
+
+    images, captions = _phase("render", lambda: make_dataset(cfg.n_images, seed=seed), timings)
+    tokenizer = build_tokenizer([s.caption for s in all_specs()])
+    pipe = QwenImagePipeline(
+        scheduler=build_scheduler(),
+        vae=build_vae(cfg),
+        text_encoder=build_text_encoder(tokenizer, cfg.text_dim),
+        tokenizer=tokenizer,
+        transformer=build_transformer(cfg),
+    )
+    n_held = min(256, len(images) // 4)
+    _phase("vae", lambda: train_vae(pipe.vae, images[:-n_held], cfg, gen), timings)
+    vae_metrics = vae_report(pipe.vae, images[-n_held:], captions[-n_held:])
+    logger.info("VAE on held-out renders: %s", vae_metrics)
+    latents = set_latent_stats(pipe.vae, encode_latents(pipe.vae, images))
+    _phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen), timings)
+
+    pipe.save_pretrained(out, safe_serialization=True)
+    report = {"config": asdict(cfg), "seed": seed, "vae": vae_metrics,
+              "seconds": timings, "cpu_seconds": round(time.process_time() - cpu_start, 1),
+              "image_size": IMAGE_SIZE}
+    (out / "training.json").write_text(json.dumps(report, indent=2))
+    logger.info("wrote %s (%s)", out, report["seconds"])
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", nargs="*", default=[], help="TrainConfig overrides, key=value")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = TrainConfig.smoke() if args.smoke else TrainConfig()
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    cfg = replace(cfg, **{k: type(getattr(cfg, k))(json.loads(v)) for k, v in overrides.items()})
+    train(args.out_dir, smoke=args.smoke, seed=args.seed, config=cfg)
+
+
+if __name__ == "__main__":
+    main()
