@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import soundfile
-import torch
 from prometheus_client import REGISTRY
 
 from stagemesh.gateway.errors import GatewayError
@@ -34,14 +33,6 @@ SAMPLES_PER_FRAME = 1920  # Mimi: 24 kHz / 12.5 Hz
 
 def sample(name: str, stage: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, {"stage": stage, **labels}) or 0.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; a shared 2-core machine
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

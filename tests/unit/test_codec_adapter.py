@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,16 +24,6 @@ from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError
 #: measured ~1e-4 with the default 25-frame left context (float rounding in the decoder's
 #: attention over a different window), ~1.3 without any context.
 STREAM_TOLERANCE = 1e-3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine the
-    # spinning worker threads make each op tens of times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

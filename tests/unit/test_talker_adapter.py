@@ -31,16 +31,6 @@ from stagemesh.services.talker.adapter import (
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine the
-    # spinning worker threads make each op tens of times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_speech_model(tmp_path_factory.mktemp("cache"))

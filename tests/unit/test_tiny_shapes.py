@@ -190,7 +190,6 @@ def test_smoke_training_writes_a_folder_the_stock_pipeline_runs(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_shipped_weights_draw_what_they_are_asked(tmp_path: Path) -> None:
-    torch.set_num_threads(2)
     generate = pipeline_generator(SHIPPED_DIR)
     metrics = evaluate(generate, tmp_path, subset_prompts(30))
     for name, floor in SHIPPED_FLOORS.items():
