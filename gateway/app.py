@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import grpc
 import uvicorn
 from starlette.applications import Starlette
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stagemesh.gateway.grpc_api import GatewayServicer
 from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.metrics import RequestMetricsMiddleware, metrics_endpoint
 from stagemesh.gateway.openai_api import OpenAIRoutes
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.gateway.transcoding import annotated_routes
@@ -69,8 +71,10 @@ def build_rest_app(mesh: Mesh, grpc_target: str) -> Starlette:
         if "channel" in loopback:
             await loopback["channel"].close()
 
-    app = Starlette(routes=[*OpenAIRoutes(mesh).routes(), *annotated_routes(channel)],
+    app = Starlette(routes=[*OpenAIRoutes(mesh).routes(), *annotated_routes(channel),
+                            Route("/metrics", metrics_endpoint, methods=["GET"])],
                     lifespan=lifespan)
+    app.add_middleware(RequestMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)
     return app
 

@@ -32,6 +32,7 @@ from stagemesh.gateway.images import (
     validate_image_params,
 )
 from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.metrics import TTFP_SECONDS
 from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.gateway.speech import (
     MEDIA_TYPES,
@@ -277,6 +278,7 @@ class OpenAIRoutes:
         status; after that, an error cuts the connection instead (see `_speech_body`).
         """
         timeout = _timeout(request, body)
+        started = time.monotonic()
 
         async def run(emit: Any) -> Any:
             async with self.mesh.request_scope(recipe, request.state.request_id,
@@ -289,6 +291,7 @@ class OpenAIRoutes:
         except BaseException:
             await items.aclose()
             raise
+        TTFP_SECONDS.labels(recipe=recipe.name).observe(time.monotonic() - started)
         return StreamingResponse(_speech_body(first, items, params),
                                  media_type=MEDIA_TYPES[params.response_format],
                                  headers={"cache-control": "no-cache"})

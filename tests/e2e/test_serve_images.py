@@ -150,3 +150,13 @@ def test_native_routes_come_from_the_proto_annotations(served) -> None:
     assert unknown.status_code == 400 and "colour" in unknown.json()["error"]["message"]
     recipes = httpx.get(f"{served.http_url}/v1/recipes").json()["recipes"]
     assert recipes[0]["stages"] == ["tokenizer", "dit", "vae"]
+
+
+def test_the_gateway_serves_its_own_metrics_by_route_template(served) -> None:
+    httpx.post(f"{served.http_url}/v1/requests/some-id/cancel")
+    httpx.post(f"{served.http_url}/v1/audio/speech", timeout=60, json={
+        "model": "csm-tiny", "input": "Hi", "voice": "vivian", "stream": True,
+        "max_new_tokens": 4})
+    text = httpx.get(f"{served.http_url}/metrics").text
+    assert 'route="/v1/requests/{request_id}/cancel",status="404"' in text  # no raw ids
+    assert 'stagemesh_gateway_ttfp_seconds_count{recipe="csm-tiny"}' in text
