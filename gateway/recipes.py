@@ -60,7 +60,7 @@ class ImageDefaults:
     height: int = 64
     num_inference_steps: int = 10
     true_cfg_scale: float = 4.0
-    negative_prompt: str | None = " "
+    negative_prompt: str | None = ""  # "" (not None) turns guidance on, as in diffusers
 
 
 @dataclass(frozen=True)
