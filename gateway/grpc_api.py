@@ -69,7 +69,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         chunk (a WAV's header rides on the first)."""
         try:
             recipe = self.mesh.recipe(request.model, Task.TEXT_TO_SPEECH)
-            params = validate_speech_params(
+            params = await asyncio.to_thread(  # decoding ref_audio is CPU work
+                validate_speech_params,
                 recipe, input=request.input, voices=await asyncio.to_thread(recipe_voices, recipe),
                 voice=request.voice or None, response_format=request.response_format or None,
                 speed=request.speed or None, task_type=request.task_type or None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import random
 import re
@@ -170,8 +171,8 @@ async def generate_images(
                                                height=params.height, width=params.width),
             on_event=on_event)
         pixels = from_proto(decoded.pixels).numpy()
-        image = GeneratedImage(png=encode_png(pixels[0]), seed=seed, width=params.width,
-                               height=params.height)
+        png = await asyncio.to_thread(encode_png, pixels[0])  # off the event loop
+        image = GeneratedImage(png=png, seed=seed, width=params.width, height=params.height)
         images.append(image)
         if emit is not None:
             await emit(Output(image))

@@ -336,7 +336,9 @@ async def speech_params_from(mesh: Mesh, body: dict[str, Any]) -> tuple[Recipe, 
         raise InvalidRequest("stream_format", "only stream_format 'audio' is supported")
     ref_audio = _typed(body, "ref_audio", str)
     speed = _typed(body, "speed", (int, float))
-    params = validate_speech_params(
+    # Decoding a reference clip is CPU work: keep it off the event loop.
+    params = await asyncio.to_thread(
+        validate_speech_params,
         recipe, input=_typed(body, "input", str),
         voices=await asyncio.to_thread(recipe_voices, recipe),
         **{name: _typed(body, name, str) for name in _SPEECH_STRINGS},

@@ -427,4 +427,6 @@ async def synthesize_all(recipe: Recipe, params: SpeechParams, scope: CancelScop
 
     summary = await synthesize(recipe, params, scope, stubs, keep)
     pcm = np.concatenate([p.pcm for p in pieces]) if pieces else np.zeros(0, np.float32)
-    return encode_audio(pcm, summary.sample_rate, params.response_format), summary
+    encoded = await asyncio.to_thread(encode_audio, pcm, summary.sample_rate,
+                                      params.response_format)
+    return encoded, summary
