@@ -21,8 +21,10 @@ from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.images import generate_images, validate_image_params
 from stagemesh.gateway.mesh import Mesh
 from stagemesh.serve import free_port
+from stagemesh.services.registry import build_stage
 from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2, dit_service_pb2_grpc
+from stagemesh.shared.stage_runtime import start_stage
 from stagemesh.shared.tensors import to_proto
 
 pytestmark = pytest.mark.timeout(120)
@@ -202,3 +204,33 @@ def _start(dim: int, request_id: str, steps: int, **overrides: object):
     fields.update(overrides)
     return dit_service_pb2.DenoiseStart(**fields)
 
+
+
+async def test_a_stage_that_dies_mid_request_is_unavailable_at_once(
+    image_stages: dict[str, Any], tiny_model_dir: Path, make_image_recipe: Any
+) -> None:
+    dit = build_stage("dit", tiny_model_dir)
+    dit_server = await start_stage(dit)
+    addresses = {n: s.address for n, s in image_stages.items()}
+    addresses["dit"] = f"127.0.0.1:{dit_server.port}"
+    mesh = Mesh({"tiny": make_image_recipe(addresses, tiny_model_dir)})
+    await mesh.start()
+    try:
+        running = asyncio.create_task(generate(mesh, num_inference_steps=200, width=512,
+                                               height=512))
+        engine = dit.engines[0]
+        for _ in range(500):
+            if engine.num_running or running.done():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_running == 1
+        killed_at = time.monotonic()
+        await dit_server.server.stop(0)  # the DiT process goes away mid-denoise
+        with pytest.raises(GatewayError) as failure:
+            await running
+        assert failure.value.code is grpc.StatusCode.UNAVAILABLE
+        assert "dit stage" in failure.value.message
+        assert time.monotonic() - killed_at < 5
+    finally:
+        await mesh.close()
+        await asyncio.to_thread(dit.engines[0].shutdown, True, 5)
