@@ -6,7 +6,6 @@ import asyncio
 import io
 import random
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +16,7 @@ from stagemesh.gateway.cancel import CancelScope
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.events import Emit, Output, StageEvent
 from stagemesh.gateway.recipes import Recipe
-from stagemesh.gateway.stage_client import OnEvent, call_stage
+from stagemesh.gateway.stage_client import OnEvent, StubFor, call_stage
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,
@@ -119,9 +118,6 @@ def encode_png(pixels: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-StubFor = Callable[[str], object]
 
 
 async def generate_images(

@@ -26,9 +26,9 @@ import logging
 import random
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import soundfile
@@ -39,7 +39,7 @@ from stagemesh.gateway.cancel import CancelScope
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.events import Emit, Output
 from stagemesh.gateway.recipes import Recipe
-from stagemesh.gateway.stage_client import call_stage
+from stagemesh.gateway.stage_client import StubFor, call_stage
 from stagemesh.shared.proto.v1 import codec_service_pb2, talker_service_pb2
 from stagemesh.shared.tensors import from_proto, to_proto
 
@@ -334,13 +334,10 @@ class SpeechSummary:
     finish_reason: str
 
 
-StubFor = Callable[[str], object]
-
-
-async def _encode_reference(scope: CancelScope, codec: object,
+async def _encode_reference(scope: CancelScope, codec: Any,
                             reference: ReferenceAudio) -> Message:
     encoded = await call_stage(
-        scope, "codec", codec.EncodeAudio,  # type: ignore[attr-defined]
+        scope, "codec", codec.EncodeAudio,
         codec_service_pb2.EncodeAudioRequest,
         codec_service_pb2.EncodeAudioStart(
             request_id=scope.request_id, pcm=to_proto(torch.from_numpy(reference.samples)),
@@ -375,9 +372,9 @@ async def synthesize(recipe: Recipe, params: SpeechParams, scope: CancelScope, s
         if response.WhichOneof("event") == "frames":
             frames.put_nowait(response.frames.codes)
 
-    async def pump_frames(call: object) -> None:
+    async def pump_frames(call: Any) -> None:
         # Frames go to the codec as they come; None marks the talker's successful end.
-        write = call.write  # type: ignore[attr-defined]
+        write = call.write
         while (codes := await frames.get()) is not None:
             await write(codec_service_pb2.DecodeAudioRequest(
                 input=codec_service_pb2.DecodeAudioInput(codes=codes)))
@@ -391,7 +388,7 @@ async def synthesize(recipe: Recipe, params: SpeechParams, scope: CancelScope, s
             await emit(Output(AudioPiece(from_proto(chunk.pcm).numpy(), chunk.sample_rate)))
 
     async def run_talker() -> Message:
-        result = await call_stage(scope, "talker", talker.GenerateFrames,  # type: ignore[attr-defined]
+        result = await call_stage(scope, "talker", talker.GenerateFrames,
                                   talker_service_pb2.GenerateFramesRequest,
                                   _talker_start(scope, params, reference_codes),
                                   on_event=on_talker_event)
@@ -399,7 +396,7 @@ async def synthesize(recipe: Recipe, params: SpeechParams, scope: CancelScope, s
         return result
 
     async def run_codec() -> Message:
-        return await call_stage(scope, "codec", codec.DecodeAudio,  # type: ignore[attr-defined]
+        return await call_stage(scope, "codec", codec.DecodeAudio,
                                 codec_service_pb2.DecodeAudioRequest,
                                 codec_service_pb2.DecodeAudioStart(request_id=scope.request_id),
                                 on_event=on_codec_event, pump_inputs=pump_frames)

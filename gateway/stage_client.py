@@ -16,6 +16,9 @@ from stagemesh.shared.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
+#: stage name -> that stage's generated gRPC stub (see Mesh.stubs).
+StubFor = Callable[[str], Any]
+
 #: Called for every non-terminal event (queued, progress, partial outputs) of a stage.
 OnEvent = Callable[[str, Message], Awaitable[None]]
 
