@@ -20,9 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from stagemesh.shared.proto.v1 import common_pb2
+from stagemesh.shared.stage_stream import MAX_REQUEST_ID_CHARS
 
-#: Longest request id accepted from a client.
-MAX_REQUEST_ID_CHARS = 128
 #: How long a cancel-by-id waits for the stage's acknowledgement.
 CANCEL_ACK_TIMEOUT_S = 10.0
 

@@ -63,11 +63,6 @@ async def abort_with(
                                                  field_name=field_name))
 
 
-def invalid_argument(field_name: str, message: str) -> grpc.Status:
-    """The status for a bad request field."""
-    return build_status(grpc.StatusCode.INVALID_ARGUMENT, message, reason="INVALID_ARGUMENT",
-                        field_name=field_name, metadata={"field": field_name})
-
 
 def parse_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError) -> StageError:
     """Read code, message, ErrorInfo reason and BadRequest field back out of a failed call."""
