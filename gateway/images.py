@@ -23,7 +23,7 @@ from stagemesh.shared.proto.v1 import (
     tokenizer_service_pb2,
     vae_service_pb2,
 )
-from stagemesh.shared.tensors import from_proto
+from stagemesh.shared.tensors import array_from_proto
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 MAX_SEED = 2**63 - 1
@@ -166,7 +166,7 @@ async def generate_images(
                                                latents=denoised.latents,
                                                height=params.height, width=params.width),
             on_event=on_event)
-        pixels = from_proto(decoded.pixels).numpy()
+        pixels = array_from_proto(decoded.pixels)
         png = await asyncio.to_thread(encode_png, pixels[0])  # off the event loop
         image = GeneratedImage(png=png, seed=seed, width=params.width, height=params.height)
         images.append(image)

@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import soundfile
-import torch
 from google.protobuf.message import Message
 
 from stagemesh.gateway.cancel import CancelScope
@@ -41,7 +40,7 @@ from stagemesh.gateway.events import Emit, Output
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.gateway.stage_client import StubFor, call_stage
 from stagemesh.shared.proto.v1 import codec_service_pb2, talker_service_pb2
-from stagemesh.shared.tensors import from_proto, to_proto
+from stagemesh.shared.tensors import array_from_proto, array_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +339,7 @@ async def _encode_reference(scope: CancelScope, codec: Any,
         scope, "codec", codec.EncodeAudio,
         codec_service_pb2.EncodeAudioRequest,
         codec_service_pb2.EncodeAudioStart(
-            request_id=scope.request_id, pcm=to_proto(torch.from_numpy(reference.samples)),
+            request_id=scope.request_id, pcm=array_to_proto(reference.samples),
             sample_rate=reference.sample_rate))
     return encoded.codes
 
@@ -385,7 +384,7 @@ async def synthesize(recipe: Recipe, params: SpeechParams, scope: CancelScope, s
         if response.WhichOneof("event") == "chunk":
             scope.check()  # cancelled by id between the two calls' registrations
             chunk = response.chunk
-            await emit(Output(AudioPiece(from_proto(chunk.pcm).numpy(), chunk.sample_rate)))
+            await emit(Output(AudioPiece(array_from_proto(chunk.pcm), chunk.sample_rate)))
 
     async def run_talker() -> Message:
         result = await call_stage(scope, "talker", talker.GenerateFrames,

@@ -29,7 +29,7 @@ from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
 from stagemesh.shared.proto.v1 import codec_service_pb2_grpc, common_pb2
 from stagemesh.shared.stage_runtime import StageBundle
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
-from stagemesh.shared.tensors import from_proto, to_proto
+from stagemesh.shared.torch_tensors import from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
 DEFAULT_MAX_RUNNING = 8

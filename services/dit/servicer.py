@@ -17,7 +17,7 @@ from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
 from stagemesh.shared.stage_runtime import StageBundle
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
-from stagemesh.shared.tensors import from_proto, optional_from_proto, to_proto
+from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DitService"].full_name
 

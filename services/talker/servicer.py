@@ -30,7 +30,7 @@ from stagemesh.shared.proto.v1 import talker_service_pb2 as pb
 from stagemesh.shared.proto.v1 import talker_service_pb2_grpc
 from stagemesh.shared.stage_runtime import StageBundle
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
-from stagemesh.shared.tensors import optional_from_proto, to_proto
+from stagemesh.shared.torch_tensors import optional_from_proto, to_proto
 
 log = logging.getLogger(__name__)
 

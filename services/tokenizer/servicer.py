@@ -20,7 +20,7 @@ from stagemesh.shared.proto.v1 import tokenizer_service_pb2 as pb
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2_grpc
 from stagemesh.shared.stage_runtime import StageBundle
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
-from stagemesh.shared.tensors import optional_to_proto
+from stagemesh.shared.torch_tensors import optional_to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 

@@ -25,7 +25,7 @@ from stagemesh.services.registry import build_stage
 from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2, dit_service_pb2_grpc
 from stagemesh.shared.stage_runtime import start_stage
-from stagemesh.shared.tensors import to_proto
+from stagemesh.shared.torch_tensors import to_proto
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from stagemesh.shared.proto.v1 import common_pb2
-from stagemesh.shared.tensors import (
-    TensorDecodeError,
+from stagemesh.shared.tensors import TensorDecodeError
+from stagemesh.shared.torch_tensors import (
     from_proto,
     optional_from_proto,
     optional_to_proto,

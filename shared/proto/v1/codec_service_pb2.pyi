@@ -3,8 +3,10 @@
 isort:skip_file
 The Codec stage: audio-codec frames to waveform, and reference audio to frames."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from . import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -321,3 +323,66 @@ class EncodeAudioResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EncodeAudioResult: _TypeAlias = EncodeAudioResult  # noqa: Y015
+
+@_typing.final
+class DescribeCodecRequest(_message.Message):
+    """Asks the Codec stage for its audio format and limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeCodecRequest: _TypeAlias = DescribeCodecRequest  # noqa: Y015
+
+@_typing.final
+class DescribeCodecResponse(_message.Message):
+    """The Codec stage's audio format and limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    SAMPLE_RATE_FIELD_NUMBER: _builtins.int
+    FRAME_RATE_FIELD_NUMBER: _builtins.int
+    NUM_CODEBOOKS_FIELD_NUMBER: _builtins.int
+    MAX_REFERENCE_SECONDS_FIELD_NUMBER: _builtins.int
+    REFERENCE_SAMPLE_RATES_FIELD_NUMBER: _builtins.int
+    sample_rate: _builtins.int
+    """Samples per second of the audio it decodes."""
+    frame_rate: _builtins.float
+    """Codec frames per second."""
+    num_codebooks: _builtins.int
+    """Codebooks per frame."""
+    max_reference_seconds: _builtins.float
+    """Longest reference clip EncodeAudio accepts, in seconds."""
+    @_builtins.property
+    def stage(self) -> _common_pb2.StageDescription:
+        """Role, model and capacity."""
+
+    @_builtins.property
+    def reference_sample_rates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Sample rates EncodeAudio accepts for a reference clip."""
+
+    def __init__(
+        self,
+        *,
+        stage: _common_pb2.StageDescription | None = ...,
+        sample_rate: _builtins.int = ...,
+        frame_rate: _builtins.float = ...,
+        num_codebooks: _builtins.int = ...,
+        max_reference_seconds: _builtins.float = ...,
+        reference_sample_rates: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_rate", b"frame_rate", "max_reference_seconds", b"max_reference_seconds", "num_codebooks", b"num_codebooks", "reference_sample_rates", b"reference_sample_rates", "sample_rate", b"sample_rate", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeCodecResponse: _TypeAlias = DescribeCodecResponse  # noqa: Y015

@@ -45,6 +45,11 @@ class CodecServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_codec__service__pb2.EncodeAudioRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_codec__service__pb2.EncodeAudioResponse.FromString,
                 _registered_method=True)
+        self.DescribeCodec = channel.unary_unary(
+                '/stagemesh.v1.CodecService/DescribeCodec',
+                request_serializer=stagemesh_dot_v1_dot_codec__service__pb2.DescribeCodecRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_codec__service__pb2.DescribeCodecResponse.FromString,
+                _registered_method=True)
 
 
 class CodecServiceServicer:
@@ -66,6 +71,13 @@ class CodecServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeCodec(self, request, context):
+        """What this stage produces and accepts: sample rate, frame rate, reference clip limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CodecServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +90,11 @@ def add_CodecServiceServicer_to_server(servicer, server):
                     servicer.EncodeAudio,
                     request_deserializer=stagemesh_dot_v1_dot_codec__service__pb2.EncodeAudioRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_codec__service__pb2.EncodeAudioResponse.SerializeToString,
+            ),
+            'DescribeCodec': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeCodec,
+                    request_deserializer=stagemesh_dot_v1_dot_codec__service__pb2.DescribeCodecRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_codec__service__pb2.DescribeCodecResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +152,33 @@ class CodecService:
             '/stagemesh.v1.CodecService/EncodeAudio',
             stagemesh_dot_v1_dot_codec__service__pb2.EncodeAudioRequest.SerializeToString,
             stagemesh_dot_v1_dot_codec__service__pb2.EncodeAudioResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeCodec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.CodecService/DescribeCodec',
+            stagemesh_dot_v1_dot_codec__service__pb2.DescribeCodecRequest.SerializeToString,
+            stagemesh_dot_v1_dot_codec__service__pb2.DescribeCodecResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,8 @@ class CodecServiceStub:
     """
     EncodeAudio: _grpc.StreamStreamMultiCallable[_codec_service_pb2.EncodeAudioRequest, _codec_service_pb2.EncodeAudioResponse]
     """Encodes one audio clip into codec frames (voice cloning)."""
+    DescribeCodec: _grpc.UnaryUnaryMultiCallable[_codec_service_pb2.DescribeCodecRequest, _codec_service_pb2.DescribeCodecResponse]
+    """What this stage produces and accepts: sample rate, frame rate, reference clip limits."""
 
 @_typing.type_check_only
 class CodecServiceAsyncStub(CodecServiceStub):
@@ -51,6 +53,8 @@ class CodecServiceAsyncStub(CodecServiceStub):
     """
     EncodeAudio: _aio.StreamStreamMultiCallable[_codec_service_pb2.EncodeAudioRequest, _codec_service_pb2.EncodeAudioResponse]  # type: ignore[assignment]
     """Encodes one audio clip into codec frames (voice cloning)."""
+    DescribeCodec: _aio.UnaryUnaryMultiCallable[_codec_service_pb2.DescribeCodecRequest, _codec_service_pb2.DescribeCodecResponse]  # type: ignore[assignment]
+    """What this stage produces and accepts: sample rate, frame rate, reference clip limits."""
 
 class CodecServiceServicer(metaclass=_abc_1.ABCMeta):
     """Decodes codec frames into PCM audio incrementally, and encodes reference audio."""
@@ -72,5 +76,13 @@ class CodecServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_codec_service_pb2.EncodeAudioResponse], _abc.AsyncIterator[_codec_service_pb2.EncodeAudioResponse]]:
         """Encodes one audio clip into codec frames (voice cloning)."""
+
+    @_abc_1.abstractmethod
+    def DescribeCodec(
+        self,
+        request: _codec_service_pb2.DescribeCodecRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_codec_service_pb2.DescribeCodecResponse, _abc.Awaitable[_codec_service_pb2.DescribeCodecResponse]]:
+        """What this stage produces and accepts: sample rate, frame rate, reference clip limits."""
 
 def add_CodecServiceServicer_to_server(servicer: CodecServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

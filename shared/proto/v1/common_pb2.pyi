@@ -268,3 +268,39 @@ class Aborted(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Aborted: _TypeAlias = Aborted  # noqa: Y015
+
+@_typing.final
+class StageDescription(_message.Message):
+    """What every stage reports about itself in its Describe RPC: its role, its model, its capacity."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    MAX_PENDING_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_FIELD_NUMBER: _builtins.int
+    stage: _builtins.str
+    """The stage role: "tokenizer", "dit", "vae", "talker" or "codec"."""
+    model: _builtins.str
+    """The model folder the stage loaded."""
+    max_pending: _builtins.int
+    """Requests in flight (waiting + running) the stage accepts before answering
+    RESOURCE_EXHAUSTED.
+    """
+    max_running: _builtins.int
+    """Requests the stage holds state for at once (its running set)."""
+    def __init__(
+        self,
+        *,
+        stage: _builtins.str = ...,
+        model: _builtins.str = ...,
+        max_pending: _builtins.int = ...,
+        max_running: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_pending", b"max_pending", "max_running", b"max_running", "model", b"model", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageDescription: _TypeAlias = StageDescription  # noqa: Y015

@@ -191,3 +191,74 @@ class DenoiseResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DenoiseResult: _TypeAlias = DenoiseResult  # noqa: Y015
+
+@_typing.final
+class DescribeDitRequest(_message.Message):
+    """Asks the DiT stage for its limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeDitRequest: _TypeAlias = DescribeDitRequest  # noqa: Y015
+
+@_typing.final
+class DescribeDitResponse(_message.Message):
+    """The DiT stage's limits: the model's own, tightened by the operator's stage options."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    SIZE_MULTIPLE_FIELD_NUMBER: _builtins.int
+    MAX_SIDE_FIELD_NUMBER: _builtins.int
+    MAX_PIXELS_FIELD_NUMBER: _builtins.int
+    MAX_STEPS_FIELD_NUMBER: _builtins.int
+    MAX_TRUE_CFG_SCALE_FIELD_NUMBER: _builtins.int
+    MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _builtins.int
+    EXECUTION_MODES_FIELD_NUMBER: _builtins.int
+    size_multiple: _builtins.int
+    """Height and width must be multiples of this (the model's latent factor)."""
+    max_side: _builtins.int
+    """Largest height or width in pixels."""
+    max_pixels: _builtins.int
+    """Largest height x width."""
+    max_steps: _builtins.int
+    """Most denoising steps per request."""
+    max_true_cfg_scale: _builtins.float
+    """Largest classifier-free guidance scale."""
+    max_images_per_request: _builtins.int
+    """Images one client request may ask for (each is its own DiT request)."""
+    @_builtins.property
+    def stage(self) -> _common_pb2.StageDescription:
+        """Role, model and capacity."""
+
+    @_builtins.property
+    def execution_modes(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.ExecutionMode.ValueType]:
+        """Execution modes a client may choose; the first is the default."""
+
+    def __init__(
+        self,
+        *,
+        stage: _common_pb2.StageDescription | None = ...,
+        size_multiple: _builtins.int = ...,
+        max_side: _builtins.int = ...,
+        max_pixels: _builtins.int = ...,
+        max_steps: _builtins.int = ...,
+        max_true_cfg_scale: _builtins.float = ...,
+        max_images_per_request: _builtins.int = ...,
+        execution_modes: _abc.Iterable[_common_pb2.ExecutionMode.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_modes", b"execution_modes", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeDitResponse: _TypeAlias = DescribeDitResponse  # noqa: Y015

@@ -41,6 +41,11 @@ class DitServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_dit__service__pb2.DenoiseRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.DenoiseResponse.FromString,
                 _registered_method=True)
+        self.DescribeDit = channel.unary_unary(
+                '/stagemesh.v1.DitService/DescribeDit',
+                request_serializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitResponse.FromString,
+                _registered_method=True)
 
 
 class DitServiceServicer:
@@ -56,6 +61,13 @@ class DitServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeDit(self, request, context):
+        """What this stage accepts: sizes, steps, guidance, execution modes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DitServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +75,11 @@ def add_DitServiceServicer_to_server(servicer, server):
                     servicer.Denoise,
                     request_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.DenoiseRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_dit__service__pb2.DenoiseResponse.SerializeToString,
+            ),
+            'DescribeDit': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeDit,
+                    request_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -94,6 +111,33 @@ class DitService:
             '/stagemesh.v1.DitService/Denoise',
             stagemesh_dot_v1_dot_dit__service__pb2.DenoiseRequest.SerializeToString,
             stagemesh_dot_v1_dot_dit__service__pb2.DenoiseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeDit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.DitService/DescribeDit',
+            stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitRequest.SerializeToString,
+            stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,8 @@ class DitServiceStub:
     """Denoises one request. The first client message is `start`; a later `cancel` stops it before
     its next step and ends the stream with an `aborted` event.
     """
+    DescribeDit: _grpc.UnaryUnaryMultiCallable[_dit_service_pb2.DescribeDitRequest, _dit_service_pb2.DescribeDitResponse]
+    """What this stage accepts: sizes, steps, guidance, execution modes."""
 
 @_typing.type_check_only
 class DitServiceAsyncStub(DitServiceStub):
@@ -51,6 +53,8 @@ class DitServiceAsyncStub(DitServiceStub):
     """Denoises one request. The first client message is `start`; a later `cancel` stops it before
     its next step and ends the stream with an `aborted` event.
     """
+    DescribeDit: _aio.UnaryUnaryMultiCallable[_dit_service_pb2.DescribeDitRequest, _dit_service_pb2.DescribeDitResponse]  # type: ignore[assignment]
+    """What this stage accepts: sizes, steps, guidance, execution modes."""
 
 class DitServiceServicer(metaclass=_abc_1.ABCMeta):
     """Runs a diffusion transformer's denoising loop. Progress is streamed per step, and a request
@@ -66,5 +70,13 @@ class DitServiceServicer(metaclass=_abc_1.ABCMeta):
         """Denoises one request. The first client message is `start`; a later `cancel` stops it before
         its next step and ends the stream with an `aborted` event.
         """
+
+    @_abc_1.abstractmethod
+    def DescribeDit(
+        self,
+        request: _dit_service_pb2.DescribeDitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dit_service_pb2.DescribeDitResponse, _abc.Awaitable[_dit_service_pb2.DescribeDitResponse]]:
+        """What this stage accepts: sizes, steps, guidance, execution modes."""
 
 def add_DitServiceServicer_to_server(servicer: DitServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -3,8 +3,10 @@
 isort:skip_file
 The Talker stage: an autoregressive model that turns text into audio-codec frames."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from . import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -260,3 +262,86 @@ class GenerateFramesResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateFramesResult: _TypeAlias = GenerateFramesResult  # noqa: Y015
+
+@_typing.final
+class DescribeTalkerRequest(_message.Message):
+    """Asks the Talker stage for its voices and limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeTalkerRequest: _TypeAlias = DescribeTalkerRequest  # noqa: Y015
+
+@_typing.final
+class DescribeTalkerResponse(_message.Message):
+    """The Talker stage's voices and limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    VOICES_FIELD_NUMBER: _builtins.int
+    DEFAULT_VOICE_FIELD_NUMBER: _builtins.int
+    SUPPORTS_VOICE_CLONE_FIELD_NUMBER: _builtins.int
+    MAX_INPUT_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_REFERENCE_TEXT_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_NEW_FRAMES_FIELD_NUMBER: _builtins.int
+    DEFAULT_MAX_NEW_FRAMES_FIELD_NUMBER: _builtins.int
+    FRAME_RATE_FIELD_NUMBER: _builtins.int
+    MAX_TEMPERATURE_FIELD_NUMBER: _builtins.int
+    MAX_TOP_K_FIELD_NUMBER: _builtins.int
+    default_voice: _builtins.str
+    """The voice used when a request names none (or names "default")."""
+    supports_voice_clone: _builtins.bool
+    """Whether the model can speak in the voice of a reference clip."""
+    max_input_chars: _builtins.int
+    """Longest text to speak, in characters."""
+    max_reference_text_chars: _builtins.int
+    """Longest reference transcript, in characters."""
+    max_new_frames: _builtins.int
+    """Most frames one request may generate."""
+    default_max_new_frames: _builtins.int
+    """Frames generated when a request sets no limit."""
+    frame_rate: _builtins.float
+    """Codec frames per second of audio."""
+    max_temperature: _builtins.float
+    """Largest sampling temperature."""
+    max_top_k: _builtins.int
+    """Largest top_k."""
+    @_builtins.property
+    def stage(self) -> _common_pb2.StageDescription:
+        """Role, model and capacity."""
+
+    @_builtins.property
+    def voices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Named voices of the model, lower case."""
+
+    def __init__(
+        self,
+        *,
+        stage: _common_pb2.StageDescription | None = ...,
+        voices: _abc.Iterable[_builtins.str] | None = ...,
+        default_voice: _builtins.str = ...,
+        supports_voice_clone: _builtins.bool = ...,
+        max_input_chars: _builtins.int = ...,
+        max_reference_text_chars: _builtins.int = ...,
+        max_new_frames: _builtins.int = ...,
+        default_max_new_frames: _builtins.int = ...,
+        frame_rate: _builtins.float = ...,
+        max_temperature: _builtins.float = ...,
+        max_top_k: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_max_new_frames", b"default_max_new_frames", "default_voice", b"default_voice", "frame_rate", b"frame_rate", "max_input_chars", b"max_input_chars", "max_new_frames", b"max_new_frames", "max_reference_text_chars", b"max_reference_text_chars", "max_temperature", b"max_temperature", "max_top_k", b"max_top_k", "stage", b"stage", "supports_voice_clone", b"supports_voice_clone", "voices", b"voices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeTalkerResponse: _TypeAlias = DescribeTalkerResponse  # noqa: Y015

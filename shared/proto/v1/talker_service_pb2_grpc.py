@@ -40,6 +40,11 @@ class TalkerServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_talker__service__pb2.GenerateFramesRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_talker__service__pb2.GenerateFramesResponse.FromString,
                 _registered_method=True)
+        self.DescribeTalker = channel.unary_unary(
+                '/stagemesh.v1.TalkerService/DescribeTalker',
+                request_serializer=stagemesh_dot_v1_dot_talker__service__pb2.DescribeTalkerRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_talker__service__pb2.DescribeTalkerResponse.FromString,
+                _registered_method=True)
 
 
 class TalkerServiceServicer:
@@ -54,6 +59,13 @@ class TalkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeTalker(self, request, context):
+        """What this stage offers and accepts: voices, cloning, text and length limits, sampling ranges.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TalkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +73,11 @@ def add_TalkerServiceServicer_to_server(servicer, server):
                     servicer.GenerateFrames,
                     request_deserializer=stagemesh_dot_v1_dot_talker__service__pb2.GenerateFramesRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_talker__service__pb2.GenerateFramesResponse.SerializeToString,
+            ),
+            'DescribeTalker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeTalker,
+                    request_deserializer=stagemesh_dot_v1_dot_talker__service__pb2.DescribeTalkerRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_talker__service__pb2.DescribeTalkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +108,33 @@ class TalkerService:
             '/stagemesh.v1.TalkerService/GenerateFrames',
             stagemesh_dot_v1_dot_talker__service__pb2.GenerateFramesRequest.SerializeToString,
             stagemesh_dot_v1_dot_talker__service__pb2.GenerateFramesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeTalker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.TalkerService/DescribeTalker',
+            stagemesh_dot_v1_dot_talker__service__pb2.DescribeTalkerRequest.SerializeToString,
+            stagemesh_dot_v1_dot_talker__service__pb2.DescribeTalkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

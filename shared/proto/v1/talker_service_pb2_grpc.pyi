@@ -37,6 +37,8 @@ class TalkerServiceStub:
     """Generates frames for one request. The first client message is `start`; `input` may append
     text while generation runs; `cancel` stops it before its next frame.
     """
+    DescribeTalker: _grpc.UnaryUnaryMultiCallable[_talker_service_pb2.DescribeTalkerRequest, _talker_service_pb2.DescribeTalkerResponse]
+    """What this stage offers and accepts: voices, cloning, text and length limits, sampling ranges."""
 
 @_typing.type_check_only
 class TalkerServiceAsyncStub(TalkerServiceStub):
@@ -47,6 +49,8 @@ class TalkerServiceAsyncStub(TalkerServiceStub):
     """Generates frames for one request. The first client message is `start`; `input` may append
     text while generation runs; `cancel` stops it before its next frame.
     """
+    DescribeTalker: _aio.UnaryUnaryMultiCallable[_talker_service_pb2.DescribeTalkerRequest, _talker_service_pb2.DescribeTalkerResponse]  # type: ignore[assignment]
+    """What this stage offers and accepts: voices, cloning, text and length limits, sampling ranges."""
 
 class TalkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Generates codec frames one at a time; concurrent requests share each step (continuous batching)."""
@@ -60,5 +64,13 @@ class TalkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Generates frames for one request. The first client message is `start`; `input` may append
         text while generation runs; `cancel` stops it before its next frame.
         """
+
+    @_abc_1.abstractmethod
+    def DescribeTalker(
+        self,
+        request: _talker_service_pb2.DescribeTalkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_talker_service_pb2.DescribeTalkerResponse, _abc.Awaitable[_talker_service_pb2.DescribeTalkerResponse]]:
+        """What this stage offers and accepts: voices, cloning, text and length limits, sampling ranges."""
 
 def add_TalkerServiceServicer_to_server(servicer: TalkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

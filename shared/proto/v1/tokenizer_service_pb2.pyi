@@ -160,3 +160,52 @@ class EncodePromptResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EncodePromptResult: _TypeAlias = EncodePromptResult  # noqa: Y015
+
+@_typing.final
+class DescribeTokenizerRequest(_message.Message):
+    """Asks the Tokenizer stage for its limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeTokenizerRequest: _TypeAlias = DescribeTokenizerRequest  # noqa: Y015
+
+@_typing.final
+class DescribeTokenizerResponse(_message.Message):
+    """The Tokenizer stage's limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _builtins.int
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _builtins.int
+    max_prompt_chars: _builtins.int
+    """Longest prompt (and negative prompt) accepted, in characters."""
+    max_sequence_length: _builtins.int
+    """Most prompt tokens the text encoder keeps; longer prompts are refused."""
+    @_builtins.property
+    def stage(self) -> _common_pb2.StageDescription:
+        """Role, model and capacity."""
+
+    def __init__(
+        self,
+        *,
+        stage: _common_pb2.StageDescription | None = ...,
+        max_prompt_chars: _builtins.int = ...,
+        max_sequence_length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_prompt_chars", b"max_prompt_chars", "max_sequence_length", b"max_sequence_length", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeTokenizerResponse: _TypeAlias = DescribeTokenizerResponse  # noqa: Y015

@@ -40,6 +40,11 @@ class TokenizerServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.EncodePromptRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.EncodePromptResponse.FromString,
                 _registered_method=True)
+        self.DescribeTokenizer = channel.unary_unary(
+                '/stagemesh.v1.TokenizerService/DescribeTokenizer',
+                request_serializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.DescribeTokenizerRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.DescribeTokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServiceServicer:
@@ -54,6 +59,13 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeTokenizer(self, request, context):
+        """What this stage accepts: prompt length limits. The gateway reads it once per connection.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +73,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.EncodePrompt,
                     request_deserializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.EncodePromptRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.EncodePromptResponse.SerializeToString,
+            ),
+            'DescribeTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeTokenizer,
+                    request_deserializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.DescribeTokenizerRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_tokenizer__service__pb2.DescribeTokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +108,33 @@ class TokenizerService:
             '/stagemesh.v1.TokenizerService/EncodePrompt',
             stagemesh_dot_v1_dot_tokenizer__service__pb2.EncodePromptRequest.SerializeToString,
             stagemesh_dot_v1_dot_tokenizer__service__pb2.EncodePromptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.TokenizerService/DescribeTokenizer',
+            stagemesh_dot_v1_dot_tokenizer__service__pb2.DescribeTokenizerRequest.SerializeToString,
+            stagemesh_dot_v1_dot_tokenizer__service__pb2.DescribeTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

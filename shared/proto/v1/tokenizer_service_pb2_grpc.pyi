@@ -37,6 +37,8 @@ class TokenizerServiceStub:
     """Encodes one prompt (and an optional negative prompt). The first client message is `start`;
     a later `cancel` stops it.
     """
+    DescribeTokenizer: _grpc.UnaryUnaryMultiCallable[_tokenizer_service_pb2.DescribeTokenizerRequest, _tokenizer_service_pb2.DescribeTokenizerResponse]
+    """What this stage accepts: prompt length limits. The gateway reads it once per connection."""
 
 @_typing.type_check_only
 class TokenizerServiceAsyncStub(TokenizerServiceStub):
@@ -47,6 +49,8 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     """Encodes one prompt (and an optional negative prompt). The first client message is `start`;
     a later `cancel` stops it.
     """
+    DescribeTokenizer: _aio.UnaryUnaryMultiCallable[_tokenizer_service_pb2.DescribeTokenizerRequest, _tokenizer_service_pb2.DescribeTokenizerResponse]  # type: ignore[assignment]
+    """What this stage accepts: prompt length limits. The gateway reads it once per connection."""
 
 class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Turns prompts into token ids and, for models with a text encoder, embeddings."""
@@ -60,5 +64,13 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Encodes one prompt (and an optional negative prompt). The first client message is `start`;
         a later `cancel` stops it.
         """
+
+    @_abc_1.abstractmethod
+    def DescribeTokenizer(
+        self,
+        request: _tokenizer_service_pb2.DescribeTokenizerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_tokenizer_service_pb2.DescribeTokenizerResponse, _abc.Awaitable[_tokenizer_service_pb2.DescribeTokenizerResponse]]:
+        """What this stage accepts: prompt length limits. The gateway reads it once per connection."""
 
 def add_TokenizerServiceServicer_to_server(servicer: TokenizerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estagemesh/v1/vae_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"y\n\x14\x44\x65\x63odeLatentsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .stagemesh.v1.DecodeLatentsStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"n\n\x12\x44\x65\x63odeLatentsStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07latents\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\"\xa7\x01\n\x15\x44\x65\x63odeLatentsResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x33\n\x06result\x18\x02 \x01(\x0b\x32!.stagemesh.v1.DecodeLatentsResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\";\n\x13\x44\x65\x63odeLatentsResult\x12$\n\x06pixels\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor2j\n\nVaeService\x12\\\n\rDecodeLatents\x12\".stagemesh.v1.DecodeLatentsRequest\x1a#.stagemesh.v1.DecodeLatentsResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estagemesh/v1/vae_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"y\n\x14\x44\x65\x63odeLatentsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .stagemesh.v1.DecodeLatentsStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"n\n\x12\x44\x65\x63odeLatentsStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07latents\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\"\xa7\x01\n\x15\x44\x65\x63odeLatentsResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x33\n\x06result\x18\x02 \x01(\x0b\x32!.stagemesh.v1.DecodeLatentsResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\";\n\x13\x44\x65\x63odeLatentsResult\x12$\n\x06pixels\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\x14\n\x12\x44\x65scribeVaeRequest\"m\n\x13\x44\x65scribeVaeResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x15\n\rsize_multiple\x18\x02 \x01(\x05\x12\x10\n\x08max_side\x18\x03 \x01(\x05\x32\xbe\x01\n\nVaeService\x12\\\n\rDecodeLatents\x12\".stagemesh.v1.DecodeLatentsRequest\x1a#.stagemesh.v1.DecodeLatentsResponse(\x01\x30\x01\x12R\n\x0b\x44\x65scribeVae\x12 .stagemesh.v1.DescribeVaeRequest\x1a!.stagemesh.v1.DescribeVaeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,6 +40,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODELATENTSRESPONSE']._serialized_end=478
   _globals['_DECODELATENTSRESULT']._serialized_start=480
   _globals['_DECODELATENTSRESULT']._serialized_end=539
-  _globals['_VAESERVICE']._serialized_start=541
-  _globals['_VAESERVICE']._serialized_end=647
+  _globals['_DESCRIBEVAEREQUEST']._serialized_start=541
+  _globals['_DESCRIBEVAEREQUEST']._serialized_end=561
+  _globals['_DESCRIBEVAERESPONSE']._serialized_start=563
+  _globals['_DESCRIBEVAERESPONSE']._serialized_end=672
+  _globals['_VAESERVICE']._serialized_start=675
+  _globals['_VAESERVICE']._serialized_end=865
 # @@protoc_insertion_point(module_scope)

@@ -135,3 +135,52 @@ class DecodeLatentsResult(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecodeLatentsResult: _TypeAlias = DecodeLatentsResult  # noqa: Y015
+
+@_typing.final
+class DescribeVaeRequest(_message.Message):
+    """Asks the VAE stage for its limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeVaeRequest: _TypeAlias = DescribeVaeRequest  # noqa: Y015
+
+@_typing.final
+class DescribeVaeResponse(_message.Message):
+    """The VAE stage's limits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    SIZE_MULTIPLE_FIELD_NUMBER: _builtins.int
+    MAX_SIDE_FIELD_NUMBER: _builtins.int
+    size_multiple: _builtins.int
+    """Height and width must be multiples of this."""
+    max_side: _builtins.int
+    """Largest height or width in pixels."""
+    @_builtins.property
+    def stage(self) -> _common_pb2.StageDescription:
+        """Role, model and capacity."""
+
+    def __init__(
+        self,
+        *,
+        stage: _common_pb2.StageDescription | None = ...,
+        size_multiple: _builtins.int = ...,
+        max_side: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_side", b"max_side", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeVaeResponse: _TypeAlias = DescribeVaeResponse  # noqa: Y015

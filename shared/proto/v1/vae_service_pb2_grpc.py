@@ -40,6 +40,11 @@ class VaeServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsResponse.FromString,
                 _registered_method=True)
+        self.DescribeVae = channel.unary_unary(
+                '/stagemesh.v1.VaeService/DescribeVae',
+                request_serializer=stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeResponse.FromString,
+                _registered_method=True)
 
 
 class VaeServiceServicer:
@@ -53,6 +58,13 @@ class VaeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeVae(self, request, context):
+        """What this stage accepts: image sizes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VaeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_VaeServiceServicer_to_server(servicer, server):
                     servicer.DecodeLatents,
                     request_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsResponse.SerializeToString,
+            ),
+            'DescribeVae': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeVae,
+                    request_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class VaeService:
             '/stagemesh.v1.VaeService/DecodeLatents',
             stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsRequest.SerializeToString,
             stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeVae(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.VaeService/DescribeVae',
+            stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeRequest.SerializeToString,
+            stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeResponse.FromString,
             options,
             channel_credentials,
             insecure,

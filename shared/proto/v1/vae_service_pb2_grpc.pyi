@@ -35,6 +35,8 @@ class VaeServiceStub:
     def __new__(cls, channel: _aio.Channel) -> VaeServiceAsyncStub: ...
     DecodeLatents: _grpc.StreamStreamMultiCallable[_vae_service_pb2.DecodeLatentsRequest, _vae_service_pb2.DecodeLatentsResponse]
     """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it."""
+    DescribeVae: _grpc.UnaryUnaryMultiCallable[_vae_service_pb2.DescribeVaeRequest, _vae_service_pb2.DescribeVaeResponse]
+    """What this stage accepts: image sizes."""
 
 @_typing.type_check_only
 class VaeServiceAsyncStub(VaeServiceStub):
@@ -43,6 +45,8 @@ class VaeServiceAsyncStub(VaeServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     DecodeLatents: _aio.StreamStreamMultiCallable[_vae_service_pb2.DecodeLatentsRequest, _vae_service_pb2.DecodeLatentsResponse]  # type: ignore[assignment]
     """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it."""
+    DescribeVae: _aio.UnaryUnaryMultiCallable[_vae_service_pb2.DescribeVaeRequest, _vae_service_pb2.DescribeVaeResponse]  # type: ignore[assignment]
+    """What this stage accepts: image sizes."""
 
 class VaeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Decodes latents into images."""
@@ -54,5 +58,13 @@ class VaeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_vae_service_pb2.DecodeLatentsResponse], _abc.AsyncIterator[_vae_service_pb2.DecodeLatentsResponse]]:
         """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it."""
+
+    @_abc_1.abstractmethod
+    def DescribeVae(
+        self,
+        request: _vae_service_pb2.DescribeVaeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_vae_service_pb2.DescribeVaeResponse, _abc.Awaitable[_vae_service_pb2.DescribeVaeResponse]]:
+        """What this stage accepts: image sizes."""
 
 def add_VaeServiceServicer_to_server(servicer: VaeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
