@@ -7,6 +7,7 @@ dynamic values in metadata) and, for bad input, a BadRequest naming the field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Never, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -14,6 +15,9 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 DOMAIN = "stagemesh.v1"
+
+RequestT = TypeVar("RequestT")
+ResponseT = TypeVar("ResponseT")
 
 
 @dataclass(frozen=True)
@@ -51,25 +55,33 @@ def build_status(
 
 
 async def abort_with(
-    context: grpc.aio.ServicerContext,
+    context: grpc.aio.ServicerContext[RequestT, ResponseT],
     code: grpc.StatusCode,
     message: str,
     *,
     reason: str,
     field_name: str | None = None,
-) -> None:
+) -> Never:
     """End the RPC with a rich status (never returns)."""
     await context.abort_with_status(build_status(code, message, reason=reason,
                                                  field_name=field_name))
 
 
-
-def parse_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError) -> StageError:
+def parse_rpc_error(error: grpc.RpcError) -> StageError:
     """Read code, message, ErrorInfo reason and BadRequest field back out of a failed call."""
-    code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
-    message = error.details() if callable(getattr(error, "details", None)) else str(error)
+    if not isinstance(error, grpc.aio.AioRpcError | grpc.Call):  # not from a call: no status
+        return StageError(code=grpc.StatusCode.UNKNOWN, message=str(error))
+    code, message = error.code(), error.details()
+    # from_call is typed for grpc.Call but reads only code(), details() and
+    # trailing_metadata(), which an AioRpcError has as well.
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    reason, field_name = read_details(status)
+    return StageError(code=code, message=message or "", reason=reason, field_name=field_name)
+
+
+def read_details(status: status_pb2.Status | None) -> tuple[str, str | None]:
+    """The ErrorInfo reason ("" if none) and the first BadRequest field of a rich status."""
     reason, field_name = "", None
-    status = rpc_status.from_call(error) if hasattr(error, "trailing_metadata") else None
     for detail in status.details if status else []:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
@@ -80,4 +92,4 @@ def parse_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError) -> StageError:
             detail.Unpack(bad)
             if bad.field_violations:
                 field_name = bad.field_violations[0].field
-    return StageError(code=code, message=message or "", reason=reason, field_name=field_name)
+    return reason, field_name

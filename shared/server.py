@@ -13,14 +13,13 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from stagemesh.shared.limits import MAX_STAGE_MESSAGE_BYTES
+
 log = logging.getLogger(__name__)
 
-#: Largest message a stage accepts or sends (latents and audio chunks stay far below this).
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
 SERVER_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_STAGE_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_STAGE_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -29,8 +28,8 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 
 #: Client-side twin of SERVER_OPTIONS, for every channel the mesh opens.
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_STAGE_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_STAGE_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),

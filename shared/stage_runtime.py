@@ -6,11 +6,13 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 import grpc
 from prometheus_client import start_http_server
 
-from stagemesh.shared.engine.engine import StepEngine
+from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.server import RunningServer, start_server, wait_for_shutdown_signal
 
 log = logging.getLogger(__name__)
@@ -19,12 +21,35 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 
 
+class StageEngine(Protocol):
+    """What running and describing a stage needs from each of its engines (a StepEngine)."""
+
+    @property
+    def max_pending(self) -> int: ...
+
+    @property
+    def max_running(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self, abort_running: bool = True, timeout: float | None = 5.0) -> bool: ...
+
+
+def stage_description(
+    stage: str, model_dir: Path, engine: StageEngine
+) -> common_pb2.StageDescription:
+    """The part of every Describe response that is the same for all stages."""
+    return common_pb2.StageDescription(stage=stage, model=str(model_dir),
+                                       max_pending=engine.max_pending,
+                                       max_running=engine.max_running)
+
+
 @dataclass
 class StageBundle:
     """What a stage module builds from a model folder: its engines and its gRPC servicers."""
 
     name: str
-    engines: list[StepEngine]
+    engines: list[StageEngine]
     register: Callable[[grpc.aio.Server], None]
     service_names: list[str]
     info: dict[str, str] = field(default_factory=dict)  # facts for logs (model, mode)

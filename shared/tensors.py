@@ -23,7 +23,7 @@ assert sys.byteorder == "little", "the wire format is little-endian; add byte sw
 MAX_ELEMENTS = 256 * 1024 * 1024
 
 #: Bytes per element of every wire dtype.
-ITEMSIZE: dict[int, int] = {
+ITEMSIZE: dict[common_pb2.Dtype.ValueType, int] = {
     common_pb2.DTYPE_FLOAT32: 4,
     common_pb2.DTYPE_FLOAT16: 2,
     common_pb2.DTYPE_BFLOAT16: 2,
@@ -35,7 +35,7 @@ ITEMSIZE: dict[int, int] = {
 }
 
 #: The numpy dtype of each wire dtype numpy can represent (all but bfloat16).
-_NUMPY: dict[int, np.dtype[np.generic]] = {
+_NUMPY: dict[common_pb2.Dtype.ValueType, np.dtype[np.generic]] = {
     common_pb2.DTYPE_FLOAT32: np.dtype("<f4"),
     common_pb2.DTYPE_FLOAT16: np.dtype("<f2"),
     common_pb2.DTYPE_INT64: np.dtype("<i8"),
@@ -44,7 +44,9 @@ _NUMPY: dict[int, np.dtype[np.generic]] = {
     common_pb2.DTYPE_UINT8: np.dtype("u1"),
     common_pb2.DTYPE_BOOL: np.dtype("?"),
 }
-_FROM_NUMPY: dict[np.dtype[np.generic], int] = {v: k for k, v in _NUMPY.items()}
+_FROM_NUMPY: dict[np.dtype[np.generic], common_pb2.Dtype.ValueType] = {
+    v: k for k, v in _NUMPY.items()
+}
 
 
 class TensorDecodeError(ValueError):
@@ -55,7 +57,7 @@ class TensorDecodeError(ValueError):
 class WireLayout:
     """What a checked Tensor message holds: its dtype enum and shape."""
 
-    dtype: int
+    dtype: common_pb2.Dtype.ValueType
     shape: tuple[int, ...]
 
     @property

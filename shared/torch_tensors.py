@@ -11,7 +11,7 @@ import torch
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.tensors import MAX_ELEMENTS, check_message, is_set
 
-_TO_PROTO: dict[torch.dtype, int] = {
+_TO_PROTO: dict[torch.dtype, common_pb2.Dtype.ValueType] = {
     torch.float32: common_pb2.DTYPE_FLOAT32,
     torch.float16: common_pb2.DTYPE_FLOAT16,
     torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
@@ -21,7 +21,7 @@ _TO_PROTO: dict[torch.dtype, int] = {
     torch.uint8: common_pb2.DTYPE_UINT8,
     torch.bool: common_pb2.DTYPE_BOOL,
 }
-_FROM_PROTO: dict[int, torch.dtype] = {v: k for k, v in _TO_PROTO.items()}
+_FROM_PROTO: dict[common_pb2.Dtype.ValueType, torch.dtype] = {v: k for k, v in _TO_PROTO.items()}
 
 
 def to_proto(tensor: torch.Tensor) -> common_pb2.Tensor:

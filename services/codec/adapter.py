@@ -8,6 +8,8 @@ concatenated chunks equal a one-shot decode of all frames (Mimi's decoder is cau
 context covers its receptive field).
 
 `CodecEncoderAdapter` turns a reference clip into codec frames (voice cloning), in one step.
+It accepts clips at the common sample rates of `REFERENCE_SAMPLE_RATES` only; one at another
+rate than the codec's own is resampled by `resample`, a band-limited polyphase filter.
 """
 
 from __future__ import annotations
@@ -18,37 +20,56 @@ from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import assert_never
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import numpy as np
 import torch
 from transformers import MimiModel
 
-from stagemesh.models.speech import codec_dir
+from stagemesh.models.families.csm import codec_dir
 from stagemesh.services.codec.chunking import ChunkRule, ChunkTracker, Emission
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     InvalidInputError,
+    NoStream,
+    StageAdapter,
     StepOutput,
 )
 
 #: Longest utterance one decode request may carry, and longest reference clip to encode.
 MAX_DECODE_SECONDS = 600
-MAX_REF_AUDIO_SECONDS = 30
-MIN_SAMPLE_RATE = 8_000
-MAX_SAMPLE_RATE = 192_000
+MAX_REFERENCE_SECONDS = 30.0
+#: The sample rates a reference clip may have: the common rates of audio files and devices.
+REFERENCE_SAMPLE_RATES = (8_000, 11_025, 16_000, 22_050, 24_000, 32_000, 44_100, 48_000)
+
+
+@dataclass(frozen=True)
+class CodecLimits:
+    """The codec's audio format and what EncodeAudio accepts (its Describe facts)."""
+
+    sample_rate: int  # of the audio it decodes (and encodes)
+    frame_rate: float  # codec frames per second
+    num_codebooks: int  # codes per frame
+    max_reference_seconds: float
+    reference_sample_rates: tuple[int, ...]
 
 
 def _load_codec(model_dir: str | Path) -> MimiModel:
-    return MimiModel.from_pretrained(codec_dir(model_dir), local_files_only=True).eval()
+    # from_pretrained leaves the model in eval mode.
+    return MimiModel.from_pretrained(codec_dir(model_dir), local_files_only=True)
 
 
-def _samples_per_frame(codec: MimiModel) -> int:
+def _codec_limits(codec: MimiModel) -> CodecLimits:
     config = codec.config
-    return round(config.sampling_rate / config.frame_rate)
+    return CodecLimits(
+        sample_rate=config.sampling_rate,
+        frame_rate=float(config.frame_rate),
+        num_codebooks=config.num_quantizers,
+        max_reference_seconds=MAX_REFERENCE_SECONDS,
+        reference_sample_rates=REFERENCE_SAMPLE_RATES,
+    )
 
 
 # -- decode -----------------------------------------------------------------------------------
@@ -95,27 +116,29 @@ class DecodeState:
 
 
 class CodecDecoderAdapter:
-    """`StageAdapter[DecodeState]`: streamed codec frames -> float32 PCM chunks."""
+    """The Codec stage's decoder: streamed codec frames -> float32 PCM chunks."""
 
     stage = "codec"
 
     def __init__(self, model_dir: str | Path) -> None:
         self._codec = _load_codec(model_dir)
-        config = self._codec.config
-        self.sample_rate: int = config.sampling_rate
-        self.samples_per_frame = _samples_per_frame(self._codec)
-        self.num_codebooks: int = config.num_quantizers
-        self._codebook_size: int = config.codebook_size
-        self._max_frames = math.ceil(MAX_DECODE_SECONDS * config.frame_rate)
+        self.limits = _codec_limits(self._codec)
+        self.sample_rate = self.limits.sample_rate
+        self.samples_per_frame = round(self.sample_rate / self.limits.frame_rate)
+        self.num_codebooks = self.limits.num_codebooks
+        self._codebook_size: int = self._codec.config.codebook_size
+        self._max_frames = math.ceil(MAX_DECODE_SECONDS * self.limits.frame_rate)
 
     # -- validation ---------------------------------------------------------------------------
 
-    def check_inputs(self, payload: Any) -> None:
-        if not isinstance(payload, DecodeInput):
-            raise TypeError(f"expected DecodeInput, got {type(payload).__name__}")
-        for name in ("chunk_frames", "initial_chunk_frames"):
-            if getattr(payload, name) < 1:
-                raise InvalidInputError(name, f"{name} must be >= 1, got {getattr(payload, name)}")
+    def check_inputs(self, payload: DecodeInput) -> None:
+        sizes = (
+            ("chunk_frames", payload.chunk_frames),
+            ("initial_chunk_frames", payload.initial_chunk_frames),
+        )
+        for name, value in sizes:
+            if value < 1:
+                raise InvalidInputError(name, f"{name} must be >= 1, got {value}")
         if payload.left_context_frames < 0:
             raise InvalidInputError(
                 "left_context_frames",
@@ -126,15 +149,15 @@ class CodecDecoderAdapter:
 
     def _check_frames(self, frames: torch.Tensor, already: int) -> None:
         if (
-            not isinstance(frames, torch.Tensor)
-            or frames.ndim != 2
+            frames.ndim != 2
             or frames.shape[1] != self.num_codebooks
             or frames.dtype.is_floating_point
             or frames.dtype == torch.bool
         ):
-            shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames)
             raise InvalidInputError(
-                "frames", f"frames must be integer [n, {self.num_codebooks}], got {shape}"
+                "frames",
+                f"frames must be integer [n, {self.num_codebooks}], "
+                f"got {frames.dtype} {tuple(frames.shape)}",
             )
         if frames.numel() and (int(frames.min()) < 0 or int(frames.max()) >= self._codebook_size):
             raise InvalidInputError("frames", f"codes must be in [0, {self._codebook_size})")
@@ -145,8 +168,8 @@ class CodecDecoderAdapter:
 
     # -- engine contract ----------------------------------------------------------------------
 
-    def prepare(self, request: EngineRequest) -> DecodeState:
-        payload: DecodeInput = request.payload
+    def prepare(self, request: EngineRequest[DecodeInput]) -> DecodeState:
+        payload = request.payload
         rule = ChunkRule(
             chunk_frames=payload.chunk_frames,
             initial_chunk_frames=payload.initial_chunk_frames,
@@ -158,16 +181,14 @@ class CodecDecoderAdapter:
         self._append(state, FramesInput(frames, payload.final))
         return state
 
-    def add_input(self, state: DecodeState, payload: Any) -> None:
-        if not isinstance(payload, FramesInput):
-            raise TypeError(f"expected FramesInput, got {type(payload).__name__}")
+    def add_input(self, state: DecodeState, payload: FramesInput) -> None:
         if state.final:
             raise InvalidInputError("frames", "frames arrived after the final frames")
         self._check_frames(payload.frames, already=state.received)
         self._append(state, payload)
 
     @torch.inference_mode()
-    def step(self, states: Sequence[DecodeState]) -> list[StepOutput]:
+    def step(self, states: Sequence[DecodeState]) -> list[StepOutput[torch.Tensor]]:
         emissions = [s.tracker.next_emission(s.received, s.final) for s in states]
         audio = self._decode_batched(states, emissions)
         return [
@@ -197,28 +218,26 @@ class CodecDecoderAdapter:
         self, states: Sequence[DecodeState], emissions: Sequence[Emission | None]
     ) -> dict[int, torch.Tensor]:
         """Decode every due chunk; chunks of equal length share one codec call."""
-        groups: dict[int, list[int]] = defaultdict(list)
+        groups: dict[int, list[tuple[int, Emission]]] = defaultdict(list)
         for i, emission in enumerate(emissions):
             if emission is not None:
-                groups[emission.frames_in_payload].append(i)
+                groups[emission.frames_in_payload].append((i, emission))
         audio: dict[int, torch.Tensor] = {}
         device = self._codec.device
         for members in groups.values():
-            codes = torch.stack([self._payload(states[i], emissions[i]) for i in members])
-            values = self._codec.decode(codes.transpose(1, 2).to(device)).audio_values[:, 0]
-            for row, i in enumerate(members):
-                trim = emissions[i].left_context_size * self.samples_per_frame
+            codes = torch.stack([_chunk_codes(states[i], emission) for i, emission in members])
+            decoded = self._codec.decode(codes.transpose(1, 2).to(device))
+            if decoded.audio_values is None:
+                raise RuntimeError("the codec decoded no audio")
+            values = decoded.audio_values[:, 0]
+            for row, (i, emission) in enumerate(members):
+                trim = emission.left_context_size * self.samples_per_frame
                 audio[i] = values[row, trim:].float().cpu()
         return audio
 
-    @staticmethod
-    def _payload(state: DecodeState, emission: Emission | None) -> torch.Tensor:
-        assert emission is not None
-        return state.codes[emission.start - state.base : emission.end - state.base]
-
     def _output(
         self, state: DecodeState, emission: Emission | None, audio: torch.Tensor | None
-    ) -> StepOutput:
+    ) -> StepOutput[torch.Tensor]:
         done = state.final and state.tracker.emitted == state.received
         if emission is None:
             return StepOutput(step_index=state.chunks, finished=done, waiting_for_input=not done)
@@ -234,14 +253,19 @@ class CodecDecoderAdapter:
         state.base = keep_from
 
 
+def _chunk_codes(state: DecodeState, emission: Emission) -> torch.Tensor:
+    """The frames one emission decodes, context included."""
+    return state.codes[emission.start - state.base : emission.end - state.base]
+
+
 # -- encode -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class EncodeInput:
-    """A reference clip: mono float audio at any rate in [8 kHz, 192 kHz]."""
+    """A reference clip: mono float samples at one of REFERENCE_SAMPLE_RATES."""
 
-    audio: torch.Tensor | np.ndarray  # [samples] or [1, samples]
+    audio: torch.Tensor  # [samples] or [1, samples]
     sample_rate: int
 
 
@@ -253,29 +277,28 @@ class EncodeState:
 
 
 class CodecEncoderAdapter:
-    """`StageAdapter[EncodeState]`: reference audio -> codec frames [n, Q], in a single step.
+    """The Codec stage's encoder: a reference clip -> codec frames [n, Q], in a single step.
 
-    Audio at another rate is resampled with a windowed-sinc (Hann, 16 zero crossings) polyphase
-    filter whose cutoff sits just under the lower Nyquist frequency; see `resample`.
+    A clip at another of the reference rates than the codec's own is resampled first (see
+    `resample`).
     """
 
     stage = "codec-encode"
 
     def __init__(self, model_dir: str | Path) -> None:
         self._codec = _load_codec(model_dir)
-        self.sample_rate: int = self._codec.config.sampling_rate
-        self.num_codebooks: int = self._codec.config.num_quantizers
+        self.limits = _codec_limits(self._codec)
+        self.sample_rate = self.limits.sample_rate
+        self.num_codebooks = self.limits.num_codebooks
 
-    def check_inputs(self, payload: Any) -> None:
-        if not isinstance(payload, EncodeInput):
-            raise TypeError(f"expected EncodeInput, got {type(payload).__name__}")
-        if not MIN_SAMPLE_RATE <= payload.sample_rate <= MAX_SAMPLE_RATE:
+    def check_inputs(self, payload: EncodeInput) -> None:
+        rates = self.limits.reference_sample_rates
+        if payload.sample_rate not in rates:
             raise InvalidInputError(
                 "ref_audio",
-                f"sample rate must be in [{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}] Hz, "
-                f"got {payload.sample_rate}",
+                f"sample rate must be one of {list(rates)} Hz, got {payload.sample_rate}",
             )
-        audio = torch.as_tensor(payload.audio)
+        audio = payload.audio
         if audio.ndim == 2 and audio.shape[0] == 1:
             audio = audio[0]
         if audio.ndim != 1 or not audio.dtype.is_floating_point:
@@ -285,39 +308,41 @@ class CodecEncoderAdapter:
             )
         if audio.numel() == 0:
             raise InvalidInputError("ref_audio", "audio is empty")
-        seconds = audio.numel() / payload.sample_rate
-        if seconds > MAX_REF_AUDIO_SECONDS:
+        seconds, limit = audio.numel() / payload.sample_rate, self.limits.max_reference_seconds
+        if seconds > limit:
             raise InvalidInputError(
-                "ref_audio",
-                f"audio is {seconds:.1f} s long, the limit is {MAX_REF_AUDIO_SECONDS} s",
+                "ref_audio", f"audio is {seconds:.1f} s long, the limit is {limit:g} s"
             )
         if not bool(torch.isfinite(audio).all()):
             raise InvalidInputError("ref_audio", "audio contains NaN or infinite samples")
 
-    def prepare(self, request: EngineRequest) -> EncodeState:
-        payload: EncodeInput = request.payload
-        audio = torch.as_tensor(payload.audio, dtype=torch.float32).reshape(-1)
+    def prepare(self, request: EngineRequest[EncodeInput]) -> EncodeState:
+        payload = request.payload
+        audio = payload.audio.to(torch.float32).reshape(-1)
         audio = resample(audio, payload.sample_rate, self.sample_rate)
         return EncodeState(request_id=request.request_id, audio=audio)
 
-    def add_input(self, state: EncodeState, payload: Any) -> None:
-        raise InvalidInputError("ref_audio", "encode takes its whole clip at the start")
+    def add_input(self, state: EncodeState, payload: NoStream) -> None:
+        assert_never(payload)  # encode takes its whole clip at the start
 
     @torch.inference_mode()
-    def step(self, states: Sequence[EncodeState]) -> list[StepOutput]:
-        outputs = []
+    def step(self, states: Sequence[EncodeState]) -> list[StepOutput[NoStream]]:
+        outputs: list[StepOutput[NoStream]] = []
         for state in states:
             if state.audio is None:
                 raise RuntimeError(f"request {state.request_id} was released")
             audio = state.audio.to(self._codec.device).view(1, 1, -1)
-            codes = self._codec.encode(audio, num_quantizers=self.num_codebooks).audio_codes
-            state.codes = codes[0].transpose(0, 1).to(torch.long).cpu()
+            encoded = self._codec.encode(audio, num_quantizers=self.num_codebooks)
+            if not isinstance(encoded.audio_codes, torch.Tensor):
+                raise RuntimeError("the codec returned no codes")
+            state.codes = encoded.audio_codes[0].transpose(0, 1).to(torch.long).cpu()
             state.audio = None
             outputs.append(StepOutput(step_index=1, finished=True))
         return outputs
 
     def finish(self, state: EncodeState) -> torch.Tensor:
-        assert state.codes is not None
+        if state.codes is None:
+            raise RuntimeError("finish() before the encoding step ran")
         return state.codes
 
     def release(self, state: EncodeState) -> None:
@@ -328,6 +353,10 @@ class CodecEncoderAdapter:
         return self.stage
 
 
+#: Elements of conv1d's largest temporary per block (its unfolded input, float64): 8 MiB.
+_BLOCK_ELEMENTS = 1 << 20
+
+
 def resample(
     audio: torch.Tensor, orig_rate: int, target_rate: int, zero_crossings: int = 16
 ) -> torch.Tensor:
@@ -336,11 +365,31 @@ def resample(
     With g = gcd(orig, target), up = target/g and down = orig/g, output sample k*up + p lies at
     input time k*down + p*down/up. Each of the `up` phases is one FIR kernel (a Hann-windowed
     sinc with cutoff 0.97 * min(up, down)/2 cycles per unit), applied as one strided conv1d.
+
+    The conv runs over blocks of output units, so its unfolded input (taps x units, float64)
+    stays under `_BLOCK_ELEMENTS` whatever the clip length: at 48 kHz -> 24 kHz (68 taps) a
+    30 s clip in one conv would unfold to about 390 MB.
     """
     if orig_rate == target_rate:
         return audio
     g = math.gcd(orig_rate, target_rate)
     up, down = target_rate // g, orig_rate // g
+    kernels, pad = _polyphase_kernels(up, down, zero_crossings)
+    taps = kernels.shape[-1]
+    length = math.ceil(audio.numel() * up / down)
+    units = math.ceil(length / up)  # output unit k holds samples k*up .. k*up + up - 1
+    padded = torch.nn.functional.pad(audio.reshape(1, 1, -1), (pad, pad + down))
+    out = torch.empty((up, units), dtype=audio.dtype)
+    block = max(1, _BLOCK_ELEMENTS // taps)
+    for start in range(0, units, block):
+        stop = min(units, start + block)
+        segment = padded[..., start * down : (stop - 1) * down + taps].to(torch.float64)
+        out[:, start:stop] = torch.nn.functional.conv1d(segment, kernels, stride=down)[0]
+    return out.transpose(0, 1).reshape(-1)[:length]
+
+
+def _polyphase_kernels(up: int, down: int, zero_crossings: int) -> tuple[torch.Tensor, int]:
+    """[up, 1, taps] float64 FIR kernels (one per output phase) and the input padding."""
     cutoff = 0.97 * min(up, down) / 2  # cycles per time unit, where one unit = down samples
     half_width = zero_crossings / (2 * cutoff)  # in time units
     pad = math.ceil(half_width * down)
@@ -351,7 +400,13 @@ def resample(
         t.abs() <= half_width, 0.5 + 0.5 * torch.cos(math.pi * t / half_width), 0.0
     )
     kernels = (2 * cutoff / down) * torch.sinc(2 * cutoff * t) * window
-    padded = torch.nn.functional.pad(audio.to(torch.float64)[None, None], (pad, pad + down))
-    out = torch.nn.functional.conv1d(padded, kernels[:, None, :], stride=down)
-    length = math.ceil(audio.numel() * up / down)
-    return out[0].transpose(0, 1).reshape(-1)[:length].to(audio.dtype)
+    return kernels[:, None, :], pad
+
+
+#: The static proofs that the adapters are the Codec stage's StageAdapters.
+_decoder: type[StageAdapter[DecodeInput, FramesInput, DecodeState, torch.Tensor, DecodeResult]] = (
+    CodecDecoderAdapter
+)
+_encoder: type[StageAdapter[EncodeInput, NoStream, EncodeState, NoStream, torch.Tensor]] = (
+    CodecEncoderAdapter
+)

@@ -1,4 +1,4 @@
-"""Codec stage servicer: DecodeAudio (streamed frames -> audio chunks) and EncodeAudio.
+"""Codec stage servicer: DecodeAudio (streamed frames -> audio chunks), EncodeAudio, Describe.
 
 DecodeAudio takes its frames from `input` messages while the talker is still generating; the
 decoder engine emits one AudioChunk whenever the async-chunk rule says a chunk is due. The two
@@ -8,9 +8,9 @@ being encoded never waits behind a long decode.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, TypedDict
 
 import grpc
 import torch
@@ -18,21 +18,44 @@ import torch
 from stagemesh.services.codec.adapter import (
     CodecDecoderAdapter,
     CodecEncoderAdapter,
+    CodecLimits,
     DecodeInput,
     DecodeResult,
+    DecodeState,
     EncodeInput,
+    EncodeState,
     FramesInput,
 )
-from stagemesh.shared.engine.adapter import EngineRequest, StepBudget
+from stagemesh.shared.engine.adapter import EngineRequest, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
+from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
-from stagemesh.shared.proto.v1 import codec_service_pb2_grpc, common_pb2
-from stagemesh.shared.stage_runtime import StageBundle
+from stagemesh.shared.proto.v1 import codec_service_pb2_grpc
+from stagemesh.shared.stage_runtime import StageBundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
+from stagemesh.shared.tensors import is_set
 from stagemesh.shared.torch_tensors import from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
+#: Requests that share each decode step unless the recipe sets `max_running`.
 DEFAULT_MAX_RUNNING = 8
+
+DecoderEngine: TypeAlias = StepEngine[
+    DecodeInput, FramesInput, DecodeState, torch.Tensor, DecodeResult
+]
+EncoderEngine: TypeAlias = StepEngine[EncodeInput, NoStream, EncodeState, NoStream, torch.Tensor]
+DecodeAudioWire: TypeAlias = StageWire[
+    pb.DecodeAudioRequest, pb.DecodeAudioResponse, DecodeInput, FramesInput, torch.Tensor,
+    DecodeResult,
+]
+
+
+class ChunkOptions(TypedDict, total=False):
+    """Chunk sizes (in frames) for DecodeAudio requests that leave them 0."""
+
+    chunk_frames: int
+    initial_chunk_frames: int
+    left_context_frames: int
 
 
 class _DecodeWire:
@@ -41,12 +64,14 @@ class _DecodeWire:
     def __init__(self, adapter: CodecDecoderAdapter, defaults: DecodeInput) -> None:
         self._adapter = adapter
         self._defaults = defaults
-        self.wire = StageWire(response_cls=pb.DecodeAudioResponse, make_request=self._request,
-                              encode_result=self._result, encode_partial=self._chunk,
-                              make_input=self._input)
+        self.wire: DecodeAudioWire = StageWire(
+            response_cls=pb.DecodeAudioResponse, make_request=self._request,
+            encode_result=self._result, encode_partial=self._chunk, make_input=self._input)
 
-    def _request(self, start: pb.DecodeAudioStart, deadline: float | None) -> EngineRequest:
-        d = self._defaults
+    def _request(
+        self, message: pb.DecodeAudioRequest, deadline: float | None
+    ) -> EngineRequest[DecodeInput]:
+        start, d = message.start, self._defaults
         return EngineRequest(
             request_id=start.request_id, deadline=deadline,
             budget=StepBudget(total_steps=None),  # runs until its final frames are decoded
@@ -55,18 +80,19 @@ class _DecodeWire:
                 initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
                 left_context_frames=start.left_context_frames or d.left_context_frames))
 
-    def _input(self, message: pb.DecodeAudioInput) -> FramesInput:
-        if message.codes.dtype == common_pb2.DTYPE_UNSPECIFIED:  # unset: no frames (final=true)
+    def _input(self, message: pb.DecodeAudioRequest) -> FramesInput:
+        frames = message.input
+        if not is_set(frames.codes):  # unset: no frames (final=true)
             return FramesInput(frames=torch.empty((0, self._adapter.num_codebooks),
-                                                  dtype=torch.long), final=message.final)
+                                                  dtype=torch.long), final=frames.final)
         # An undecodable tensor raises TensorDecodeError: serve_stage_stream then ends the
         # request with INVALID_ARGUMENT.
-        return FramesInput(frames=from_proto(message.codes), final=message.final)
+        return FramesInput(frames=from_proto(frames.codes), final=frames.final)
 
-    def _chunk(self, pcm: torch.Tensor) -> tuple[str, pb.AudioChunk]:
-        return "chunk", pb.AudioChunk(
+    def _chunk(self, pcm: torch.Tensor) -> pb.DecodeAudioResponse:
+        return pb.DecodeAudioResponse(chunk=pb.AudioChunk(
             pcm=to_proto(pcm.to(torch.float32)), sample_rate=self._adapter.sample_rate,
-            frames=pcm.shape[0] // self._adapter.samples_per_frame)
+            frames=pcm.shape[0] // self._adapter.samples_per_frame))
 
     @staticmethod
     def _result(result: DecodeResult) -> pb.DecodeAudioResult:
@@ -74,7 +100,10 @@ class _DecodeWire:
                                     sample_rate=result.sample_rate)
 
 
-def _encode_request(start: pb.EncodeAudioStart, deadline: float | None) -> EngineRequest:
+def _encode_request(
+    message: pb.EncodeAudioRequest, deadline: float | None
+) -> EngineRequest[EncodeInput]:
+    start = message.start
     return EngineRequest(request_id=start.request_id, deadline=deadline,
                          payload=EncodeInput(audio=from_proto(start.pcm),
                                              sample_rate=start.sample_rate))
@@ -84,50 +113,80 @@ def _encode_result(codes: torch.Tensor) -> pb.EncodeAudioResult:
     return pb.EncodeAudioResult(codes=to_proto(codes))
 
 
-ENCODE_WIRE = StageWire(response_cls=pb.EncodeAudioResponse, make_request=_encode_request,
-                        encode_result=_encode_result)
+ENCODE_WIRE: StageWire[pb.EncodeAudioRequest, pb.EncodeAudioResponse, EncodeInput, NoStream,
+                       NoStream, torch.Tensor] = StageWire(
+    response_cls=pb.EncodeAudioResponse, make_request=_encode_request,
+    encode_result=_encode_result)
 
 
 class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
-    def __init__(self, decoder: StepEngine, decode_wire: StageWire, encoder: StepEngine) -> None:
+    def __init__(
+        self,
+        decoder: DecoderEngine,
+        decode_wire: DecodeAudioWire,
+        encoder: EncoderEngine,
+        description: pb.DescribeCodecResponse,
+    ) -> None:
         self.decoder = decoder
         self.decode_wire = decode_wire
         self.encoder = encoder
+        self.description = description
 
     async def DecodeAudio(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+        self,
+        request_iterator: AsyncIterator[pb.DecodeAudioRequest],
+        context: grpc.aio.ServicerContext[pb.DecodeAudioRequest, pb.DecodeAudioResponse],
+    ) -> AsyncIterator[pb.DecodeAudioResponse]:
         async for response in serve_stage_stream(self.decoder, self.decode_wire,
                                                  request_iterator, context):
             yield response
 
     async def EncodeAudio(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+        self,
+        request_iterator: AsyncIterator[pb.EncodeAudioRequest],
+        context: grpc.aio.ServicerContext[pb.EncodeAudioRequest, pb.EncodeAudioResponse],
+    ) -> AsyncIterator[pb.EncodeAudioResponse]:
         async for response in serve_stage_stream(self.encoder, ENCODE_WIRE, request_iterator,
                                                  context):
             yield response
 
+    async def DescribeCodec(
+        self,
+        request: pb.DescribeCodecRequest,
+        context: grpc.aio.ServicerContext[pb.DescribeCodecRequest, pb.DescribeCodecResponse],
+    ) -> pb.DescribeCodecResponse:
+        return self.description
 
-def build_stage(model_dir: Path, options: dict[str, Any]) -> StageBundle:
-    """options: max_running (default 8); chunk_frames, initial_chunk_frames and
-    left_context_frames — the defaults for requests that leave them 0."""
-    max_running = int(options.get("max_running", DEFAULT_MAX_RUNNING))
-    base = DecodeInput()
-    defaults = DecodeInput(
-        chunk_frames=int(options.get("chunk_frames", base.chunk_frames)),
-        initial_chunk_frames=int(options.get("initial_chunk_frames", base.initial_chunk_frames)),
-        left_context_frames=int(options.get("left_context_frames", base.left_context_frames)))
+
+def _describe(
+    model_dir: Path, decoder: DecoderEngine, limits: CodecLimits
+) -> pb.DescribeCodecResponse:
+    """The decoder's capacity (DecodeAudio is the stage's main work) and the codec's facts."""
+    return pb.DescribeCodecResponse(
+        stage=stage_description("codec", model_dir, decoder),
+        sample_rate=limits.sample_rate, frame_rate=limits.frame_rate,
+        num_codebooks=limits.num_codebooks, max_reference_seconds=limits.max_reference_seconds,
+        reference_sample_rates=limits.reference_sample_rates)
+
+
+def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
+    """options: EngineOptions (max_running, default 8) and ChunkOptions."""
+    engine_options, chunk_options = parse_options("codec", options, EngineOptions,
+                                                  ChunkOptions)
+    defaults = DecodeInput(**chunk_options)
     decoder_adapter = CodecDecoderAdapter(model_dir)
     decoder_adapter.check_inputs(defaults)  # bad options fail at start-up, not per request
-    decoder = StepEngine(decoder_adapter, max_running=max_running)
-    encoder = StepEngine(CodecEncoderAdapter(model_dir))
-    servicer = CodecServicer(decoder, _DecodeWire(decoder_adapter, defaults).wire, encoder)
+    decoder = StepEngine(decoder_adapter,
+                         max_running=engine_options.get("max_running", DEFAULT_MAX_RUNNING))
+    encoder_adapter = CodecEncoderAdapter(model_dir)
+    encoder = StepEngine(encoder_adapter)
+    servicer = CodecServicer(decoder, _DecodeWire(decoder_adapter, defaults).wire, encoder,
+                             _describe(model_dir, decoder, encoder_adapter.limits))
     return StageBundle(
         name="codec", engines=[decoder, encoder], service_names=[SERVICE_NAME],
         register=lambda server: codec_service_pb2_grpc.add_CodecServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir), "max_running": str(max_running),
+        info={"model": str(model_dir), "max_running": str(decoder.max_running),
               "chunk_frames": str(defaults.chunk_frames),
               "initial_chunk_frames": str(defaults.initial_chunk_frames),
               "left_context_frames": str(defaults.left_context_frames)})

@@ -13,26 +13,52 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import assert_never
 
 import numpy as np
 import torch
-from diffusers import (
-    FlowMatchEulerDiscreteScheduler,
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
     QwenImagePipeline,
-    QwenImageTransformer2DModel,
+    calculate_shift,
+    retrieve_timesteps,
 )
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
+    FlowMatchEulerDiscreteScheduler,
+)
 from diffusers.utils.torch_utils import randn_tensor
 
-from stagemesh.models.qwen_image import latent_factor
-from stagemesh.services.tokenizer.adapter import PromptEmbeddings
-from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepOutput
+from stagemesh.models.families.qwen_image import (
+    MAX_IMAGE_SIDE,
+    PROMPT_MAX_TOKENS,
+    PromptEmbeddings,
+    latent_factor,
+)
+from stagemesh.models.options import capped_option
+from stagemesh.shared.engine.adapter import (
+    EngineRequest,
+    InvalidInputError,
+    NoStream,
+    StageAdapter,
+    StepOutput,
+)
+from stagemesh.shared.limits import MAX_SEED
 
+# The model's own caps: no option can raise a limit above these.
 MAX_STEPS = 1000
-MAX_SIDE = 2048  # pixels; bounds latent memory per request
 MAX_TRUE_CFG_SCALE = 30.0
-MAX_TEXT_TOKENS = 1024  # QwenImagePipeline's prompt limit
+
+
+@dataclass(frozen=True)
+class DitLimits:
+    """What the stage accepts (its Describe facts): options, tightened to the model's caps."""
+
+    size_multiple: int  # height and width are multiples of this (the latent factor)
+    max_side: int  # pixels, a multiple of size_multiple
+    max_pixels: int  # height x width
+    max_steps: int
+    max_true_cfg_scale: float
+    max_images_per_request: int  # enforced by the caller: each image is its own DiT request
 
 
 @dataclass(frozen=True)
@@ -91,11 +117,20 @@ class DenoiseState:
 
 
 class DenoiseAdapter:
-    """`StageAdapter[DenoiseState]` over QwenImageTransformer2DModel + FlowMatch scheduler."""
+    """The DiT stage's model: QwenImageTransformer2DModel + its FlowMatch scheduler."""
 
     stage = "dit"
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_steps: int = 200,
+        max_pixels: int = 1024 * 1024,
+        max_side: int = MAX_IMAGE_SIDE,
+        max_true_cfg_scale: float = 20.0,
+        max_images_per_request: int = 4,
+    ) -> None:
         self.transformer = QwenImageTransformer2DModel.from_pretrained(
             model_dir, subfolder="transformer", local_files_only=True
         ).eval()
@@ -104,46 +139,59 @@ class DenoiseAdapter:
         )
         if self.transformer.config.guidance_embeds:
             raise ValueError("guidance-distilled Qwen-Image transformers are not supported")
-        self.latent_factor = latent_factor(Path(model_dir))
+        self.latent_factor = latent_factor(model_dir)
         self.vae_scale_factor = self.latent_factor // 2
         self._device = self.transformer.device
+        self._text_dim: int = self.transformer.config.joint_attention_dim
+        self.limits = _limits(
+            self.latent_factor,
+            max_steps=max_steps,
+            max_pixels=max_pixels,
+            max_side=max_side,
+            max_true_cfg_scale=max_true_cfg_scale,
+            max_images_per_request=max_images_per_request,
+        )
 
     # -- validation ---------------------------------------------------------------------------
 
-    def check_inputs(self, payload: Any) -> None:
-        if not isinstance(payload, DenoiseInput):
-            raise TypeError(f"expected DenoiseInput, got {type(payload).__name__}")
+    def check_inputs(self, payload: DenoiseInput) -> None:
+        limits = self.limits
         self._check_size(payload.height, payload.width)
         steps = payload.num_inference_steps
-        if not 1 <= steps <= MAX_STEPS:
+        if not 1 <= steps <= limits.max_steps:
             raise InvalidInputError(
                 "num_inference_steps",
-                f"num_inference_steps must be in [1, {MAX_STEPS}], got {steps}",
+                f"num_inference_steps must be in [1, {limits.max_steps}], got {steps}",
             )
         if payload.sigmas is not None:
             _check_sigmas(payload.sigmas, steps)
         scale = payload.true_cfg_scale
-        if not (math.isfinite(scale) and 0.0 <= scale <= MAX_TRUE_CFG_SCALE):
+        if not (math.isfinite(scale) and 0.0 <= scale <= limits.max_true_cfg_scale):
             raise InvalidInputError(
                 "true_cfg_scale",
-                f"true_cfg_scale must be in [0, {MAX_TRUE_CFG_SCALE}], got {scale}",
+                f"true_cfg_scale must be in [0, {limits.max_true_cfg_scale}], got {scale}",
             )
-        if not 0 <= payload.seed < 2**64:
-            raise InvalidInputError("seed", f"seed must be in [0, 2**64), got {payload.seed}")
+        if not 0 <= payload.seed <= MAX_SEED:
+            raise InvalidInputError("seed", f"seed must be in [0, {MAX_SEED}], got {payload.seed}")
         self._check_embeddings(payload.embeddings)
 
     def _check_size(self, height: int, width: int) -> None:
-        factor = self.latent_factor
+        factor, max_side = self.limits.size_multiple, self.limits.max_side
         for side in (height, width):
-            if not (0 < side <= MAX_SIDE and side % factor == 0):
+            if not (0 < side <= max_side and side % factor == 0):
                 raise InvalidInputError(
                     "size",
-                    f"height and width must be positive multiples of {factor} up to {MAX_SIDE}, "
+                    f"height and width must be positive multiples of {factor} up to {max_side}, "
                     f"got {height}x{width}",
                 )
+        if height * width > self.limits.max_pixels:
+            raise InvalidInputError(
+                "size",
+                f"{height}x{width} is more than {self.limits.max_pixels} pixels",
+            )
 
     def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
-        dim = self.transformer.config.joint_attention_dim
+        dim = self._text_dim
         _check_embeds("prompt_embeds", embeddings.prompt_embeds, embeddings.prompt_embeds_mask, dim)
         neg, neg_mask = embeddings.negative_prompt_embeds, embeddings.negative_prompt_embeds_mask
         if neg is not None:
@@ -156,8 +204,8 @@ class DenoiseAdapter:
     # -- step machine -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prepare(self, request: EngineRequest) -> DenoiseState:
-        payload: DenoiseInput = request.payload
+    def prepare(self, request: EngineRequest[DenoiseInput]) -> DenoiseState:
+        payload = request.payload
         embeddings = payload.embeddings
         latents = self.prepare_latents(payload, embeddings.prompt_embeds.dtype)
         scheduler = copy.deepcopy(self.scheduler)
@@ -174,10 +222,10 @@ class DenoiseAdapter:
         )
         return DenoiseState(plan=plan, work=_Work(latents, embeddings, scheduler))
 
-    def add_input(self, state: DenoiseState, payload: Any) -> None:
-        raise NotImplementedError("the DiT stage takes no streamed input")
+    def add_input(self, state: DenoiseState, payload: NoStream) -> None:
+        assert_never(payload)  # the DiT stage takes no streamed input
 
-    def step(self, states: Sequence[DenoiseState]) -> list[StepOutput]:
+    def step(self, states: Sequence[DenoiseState]) -> list[StepOutput[NoStream]]:
         return [self.denoise_step(state) for state in states]
 
     def finish(self, state: DenoiseState) -> DenoisedLatents:
@@ -197,17 +245,22 @@ class DenoiseAdapter:
         height = payload.height // self.vae_scale_factor
         width = payload.width // self.vae_scale_factor
         generator = torch.Generator(device="cpu").manual_seed(payload.seed)
-        noise = randn_tensor(
+        noise: torch.Tensor = randn_tensor(
             (1, 1, channels, height, width), generator=generator, device=self._device, dtype=dtype
         )
-        return QwenImagePipeline._pack_latents(noise, 1, channels, height, width)
+        packed: torch.Tensor = QwenImagePipeline._pack_latents(noise, 1, channels, height, width)
+        return packed
 
     def prepare_timesteps(
         self, scheduler: FlowMatchEulerDiscreteScheduler, payload: DenoiseInput, image_seq_len: int
     ) -> torch.Tensor:
         """Resolution-shifted sigmas set on `scheduler` (the pipeline's step 5)."""
         steps = payload.num_inference_steps
-        sigmas = np.linspace(1.0, 1 / steps, steps) if payload.sigmas is None else payload.sigmas
+        sigmas: list[float] = (
+            np.linspace(1.0, 1 / steps, steps).tolist()
+            if payload.sigmas is None
+            else payload.sigmas
+        )
         config = scheduler.config
         mu = calculate_shift(
             image_seq_len,
@@ -216,12 +269,13 @@ class DenoiseAdapter:
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
+        timesteps: torch.Tensor
         timesteps, _ = retrieve_timesteps(scheduler, steps, self._device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         return timesteps
 
     @torch.inference_mode()
-    def denoise_step(self, state: DenoiseState) -> StepOutput:
+    def denoise_step(self, state: DenoiseState) -> StepOutput[NoStream]:
         """One iteration of the pipeline's denoising loop for one request."""
         work, plan = state.live(), state.plan
         t = plan.timesteps[state.step_index]
@@ -234,7 +288,14 @@ class DenoiseAdapter:
             with self.transformer.cache_context("uncond"):
                 neg_pred = self._predict(state, timestep, neg, neg_mask)
             noise_pred = _true_cfg(noise_pred, neg_pred, plan.true_cfg_scale)
-        work.latents = work.scheduler.step(noise_pred, t, work.latents, return_dict=False)[0]
+        # diffusers annotates the legacy torch.FloatTensor; any float tensor is what it takes.
+        stepped: torch.Tensor = work.scheduler.step(
+            noise_pred,  # type: ignore[arg-type]
+            t,  # type: ignore[arg-type]
+            work.latents,  # type: ignore[arg-type]
+            return_dict=False,
+        )[0]
+        work.latents = stepped
         state.step_index += 1
         return StepOutput(
             step_index=state.step_index, finished=state.step_index == len(plan.timesteps)
@@ -247,7 +308,7 @@ class DenoiseAdapter:
         embeds: torch.Tensor | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self.transformer(
+        prediction: torch.Tensor = self.transformer(
             hidden_states=state.live().latents,
             timestep=timestep / 1000,
             guidance=None,
@@ -256,13 +317,14 @@ class DenoiseAdapter:
             img_shapes=state.plan.img_shapes,
             return_dict=False,
         )[0]
+        return prediction
 
 
 def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """Qwen-Image's true CFG: combine, then rescale to the conditional prediction's norm."""
     combined = uncond + scale * (cond - uncond)
-    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
-    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+    cond_norm: torch.Tensor = torch.norm(cond, dim=-1, keepdim=True)
+    combined_norm: torch.Tensor = torch.norm(combined, dim=-1, keepdim=True)
     return combined * (cond_norm / combined_norm)
 
 
@@ -275,11 +337,38 @@ def _check_sigmas(sigmas: list[float], steps: int) -> None:
         raise InvalidInputError("sigmas", "every sigma must be in (0, 1]")
 
 
+def _limits(
+    factor: int,
+    *,
+    max_steps: int,
+    max_pixels: int,
+    max_side: int,
+    max_true_cfg_scale: float,
+    max_images_per_request: int,
+) -> DitLimits:
+    """The operator's options, tightened to the model's caps; sides round down to a multiple
+    of the latent factor (a side that no size can reach would be a false promise)."""
+    side = capped_option("max_side", max_side, MAX_IMAGE_SIDE) // factor * factor
+    if side < factor:
+        raise ValueError(f"option max_side={max_side} is below the model's size multiple {factor}")
+    return DitLimits(
+        size_multiple=factor,
+        max_side=side,
+        max_pixels=capped_option("max_pixels", max_pixels, side * side),
+        max_steps=capped_option("max_steps", max_steps, MAX_STEPS),
+        max_true_cfg_scale=capped_option(
+            "max_true_cfg_scale", float(max_true_cfg_scale), MAX_TRUE_CFG_SCALE
+        ),
+        max_images_per_request=capped_option("max_images_per_request", max_images_per_request),
+    )
+
+
 def _check_embeds(name: str, embeds: torch.Tensor, mask: torch.Tensor | None, dim: int) -> None:
     shape = tuple(embeds.shape)
-    if embeds.ndim != 3 or shape[0] != 1 or shape[2] != dim or not 1 <= shape[1] <= MAX_TEXT_TOKENS:
+    limit = PROMPT_MAX_TOKENS
+    if embeds.ndim != 3 or shape[0] != 1 or shape[2] != dim or not 1 <= shape[1] <= limit:
         raise InvalidInputError(
-            "embeddings", f"{name} must be [1, 1..{MAX_TEXT_TOKENS}, {dim}], got {list(shape)}"
+            "embeddings", f"{name} must be [1, 1..{limit}, {dim}], got {list(shape)}"
         )
     if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
         raise InvalidInputError("embeddings", f"{name} must be finite floating-point values")
@@ -287,3 +376,9 @@ def _check_embeds(name: str, embeds: torch.Tensor, mask: torch.Tensor | None, di
         raise InvalidInputError(
             "embeddings", f"{name} mask must be {list(shape[:2])}, got {list(mask.shape)}"
         )
+
+
+#: The static proof that the adapter is the DiT stage's StageAdapter.
+_: type[StageAdapter[DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents]] = (
+    DenoiseAdapter
+)

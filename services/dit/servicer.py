@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, TypedDict
 
 import grpc
 
-from stagemesh.services.dit.adapter import DenoiseAdapter, DenoisedLatents, DenoiseInput
-from stagemesh.services.tokenizer.adapter import PromptEmbeddings
-from stagemesh.shared.engine.adapter import EngineRequest, ExecutionMode, StepBudget
+from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.services.dit.adapter import (
+    DenoiseAdapter,
+    DenoisedLatents,
+    DenoiseInput,
+    DenoiseState,
+    DitLimits,
+)
+from stagemesh.shared.engine.adapter import EngineRequest, ExecutionMode, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.engine.scheduler import resolve_total_steps
+from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
-from stagemesh.shared.stage_runtime import StageBundle
+from stagemesh.shared.stage_runtime import StageBundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
 
@@ -23,9 +30,31 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DitService"].full_name
 
 MODES = {common_pb2.EXECUTION_MODE_STEP: ExecutionMode.STEP,
          common_pb2.EXECUTION_MODE_REQUEST: ExecutionMode.REQUEST}
+MODE_TO_PROTO = {mode: value for value, mode in MODES.items()}
+
+DitEngine: TypeAlias = StepEngine[
+    DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents
+]
 
 
-def _request(start: pb.DenoiseStart, deadline: float | None) -> EngineRequest:
+class DitModeOptions(TypedDict, total=False):
+    """How the stage runs a request by default (step execution unless set false)."""
+
+    step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
+
+
+class DitLimitOptions(TypedDict, total=False):
+    """The stage's limits: DenoiseAdapter's keyword arguments (each capped by the model)."""
+
+    max_steps: int
+    max_pixels: int
+    max_side: int
+    max_true_cfg_scale: float
+    max_images_per_request: int
+
+
+def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineRequest[DenoiseInput]:
+    start = message.start
     sigmas = list(start.sigmas) or None
     embeddings = PromptEmbeddings(
         prompt_embeds=from_proto(start.prompt_embeds),
@@ -47,27 +76,58 @@ def _result(latents: DenoisedLatents) -> pb.DenoiseResult:
                             width=latents.width)
 
 
-WIRE = StageWire(response_cls=pb.DenoiseResponse, make_request=_request, encode_result=_result)
+WIRE: StageWire[pb.DenoiseRequest, pb.DenoiseResponse, DenoiseInput, NoStream, NoStream,
+                DenoisedLatents] = StageWire(
+    response_cls=pb.DenoiseResponse, make_request=_request, encode_result=_result)
 
 
 class DitServicer(dit_service_pb2_grpc.DitServiceServicer):
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: DitEngine, description: pb.DescribeDitResponse) -> None:
         self.engine = engine
+        self.description = description
 
     async def Denoise(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+        self,
+        request_iterator: AsyncIterator[pb.DenoiseRequest],
+        context: grpc.aio.ServicerContext[pb.DenoiseRequest, pb.DenoiseResponse],
+    ) -> AsyncIterator[pb.DenoiseResponse]:
         async for response in serve_stage_stream(self.engine, WIRE, request_iterator, context):
             yield response
 
+    async def DescribeDit(
+        self,
+        request: pb.DescribeDitRequest,
+        context: grpc.aio.ServicerContext[pb.DescribeDitRequest, pb.DescribeDitResponse],
+    ) -> pb.DescribeDitResponse:
+        return self.description
 
-def build_stage(model_dir: Path, options: dict[str, Any]) -> StageBundle:
-    """options: step_execution (default true) — step-boundary abort on, or request mode."""
-    step_execution = bool(options.get("step_execution", True))
+
+def _describe(
+    model_dir: Path, engine: DitEngine, limits: DitLimits, mode: ExecutionMode
+) -> pb.DescribeDitResponse:
+    """The stage's facts; execution_modes lists the default mode first."""
+    modes = sorted(ExecutionMode, key=lambda other: other is not mode)
+    return pb.DescribeDitResponse(
+        stage=stage_description("dit", model_dir, engine),
+        size_multiple=limits.size_multiple, max_side=limits.max_side,
+        max_pixels=limits.max_pixels, max_steps=limits.max_steps,
+        max_true_cfg_scale=limits.max_true_cfg_scale,
+        max_images_per_request=limits.max_images_per_request,
+        execution_modes=[MODE_TO_PROTO[other] for other in modes])
+
+
+def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
+    """options: DitModeOptions, EngineOptions and DitLimitOptions."""
+    mode_options, engine_options, limit_options = parse_options(
+        "dit", options, DitModeOptions, EngineOptions, DitLimitOptions)
+    step_execution = mode_options.get("step_execution", True)
     mode = ExecutionMode.STEP if step_execution else ExecutionMode.REQUEST
-    engine = StepEngine(DenoiseAdapter(model_dir), mode=mode)
+    adapter = DenoiseAdapter(model_dir, **limit_options)
+    engine = StepEngine(adapter, mode=mode, **engine_options)
+    servicer = DitServicer(engine, _describe(model_dir, engine, adapter.limits, mode))
     return StageBundle(
         name="dit", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(
-            DitServicer(engine), server),
-        info={"model": str(model_dir), "mode": mode.value})
+            servicer, server),
+        info={"model": str(model_dir), "mode": mode.value,
+              "max_running": str(engine.max_running)})

@@ -11,6 +11,9 @@ temporary batch cache, padding masked, each row at its own position), then runs 
 depth-decoder pass (num_codebooks - 1 forwards for the whole batch; its cache starts empty on
 every frame, so rows line up). Sampling uses one `torch.Generator` per request, so a request's
 frames do not depend on which requests share its steps.
+
+The prompt markup (segment and audio tokens) and the voices come from the model folder
+(`stagemesh.models.families.csm`), so a real CSM folder and the tiny built one take one path.
 """
 
 from __future__ import annotations
@@ -23,37 +26,55 @@ import secrets
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import assert_never
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
-from transformers import AutoTokenizer, CsmForConditionalGeneration, DynamicCache
+from transformers import CsmForConditionalGeneration, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.models.csm.modeling_csm import CsmOutputWithPast
 
-from stagemesh.models.speech import (
-    AUDIO_EOS_TOKEN,
-    AUDIO_TOKEN,
-    SEGMENT_END,
-    SEGMENT_START,
-    load_voices,
-)
+from stagemesh.models.families.csm import CsmFacts, CsmPromptFormat, load_voices
+from stagemesh.models.options import capped_option
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     InvalidInputError,
+    NoStream,
+    StageAdapter,
     StepOutput,
 )
+from stagemesh.shared.limits import CLONE_VOICE, DEFAULT_VOICE, MAX_SEED
 
 logger = logging.getLogger(__name__)
 
-#: OpenAI's speech API limit on `input`.
-MAX_INPUT_CHARS = 4096
+#: Option defaults: OpenAI's speech API limit on `input`; 60 s of audio at 12.5 Hz.
+DEFAULT_MAX_INPUT_CHARS = 4096
+DEFAULT_MAX_NEW_FRAMES_LIMIT = 750
+#: Frames generated when a request sets no limit (20 s at 12.5 Hz).
+DEFAULT_MAX_NEW_FRAMES = 250
 MAX_REF_TEXT_CHARS = 4096
-DEFAULT_MAX_NEW_FRAMES = 250  # 20 s at 12.5 Hz
-#: The voice name that means "clone the reference audio in `context`".
-CLONE_VOICE = "clone"
+MAX_TEMPERATURE = 10.0
+MAX_TOP_K = 10_000
 #: Request field that limits generated frames (each frame is one talker token step).
 MAX_NEW_FIELD = "max_new_tokens"
+
+
+@dataclass(frozen=True)
+class TalkerLimits:
+    """What the stage accepts (its Describe facts): options, tightened to the model's caps."""
+
+    voices: tuple[str, ...]  # lower case, in the model folder's order
+    default_voice: str  # what no voice, "" or "default" selects
+    supports_voice_clone: bool
+    max_input_chars: int
+    max_reference_text_chars: int
+    max_new_frames: int  # at most the model's positions
+    default_max_new_frames: int  # what a request without its own limit may generate
+    frame_rate: float  # frames per second of audio
+    max_temperature: float
+    max_top_k: int
 
 
 @dataclass(frozen=True)
@@ -80,7 +101,8 @@ class TalkerInput:
 
     Exactly one of `text` and `token_ids` (the text's ids from the Tokenizer stage, without
     CSM's segment markup, which the talker adds). The voice is a name from the model's voices,
-    or "clone" (or None) with `context`; `speaker_id` overrides the voice's id.
+    "default" / "" / None for the stage's default voice, or "clone" with `context`;
+    `speaker_id` overrides the voice's id. max_new_frames None = the stage's default.
     """
 
     text: str | None = None
@@ -88,7 +110,7 @@ class TalkerInput:
     voice: str | None = None
     speaker_id: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_new_frames: int = DEFAULT_MAX_NEW_FRAMES
+    max_new_frames: int | None = None
     stop_on_end_of_audio: bool = True
     context: VoiceContext | None = None
 
@@ -123,28 +145,48 @@ class TalkerState:
 
 
 class TalkerAdapter:
-    """`StageAdapter[TalkerState]` over a CSM folder (see `stagemesh.models.speech`)."""
+    """The Talker stage's model: a CSM folder (backbone + depth decoder, its voices)."""
 
     stage = "talker"
 
-    def __init__(self, model_dir: str | Path) -> None:
-        self._model = CsmForConditionalGeneration.from_pretrained(
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_input_chars: int = DEFAULT_MAX_INPUT_CHARS,
+        max_new_frames: int = DEFAULT_MAX_NEW_FRAMES_LIMIT,
+        default_voice: str | None = None,
+    ) -> None:
+        # CSM overrides from_pretrained without annotations; it returns the model in eval mode.
+        load = CsmForConditionalGeneration.from_pretrained
+        self._model: CsmForConditionalGeneration = load(  # type: ignore[no-untyped-call]
             model_dir, local_files_only=True
-        ).eval()
-        self._tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        )
+        self._prompt = CsmPromptFormat.from_folder(model_dir)
         self._voices = load_voices(model_dir)
-        config = self._model.config
-        self._num_codebooks: int = config.num_codebooks
-        self._eos_code: int = config.codebook_eos_token_id
-        # CSM's codebook vocabulary has a few ids past the codec's codebook; they are never
-        # valid audio, so sampling is restricted to ids the codec can decode.
-        self._codec_vocab: int = config.codec_config.codebook_size
-        self._max_positions: int = config.max_position_embeddings
-        self._text_vocab: int = config.text_vocab_size
-        self._ids = {
-            tok: self._tokenizer.convert_tokens_to_ids(tok)
-            for tok in (SEGMENT_END, AUDIO_TOKEN, AUDIO_EOS_TOKEN)
-        }
+        self._facts = CsmFacts.of(self._model.config)
+        self.limits = self._limits(max_input_chars, max_new_frames, default_voice)
+
+    def _limits(
+        self, max_input_chars: int, max_new_frames: int, default_voice: str | None
+    ) -> TalkerLimits:
+        voices = tuple(self._voices)
+        default = voices[0] if default_voice is None else default_voice.lower()
+        if default not in self._voices:
+            raise ValueError(f"option default_voice={default_voice!r} is not one of {voices}")
+        most_frames = capped_option("max_new_frames", max_new_frames, self._facts.max_positions)
+        return TalkerLimits(
+            voices=voices,
+            default_voice=default,
+            supports_voice_clone=True,
+            max_input_chars=capped_option("max_input_chars", max_input_chars),
+            max_reference_text_chars=MAX_REF_TEXT_CHARS,
+            max_new_frames=most_frames,
+            default_max_new_frames=min(DEFAULT_MAX_NEW_FRAMES, most_frames),
+            frame_rate=self._facts.frame_rate,
+            max_temperature=MAX_TEMPERATURE,
+            max_top_k=MAX_TOP_K,
+        )
 
     @property
     def voices(self) -> dict[str, int]:
@@ -152,55 +194,59 @@ class TalkerAdapter:
 
     @property
     def num_codebooks(self) -> int:
-        return self._num_codebooks
+        return self._facts.num_codebooks
 
     # -- validation ---------------------------------------------------------------------------
 
-    def check_inputs(self, payload: Any) -> None:
-        if not isinstance(payload, TalkerInput):
-            raise TypeError(f"expected TalkerInput, got {type(payload).__name__}")
+    def check_inputs(self, payload: TalkerInput) -> None:
         text_ids = self._check_text(payload)
         self._resolve_speaker(payload)
         self._check_sampling(payload.sampling)
         ref_len = self._check_context(payload.context)
-        if not 1 <= payload.max_new_frames <= self._max_positions:
+        max_new_frames = self._max_new_frames(payload)
+        limit = self.limits.max_new_frames
+        if not 1 <= max_new_frames <= limit:
             raise InvalidInputError(
-                MAX_NEW_FIELD,
-                f"{MAX_NEW_FIELD} must be in [1, {self._max_positions}], "
-                f"got {payload.max_new_frames}",
+                MAX_NEW_FIELD, f"{MAX_NEW_FIELD} must be in [1, {limit}], got {max_new_frames}"
             )
-        prompt_len = len(self._segment_ids(0, text_ids)) + ref_len
-        if prompt_len >= self._max_positions:
+        positions = self._facts.max_positions
+        prompt_len = len(self._prompt.segment_ids(0, text_ids)) + ref_len
+        if prompt_len >= positions:
             raise InvalidInputError(
                 "input",
-                f"input is too long: {prompt_len} prompt positions, "
-                f"the model has {self._max_positions}",
+                f"input is too long: {prompt_len} prompt positions, the model has {positions}",
             )
-        if prompt_len + payload.max_new_frames > self._max_positions:
+        if prompt_len + max_new_frames > positions:
             raise InvalidInputError(
                 MAX_NEW_FIELD,
-                f"{MAX_NEW_FIELD}={payload.max_new_frames} does not fit after a prompt of "
-                f"{prompt_len} positions (model maximum {self._max_positions})",
+                f"{MAX_NEW_FIELD}={max_new_frames} does not fit after a prompt of "
+                f"{prompt_len} positions (model maximum {positions})",
             )
+
+    def _max_new_frames(self, payload: TalkerInput) -> int:
+        requested = payload.max_new_frames
+        return self.limits.default_max_new_frames if requested is None else requested
 
     def _check_text(self, payload: TalkerInput) -> list[int]:
         if payload.text is not None and payload.token_ids is not None:
             raise InvalidInputError("input", "give either text or token_ids, not both")
         if payload.token_ids is not None:
             ids = [int(i) for i in payload.token_ids]
+            vocab = self._prompt.text_vocab_size
             if not ids:
                 raise InvalidInputError("input", "input is empty")
-            if not all(0 <= i < self._text_vocab for i in ids):
-                raise InvalidInputError("input", f"token ids must be in [0, {self._text_vocab})")
+            if not all(0 <= i < vocab for i in ids):
+                raise InvalidInputError("input", f"token ids must be in [0, {vocab})")
             return ids
         text = (payload.text or "").strip()
+        max_chars = self.limits.max_input_chars
         if not text:
             raise InvalidInputError("input", "input is empty")
-        if len(text) > MAX_INPUT_CHARS:
+        if len(text) > max_chars:
             raise InvalidInputError(
-                "input", f"input has {len(text)} characters, the limit is {MAX_INPUT_CHARS}"
+                "input", f"input has {len(text)} characters, the limit is {max_chars}"
             )
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return self._prompt.encode(text)
 
     def _resolve_speaker(self, payload: TalkerInput) -> int:
         if payload.speaker_id is not None:
@@ -209,104 +255,102 @@ class TalkerAdapter:
                     "voice", f"speaker id must be >= 0, got {payload.speaker_id}"
                 )
             return payload.speaker_id
-        voice = (payload.voice or "").lower()
-        if voice in ("", CLONE_VOICE) and payload.context is not None:
-            return 0
+        voice = (payload.voice or DEFAULT_VOICE).lower()
         if voice == CLONE_VOICE:
-            raise InvalidInputError("ref_audio", "voice 'clone' needs reference audio")
-        if not voice:
-            return next(iter(self._voices.values()))
+            if payload.context is None:
+                raise InvalidInputError("ref_audio", "voice 'clone' needs reference audio")
+            return 0  # the speaker of the reference segment, which the model continues
+        if voice == DEFAULT_VOICE:
+            return self._voices[self.limits.default_voice]
         if voice not in self._voices:
             raise InvalidInputError(
-                "voice", f"unknown voice {payload.voice!r}; known: {sorted(self._voices)}"
+                "voice", f"unknown voice {payload.voice!r}; known: {list(self.limits.voices)}"
             )
         return self._voices[voice]
 
-    @staticmethod
-    def _check_sampling(sampling: SamplingParams) -> None:
-        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        max_temperature, max_top_k = self.limits.max_temperature, self.limits.max_top_k
+        temperature = sampling.temperature
+        if not (math.isfinite(temperature) and 0 <= temperature <= max_temperature):
             raise InvalidInputError(
-                "temperature", f"temperature must be >= 0, got {sampling.temperature}"
+                "temperature", f"temperature must be in [0, {max_temperature}], got {temperature}"
             )
         if not 0 < sampling.top_p <= 1:
             raise InvalidInputError("top_p", f"top_p must be in (0, 1], got {sampling.top_p}")
-        if sampling.top_k < 0:
-            raise InvalidInputError("top_k", f"top_k must be >= 0, got {sampling.top_k}")
-        if sampling.seed is not None and not 0 <= sampling.seed < 2**63:
-            raise InvalidInputError("seed", f"seed must be in [0, 2**63), got {sampling.seed}")
+        if not 0 <= sampling.top_k <= max_top_k:
+            raise InvalidInputError(
+                "top_k", f"top_k must be in [0, {max_top_k}], got {sampling.top_k}"
+            )
+        if sampling.seed is not None and not 0 <= sampling.seed <= MAX_SEED:
+            raise InvalidInputError("seed", f"seed must be in [0, {MAX_SEED}], got {sampling.seed}")
 
     def _check_context(self, context: VoiceContext | None) -> int:
         """Validate reference codes; return how many prompt positions they take."""
         if context is None:
             return 0
-        codes = context.codes
+        codes, num_codebooks, vocab = context.codes, self.num_codebooks, self._facts.codec_vocab
         if (
             codes.ndim != 2
-            or codes.shape[1] != self._num_codebooks
+            or codes.shape[1] != num_codebooks
             or codes.shape[0] == 0
             or codes.dtype.is_floating_point
         ):
             raise InvalidInputError(
                 "ref_audio",
-                f"reference codes must be integer [frames, {self._num_codebooks}], "
+                f"reference codes must be integer [frames, {num_codebooks}], "
                 f"got {codes.dtype} {tuple(codes.shape)}",
             )
-        if int(codes.min()) < 0 or int(codes.max()) >= self._codec_vocab:
-            raise InvalidInputError(
-                "ref_audio", f"reference codes must be in [0, {self._codec_vocab})"
-            )
-        if len(context.text) > MAX_REF_TEXT_CHARS:
+        if int(codes.min()) < 0 or int(codes.max()) >= vocab:
+            raise InvalidInputError("ref_audio", f"reference codes must be in [0, {vocab})")
+        max_chars = self.limits.max_reference_text_chars
+        if len(context.text) > max_chars:
             raise InvalidInputError(
                 "ref_text",
-                f"ref_text has {len(context.text)} characters, the limit is {MAX_REF_TEXT_CHARS}",
+                f"ref_text has {len(context.text)} characters, the limit is {max_chars}",
             )
-        ref_text_ids = self._tokenizer.encode(context.text, add_special_tokens=False)
+        ref_text_ids = self._prompt.encode(context.text)
         # segment markup + text + one position per frame + the audio-eos frame
-        return len(self._segment_ids(0, ref_text_ids)) + codes.shape[0] + 1
+        return len(self._prompt.segment_ids(0, ref_text_ids)) + codes.shape[0] + 1
 
     # -- prompt -------------------------------------------------------------------------------
-
-    def _segment_ids(self, speaker: int, text_ids: Sequence[int]) -> list[int]:
-        """CSM's text segment `<bos>[speaker]text<eos>` as ids."""
-        head = self._tokenizer.encode(f"{SEGMENT_START}[{speaker}]", add_special_tokens=False)
-        return [*head, *text_ids, self._ids[SEGMENT_END]]
 
     def _prompt_embeds(self, payload: TalkerInput, speaker: int) -> torch.Tensor:
         """[1, positions, hidden]: an optional reference segment (text, then its audio frames
         and the end-of-audio frame, as CSM's processor lays them out), then the target text."""
         text_ids = self._check_text(payload)
-        model = self._model
+        model, prompt = self._model, self._prompt
         context = payload.context
         ids: list[int] = []
         if context is not None:
-            ref_ids = self._tokenizer.encode(context.text, add_special_tokens=False)
-            ids += self._segment_ids(speaker, ref_ids)
-            ids += [self._ids[AUDIO_TOKEN]] * context.codes.shape[0] + [self._ids[AUDIO_EOS_TOKEN]]
-        ids += self._segment_ids(speaker, text_ids)
+            ids += prompt.segment_ids(speaker, prompt.encode(context.text))
+            ids += prompt.reference_audio_ids(context.codes.shape[0])
+        ids += prompt.segment_ids(speaker, text_ids)
         input_ids = torch.tensor([ids], device=model.device)
-        embeds = model.embed_text_tokens(input_ids)
+        embeds: torch.Tensor = model.embed_text_tokens(input_ids)
         if context is not None:
             codes = context.codes.to(device=model.device, dtype=torch.long)
-            eos_frame = torch.full((1, self._num_codebooks), self._eos_code, device=model.device)
-            audio = model.backbone_model.embed_tokens(torch.cat([codes, eos_frame])[None])
-            is_audio = (input_ids == self._ids[AUDIO_TOKEN]) | (
-                input_ids == self._ids[AUDIO_EOS_TOKEN]
+            eos_frame = torch.full(
+                (1, self.num_codebooks), self._facts.end_of_audio_code, device=model.device
             )
+            audio: torch.Tensor = model.backbone_model.embed_tokens(
+                torch.cat([codes, eos_frame])[None]
+            )
+            is_audio = (input_ids == prompt.audio_id) | (input_ids == prompt.audio_eos_id)
             embeds[is_audio] = audio[0].to(embeds.dtype)
         return embeds
 
     # -- engine contract ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prepare(self, request: EngineRequest) -> TalkerState:
-        payload: TalkerInput = request.payload
+    def prepare(self, request: EngineRequest[TalkerInput]) -> TalkerState:
+        payload = request.payload
         speaker = self._resolve_speaker(payload)
         seed = payload.sampling.seed if payload.sampling.seed is not None else secrets.randbits(63)
         cache = DynamicCache(config=self._model.config)
         state = TalkerState(
             request_id=request.request_id,
             sampling=payload.sampling,
-            max_new_frames=payload.max_new_frames,
+            max_new_frames=self._max_new_frames(payload),
             stop_on_end_of_audio=payload.stop_on_end_of_audio,
             generator=torch.Generator(device=self._model.device).manual_seed(seed),
             cache=cache,
@@ -316,11 +360,11 @@ class TalkerAdapter:
         self._backbone_forward(state, inputs_embeds=self._prompt_embeds(payload, speaker))
         return state
 
-    def add_input(self, state: TalkerState, payload: Any) -> None:
-        raise InvalidInputError("input", "the talker does not accept streamed input")
+    def add_input(self, state: TalkerState, payload: NoStream) -> None:
+        assert_never(payload)  # the talker takes its whole text at the start
 
     @torch.inference_mode()
-    def step(self, states: Sequence[TalkerState]) -> list[StepOutput]:
+    def step(self, states: Sequence[TalkerState]) -> list[StepOutput[torch.Tensor]]:
         self._feed_pending_frames([s for s in states if s.pending_frame is not None])
         frames = self._next_frames(states)
         return [self._advance(state, frame) for state, frame in zip(states, frames, strict=True)]
@@ -329,7 +373,7 @@ class TalkerAdapter:
         frames = (
             torch.stack(state.frames)
             if state.frames
-            else torch.empty((0, self._num_codebooks), dtype=torch.long)
+            else torch.empty((0, self.num_codebooks), dtype=torch.long)
         )
         return TalkerResult(frames=frames, finish_reason=state.finish_reason or FinishReason.LENGTH)
 
@@ -347,10 +391,15 @@ class TalkerAdapter:
 
     def _backbone_forward(self, state: TalkerState, **inputs: torch.Tensor) -> None:
         cache = self._live_cache(state)
-        out = self._model(**inputs, cache=cache, use_cache=True, output_hidden_states=True)
+        out: CsmOutputWithPast = self._model(
+            **inputs, cache=cache, use_cache=True, output_hidden_states=True
+        )
         self._take_outputs(state, out, row=0)
 
-    def _take_outputs(self, state: TalkerState, out: Any, row: int) -> None:
+    @staticmethod
+    def _take_outputs(state: TalkerState, out: CsmOutputWithPast, row: int) -> None:
+        if out.logits is None or out.hidden_states is None:
+            raise RuntimeError("the CSM backbone returned no logits or hidden states")
         state.logits = out.logits[row, -1]
         # The same hidden state `CsmForConditionalGeneration.generate` hands the depth decoder.
         state.hidden = out.hidden_states[-1][row, -1]
@@ -362,6 +411,12 @@ class TalkerAdapter:
             raise RuntimeError(f"request {state.request_id} was released")
         return state.cache
 
+    @staticmethod
+    def _pending_frame(state: TalkerState) -> torch.Tensor:
+        if state.pending_frame is None:
+            raise RuntimeError(f"request {state.request_id} has no frame to feed")
+        return state.pending_frame
+
     def _feed_pending_frames(self, states: Sequence[TalkerState]) -> None:
         """One backbone forward for every state's last frame, batched over the states.
 
@@ -372,8 +427,7 @@ class TalkerAdapter:
         """
         if len(states) <= 1:
             for state in states:
-                assert state.pending_frame is not None
-                self._backbone_forward(state, input_ids=state.pending_frame.view(1, 1, -1))
+                self._backbone_forward(state, input_ids=self._pending_frame(state).view(1, 1, -1))
             return
         caches = [self._live_cache(s) for s in states]
         lengths = [cache.get_seq_length() for cache in caches]
@@ -383,8 +437,8 @@ class TalkerAdapter:
         for row, length in enumerate(lengths):
             mask[row, longest - length :] = 1
         device = self._model.device
-        out = self._model(
-            input_ids=torch.stack([s.pending_frame for s in states])[:, None, :],
+        out: CsmOutputWithPast = self._model(
+            input_ids=torch.stack([self._pending_frame(s) for s in states])[:, None, :],
             attention_mask=mask.to(device),
             position_ids=torch.tensor(lengths, device=device)[:, None],
             cache=batch,
@@ -392,25 +446,25 @@ class TalkerAdapter:
             output_hidden_states=True,
         )
         for row, (state, cache) in enumerate(zip(states, caches, strict=True)):
-            for layer, batch_layer in enumerate(batch.layers):
-                new_keys = batch_layer.keys[row : row + 1, :, -1:]
-                new_values = batch_layer.values[row : row + 1, :, -1:]
-                cache.update(new_keys, new_values, layer)
+            for layer in range(len(batch.layers)):
+                keys, values = _layer_entries(batch, layer)
+                cache.update(keys[row : row + 1, :, -1:], values[row : row + 1, :, -1:], layer)
             self._take_outputs(state, out, row)
 
     def _padded_batch_cache(self, caches: Sequence[DynamicCache], longest: int) -> DynamicCache:
         """The requests' caches stacked into one, each left-padded with zeros to `longest`."""
         batch = DynamicCache(config=self._model.config)
         for layer in range(len(caches[0].layers)):
-            keys = [_left_pad(c.layers[layer].keys, longest) for c in caches]
-            values = [_left_pad(c.layers[layer].values, longest) for c in caches]
+            entries = [_layer_entries(c, layer) for c in caches]
+            keys = [_left_pad(k, longest) for k, _ in entries]
+            values = [_left_pad(v, longest) for _, v in entries]
             batch.update(torch.cat(keys), torch.cat(values), layer)
         return batch
 
     def _next_frames(self, states: Sequence[TalkerState]) -> torch.Tensor:
         """[batch, num_codebooks]: the backbone's codebook 0, then the depth decoder's rest."""
         first = torch.stack([self._sample(s.logits, s) for s in states])
-        hidden = torch.stack([s.hidden for s in states])
+        hidden = torch.stack([_live(s.hidden, s) for s in states])
         depth = self._model.depth_decoder
         cache = DynamicCache(config=depth.config)
         # position 0 is a placeholder the depth decoder replaces with the backbone state
@@ -423,19 +477,17 @@ class TalkerAdapter:
             use_cache=True,
             logits_to_keep=1,
         )
-        for codebook in range(1, self._num_codebooks):
-            logits = out.logits[:, -1]
+        for codebook in range(1, self.num_codebooks):
+            logits: torch.Tensor = out.logits[:, -1]
             code = torch.stack([self._sample(logits[i], s) for i, s in enumerate(states)])
             codes.append(code)
-            if codebook < self._num_codebooks - 1:
+            if codebook < self.num_codebooks - 1:
                 out = depth(input_ids=code[:, None], cache=cache, use_cache=True, logits_to_keep=1)
         return torch.stack(codes, dim=1)
 
     def _sample(self, logits: torch.Tensor | None, state: TalkerState) -> torch.Tensor:
-        if logits is None:
-            raise RuntimeError(f"request {state.request_id} was released")
         params = state.sampling
-        scores = logits[: self._codec_vocab].float()
+        scores = _live(logits, state)[: self._facts.codec_vocab].float()
         if params.temperature == 0:
             return scores.argmax()
         scores = scores / params.temperature
@@ -447,9 +499,9 @@ class TalkerAdapter:
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, 1, generator=state.generator)[0]
 
-    def _advance(self, state: TalkerState, frame: torch.Tensor) -> StepOutput:
+    def _advance(self, state: TalkerState, frame: torch.Tensor) -> StepOutput[torch.Tensor]:
         state.steps += 1
-        if state.stop_on_end_of_audio and bool((frame == self._eos_code).all()):
+        if state.stop_on_end_of_audio and bool((frame == self._facts.end_of_audio_code).all()):
             state.finish_reason = FinishReason.STOP
             return StepOutput(step_index=state.steps, finished=True)
         frame = frame.to(dtype=torch.long, device="cpu")
@@ -459,6 +511,21 @@ class TalkerAdapter:
         if finished:
             state.finish_reason = FinishReason.LENGTH
         return StepOutput(step_index=state.steps, partial=frame, finished=finished)
+
+
+def _live(tensor: torch.Tensor | None, state: TalkerState) -> torch.Tensor:
+    """A per-request tensor that `release` clears."""
+    if tensor is None:
+        raise RuntimeError(f"request {state.request_id} was released")
+    return tensor
+
+
+def _layer_entries(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values [batch, heads, seq, dim] (CSM's caches are dynamic)."""
+    entry = cache.layers[layer]
+    if not isinstance(entry, DynamicLayer) or entry.keys is None or entry.values is None:
+        raise RuntimeError(f"cache layer {layer} is not an initialised dynamic layer")
+    return entry.keys, entry.values
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -473,3 +540,9 @@ def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 def _left_pad(entries: torch.Tensor, length: int) -> torch.Tensor:
     """[batch, heads, seq, dim] -> [batch, heads, length, dim], zeros in front."""
     return torch.nn.functional.pad(entries, (0, 0, length - entries.shape[-2], 0))
+
+
+#: The static proof that the adapter is the Talker stage's StageAdapter.
+_: type[StageAdapter[TalkerInput, NoStream, TalkerState, torch.Tensor, TalkerResult]] = (
+    TalkerAdapter
+)

@@ -9,33 +9,52 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, TypedDict
 
 import grpc
 import torch
 
 from stagemesh.services.talker.adapter import (
-    DEFAULT_MAX_NEW_FRAMES,
     SamplingParams,
     TalkerAdapter,
     TalkerInput,
+    TalkerLimits,
     TalkerResult,
+    TalkerState,
     VoiceContext,
 )
-from stagemesh.shared.engine.adapter import EngineRequest, StepBudget
+from stagemesh.shared.engine.adapter import EngineRequest, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
+from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import talker_service_pb2 as pb
 from stagemesh.shared.proto.v1 import talker_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle
+from stagemesh.shared.stage_runtime import StageBundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.torch_tensors import optional_from_proto, to_proto
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TalkerService"].full_name
+#: Requests that share each frame step unless the recipe sets `max_running`.
 DEFAULT_MAX_RUNNING = 8
+
+TalkerEngine: TypeAlias = StepEngine[
+    TalkerInput, NoStream, TalkerState, torch.Tensor, TalkerResult
+]
+GenerateFramesWire: TypeAlias = StageWire[
+    pb.GenerateFramesRequest, pb.GenerateFramesResponse, TalkerInput, NoStream, torch.Tensor,
+    TalkerResult,
+]
+
+
+class TalkerLimitOptions(TypedDict, total=False):
+    """The stage's limits and default voice: TalkerAdapter's keyword arguments."""
+
+    max_input_chars: int
+    max_new_frames: int
+    default_voice: str
 
 
 def _sampling(params: pb.SamplingParams) -> SamplingParams:
@@ -45,19 +64,23 @@ def _sampling(params: pb.SamplingParams) -> SamplingParams:
                           top_k=params.top_k, seed=params.seed)
 
 
-def _request(start: pb.GenerateFramesStart, deadline: float | None) -> EngineRequest:
+def _request(
+    message: pb.GenerateFramesRequest, deadline: float | None
+) -> EngineRequest[TalkerInput]:
+    start = message.start
     if start.instructions or start.language:
         # CSM has no instruction or language conditioning; harmless to ignore, so say it.
         log.warning("the talker ignores instructions/language (CSM does not use them)")
     codes = optional_from_proto(start.reference_codes)
     context = (VoiceContext(codes=codes, text=start.reference_text)
                if codes is not None else None)
-    max_frames = start.sampling.max_new_frames or DEFAULT_MAX_NEW_FRAMES
     return EngineRequest(
         request_id=start.request_id, deadline=deadline,
         budget=StepBudget(total_steps=None),  # open-ended: an end-of-audio frame may stop it
         payload=TalkerInput(text=start.text, voice=start.voice or None,
-                            sampling=_sampling(start.sampling), max_new_frames=max_frames,
+                            sampling=_sampling(start.sampling),
+                            # 0 (unset) = the stage's default_max_new_frames
+                            max_new_frames=start.sampling.max_new_frames or None,
                             context=context))
 
 
@@ -66,37 +89,65 @@ def _result(result: TalkerResult) -> pb.GenerateFramesResult:
                                    finish_reason=result.finish_reason.value)
 
 
-def _wire() -> StageWire:
+def _wire() -> GenerateFramesWire:
     """One wire per stream: the partial encoder numbers that stream's frames."""
     index = itertools.count()
 
-    def encode_frame(frame: torch.Tensor) -> tuple[str, pb.CodecFrames]:
-        return "frames", pb.CodecFrames(codes=to_proto(frame.reshape(1, -1)),
-                                        first_frame_index=next(index))
+    def encode_frame(frame: torch.Tensor) -> pb.GenerateFramesResponse:
+        return pb.GenerateFramesResponse(frames=pb.CodecFrames(
+            codes=to_proto(frame.reshape(1, -1)), first_frame_index=next(index)))
 
     return StageWire(response_cls=pb.GenerateFramesResponse, make_request=_request,
                      encode_result=_result, encode_partial=encode_frame)
 
 
 class TalkerServicer(talker_service_pb2_grpc.TalkerServiceServicer):
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: TalkerEngine, description: pb.DescribeTalkerResponse) -> None:
         self.engine = engine
+        self.description = description
 
     async def GenerateFrames(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+        self,
+        request_iterator: AsyncIterator[pb.GenerateFramesRequest],
+        context: grpc.aio.ServicerContext[pb.GenerateFramesRequest, pb.GenerateFramesResponse],
+    ) -> AsyncIterator[pb.GenerateFramesResponse]:
         async for response in serve_stage_stream(self.engine, _wire(), request_iterator,
                                                  context):
             yield response
 
+    async def DescribeTalker(
+        self,
+        request: pb.DescribeTalkerRequest,
+        context: grpc.aio.ServicerContext[pb.DescribeTalkerRequest, pb.DescribeTalkerResponse],
+    ) -> pb.DescribeTalkerResponse:
+        return self.description
 
-def build_stage(model_dir: Path, options: dict[str, Any]) -> StageBundle:
-    """options: max_running (default 8) — requests that share each frame step."""
-    max_running = int(options.get("max_running", DEFAULT_MAX_RUNNING))
-    engine = StepEngine(TalkerAdapter(model_dir), max_running=max_running)
+
+def _describe(
+    model_dir: Path, engine: TalkerEngine, limits: TalkerLimits
+) -> pb.DescribeTalkerResponse:
+    return pb.DescribeTalkerResponse(
+        stage=stage_description("talker", model_dir, engine),
+        voices=limits.voices, default_voice=limits.default_voice,
+        supports_voice_clone=limits.supports_voice_clone,
+        max_input_chars=limits.max_input_chars,
+        max_reference_text_chars=limits.max_reference_text_chars,
+        max_new_frames=limits.max_new_frames,
+        default_max_new_frames=limits.default_max_new_frames, frame_rate=limits.frame_rate,
+        max_temperature=limits.max_temperature, max_top_k=limits.max_top_k)
+
+
+def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
+    """options: EngineOptions (max_running, default 8) and TalkerLimitOptions."""
+    engine_options, limit_options = parse_options("talker", options, EngineOptions,
+                                                  TalkerLimitOptions)
+    adapter = TalkerAdapter(model_dir, **limit_options)
+    engine = StepEngine(adapter,
+                        max_running=engine_options.get("max_running", DEFAULT_MAX_RUNNING))
+    servicer = TalkerServicer(engine, _describe(model_dir, engine, adapter.limits))
     return StageBundle(
         name="talker", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: talker_service_pb2_grpc.add_TalkerServiceServicer_to_server(
-            TalkerServicer(engine), server),
-        info={"model": str(model_dir), "max_running": str(max_running)})
-
+            servicer, server),
+        info={"model": str(model_dir), "max_running": str(engine.max_running),
+              "default_voice": adapter.limits.default_voice})

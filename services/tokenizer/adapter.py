@@ -9,77 +9,98 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import assert_never
 
 import torch
-from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepOutput
+from stagemesh.models.families.qwen_image import PROMPT_MAX_TOKENS, PromptEmbeddings
+from stagemesh.models.options import capped_option
+from stagemesh.shared.engine.adapter import (
+    EngineRequest,
+    InvalidInputError,
+    NoStream,
+    StageAdapter,
+    StepOutput,
+)
 
-#: QwenImagePipeline's default `max_sequence_length`.
+#: QwenImagePipeline's default `max_sequence_length`: the stage's limit unless configured.
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
+DEFAULT_MAX_PROMPT_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class TokenizerLimits:
+    """What the stage accepts (its Describe facts): options, tightened to the model's caps."""
+
+    max_prompt_chars: int  # per prompt and per negative prompt
+    max_sequence_length: int  # prompt tokens kept; longer prompts are refused
 
 
 @dataclass(frozen=True)
 class PromptInput:
-    """One prompt to encode. A negative prompt (even "") is what enables true CFG downstream."""
+    """One prompt to encode. A negative prompt (even "") is what enables true CFG downstream.
+
+    max_sequence_length None = the stage's limit.
+    """
 
     prompt: str
     negative_prompt: str | None = None
-    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH
-
-
-@dataclass(frozen=True)
-class PromptEmbeddings:
-    """The Tokenizer stage's result, as `QwenImagePipeline.encode_prompt` returns it.
-
-    A mask is None when every token is valid (the pipeline drops all-ones masks).
-    """
-
-    prompt_embeds: torch.Tensor  # [1, seq, hidden]
-    prompt_embeds_mask: torch.Tensor | None  # [1, seq] int64
-    negative_prompt_embeds: torch.Tensor | None = None
-    negative_prompt_embeds_mask: torch.Tensor | None = None
+    max_sequence_length: int | None = None
 
 
 @dataclass
 class PromptState:
     request: PromptInput
+    max_sequence_length: int
     result: PromptEmbeddings | None = None
 
 
 class PromptEncoderAdapter:
-    """`StageAdapter[PromptState]` over Qwen-Image's tokenizer + Qwen2.5-VL text encoder."""
+    """The Tokenizer stage's model: Qwen-Image's tokenizer + Qwen2.5-VL text encoder."""
 
     stage = "tokenizer"
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+        max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+    ) -> None:
         tokenizer = Qwen2Tokenizer.from_pretrained(
             model_dir, subfolder="tokenizer", local_files_only=True
         )
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             model_dir, subfolder="text_encoder", local_files_only=True
-        ).eval()
+        )  # from_pretrained leaves it in eval mode
         self._device = text_encoder.device
         # A text-only pipeline: its own encode_prompt (template, system-prefix drop, padding and
-        # mask rules) makes the embeddings the pipeline's by construction.
+        # mask rules) makes the embeddings the pipeline's by construction. diffusers types every
+        # component as required, but a pipeline may leave components out (None).
         self._pipeline = QwenImagePipeline(
-            scheduler=None,
-            vae=None,
+            scheduler=None,  # type: ignore[arg-type]
+            vae=None,  # type: ignore[arg-type]
             text_encoder=text_encoder,
             tokenizer=tokenizer,
-            transformer=None,
+            transformer=None,  # type: ignore[arg-type]
         )
         self._tokenizer = tokenizer
+        self._template: str = self._pipeline.prompt_template_encode
+        self._template_start: int = self._pipeline.prompt_template_encode_start_idx
+        self.limits = TokenizerLimits(
+            max_prompt_chars=capped_option("max_prompt_chars", max_prompt_chars),
+            max_sequence_length=capped_option(
+                "max_sequence_length", max_sequence_length, PROMPT_MAX_TOKENS
+            ),
+        )
 
     # -- validation ---------------------------------------------------------------------------
 
-    def check_inputs(self, payload: Any) -> None:
-        if not isinstance(payload, PromptInput):
-            raise TypeError(f"expected PromptInput, got {type(payload).__name__}")
-        limit = self._pipeline.tokenizer_max_length
-        length = payload.max_sequence_length
+    def check_inputs(self, payload: PromptInput) -> None:
+        limit = self.limits.max_sequence_length
+        length = self._sequence_length(payload)
         if not 1 <= length <= limit:
             raise InvalidInputError(
                 "max_sequence_length", f"max_sequence_length must be in [1, {limit}], got {length}"
@@ -92,11 +113,19 @@ class PromptEncoderAdapter:
 
     def prompt_token_count(self, text: str) -> int:
         """Tokens the text encoder keeps for `text` (the template's suffix included)."""
-        templated = self._pipeline.prompt_template_encode.format(text)
-        n_ids = len(self._tokenizer(templated).input_ids)
-        return n_ids - self._pipeline.prompt_template_encode_start_idx
+        n_ids = len(self._tokenizer(self._template.format(text)).input_ids)
+        return n_ids - self._template_start
+
+    def _sequence_length(self, payload: PromptInput) -> int:
+        requested = payload.max_sequence_length
+        return self.limits.max_sequence_length if requested is None else requested
 
     def _check_length(self, field_name: str, text: str, max_sequence_length: int) -> None:
+        max_chars = self.limits.max_prompt_chars
+        if len(text) > max_chars:  # checked first: it bounds the tokenizer's work
+            raise InvalidInputError(
+                field_name, f"{field_name} is longer than {max_chars} characters"
+            )
         # The pipeline would silently cut the embeddings; the mesh refuses instead.
         n_tokens = self.prompt_token_count(text)
         if n_tokens > max_sequence_length:
@@ -107,16 +136,17 @@ class PromptEncoderAdapter:
 
     # -- step machine -------------------------------------------------------------------------
 
-    def prepare(self, request: EngineRequest) -> PromptState:
-        return PromptState(request=request.payload)
+    def prepare(self, request: EngineRequest[PromptInput]) -> PromptState:
+        payload = request.payload
+        return PromptState(request=payload, max_sequence_length=self._sequence_length(payload))
 
-    def add_input(self, state: PromptState, payload: Any) -> None:
-        raise NotImplementedError("the tokenizer stage takes no streamed input")
+    def add_input(self, state: PromptState, payload: NoStream) -> None:
+        assert_never(payload)  # the tokenizer stage takes no streamed input
 
-    def step(self, states: Sequence[PromptState]) -> list[StepOutput]:
-        outputs = []
+    def step(self, states: Sequence[PromptState]) -> list[StepOutput[NoStream]]:
+        outputs: list[StepOutput[NoStream]] = []
         for state in states:
-            state.result = self._encode_request(state.request)
+            state.result = self._encode_request(state)
             outputs.append(StepOutput(step_index=1, finished=True))
         return outputs
 
@@ -134,17 +164,26 @@ class PromptEncoderAdapter:
     # -- phases -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _encode_request(self, request: PromptInput) -> PromptEmbeddings:
-        embeds, mask = self._encode(request.prompt, request.max_sequence_length)
+    def _encode_request(self, state: PromptState) -> PromptEmbeddings:
+        request, length = state.request, state.max_sequence_length
+        embeds, mask = self._encode(request.prompt, length)
         if request.negative_prompt is None:
             return PromptEmbeddings(embeds, mask)
-        neg_embeds, neg_mask = self._encode(request.negative_prompt, request.max_sequence_length)
+        neg_embeds, neg_mask = self._encode(request.negative_prompt, length)
         return PromptEmbeddings(embeds, mask, neg_embeds, neg_mask)
 
     def _encode(
         self, text: str, max_sequence_length: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        embeds: torch.Tensor
+        mask: torch.Tensor | None
         embeds, mask = self._pipeline.encode_prompt(
             prompt=text, device=self._device, max_sequence_length=max_sequence_length
         )
         return embeds, mask
+
+
+#: The static proof that the adapter is the Tokenizer stage's StageAdapter.
+_: type[StageAdapter[PromptInput, NoStream, PromptState, NoStream, PromptEmbeddings]] = (
+    PromptEncoderAdapter
+)

@@ -1,37 +1,46 @@
-"""Tokenizer stage servicer: EncodePrompt over the PromptEncoderAdapter."""
+"""Tokenizer stage servicer: EncodePrompt over the PromptEncoderAdapter, and its limits."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, TypedDict
 
 import grpc
 
-from stagemesh.services.tokenizer.adapter import (
-    DEFAULT_MAX_SEQUENCE_LENGTH,
-    PromptEmbeddings,
-    PromptEncoderAdapter,
-    PromptInput,
-)
-from stagemesh.shared.engine.adapter import EngineRequest
+from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput, PromptState
+from stagemesh.shared.engine.adapter import EngineRequest, NoStream
 from stagemesh.shared.engine.engine import StepEngine
+from stagemesh.shared.options import parse_options
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2 as pb
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle
+from stagemesh.shared.stage_runtime import StageBundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.torch_tensors import optional_to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 
+TokenizerEngine: TypeAlias = StepEngine[
+    PromptInput, NoStream, PromptState, NoStream, PromptEmbeddings
+]
 
-def _request(start: pb.EncodePromptStart, deadline: float | None) -> EngineRequest:
+
+class TokenizerOptions(TypedDict, total=False):
+    """The stage's recipe options: PromptEncoderAdapter's keyword arguments."""
+
+    max_prompt_chars: int
+    max_sequence_length: int
+
+
+def _request(message: pb.EncodePromptRequest, deadline: float | None) -> EngineRequest[PromptInput]:
+    start = message.start
     negative = start.negative_prompt if start.HasField("negative_prompt") else None
     return EngineRequest(
         request_id=start.request_id, deadline=deadline,
         payload=PromptInput(prompt=start.prompt, negative_prompt=negative,
-                            max_sequence_length=(start.max_sequence_length
-                                                 or DEFAULT_MAX_SEQUENCE_LENGTH)))
+                            # 0 (unset) = the stage's limit
+                            max_sequence_length=start.max_sequence_length or None))
 
 
 def _result(embeddings: PromptEmbeddings) -> pb.EncodePromptResult:
@@ -42,25 +51,47 @@ def _result(embeddings: PromptEmbeddings) -> pb.EncodePromptResult:
         negative_prompt_embeds_mask=optional_to_proto(embeddings.negative_prompt_embeds_mask))
 
 
-WIRE = StageWire(response_cls=pb.EncodePromptResponse, make_request=_request,
-                 encode_result=_result)
+WIRE: StageWire[pb.EncodePromptRequest, pb.EncodePromptResponse, PromptInput, NoStream, NoStream,
+                PromptEmbeddings] = StageWire(
+    response_cls=pb.EncodePromptResponse, make_request=_request, encode_result=_result)
 
 
 class TokenizerServicer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: TokenizerEngine, description: pb.DescribeTokenizerResponse) -> None:
         self.engine = engine
+        self.description = description
 
     async def EncodePrompt(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+        self,
+        request_iterator: AsyncIterator[pb.EncodePromptRequest],
+        context: grpc.aio.ServicerContext[pb.EncodePromptRequest, pb.EncodePromptResponse],
+    ) -> AsyncIterator[pb.EncodePromptResponse]:
         async for response in serve_stage_stream(self.engine, WIRE, request_iterator, context):
             yield response
 
+    async def DescribeTokenizer(
+        self,
+        request: pb.DescribeTokenizerRequest,
+        context: grpc.aio.ServicerContext[
+            pb.DescribeTokenizerRequest, pb.DescribeTokenizerResponse
+        ],
+    ) -> pb.DescribeTokenizerResponse:
+        return self.description
 
-def build_stage(model_dir: Path, options: dict[str, Any]) -> StageBundle:
-    engine = StepEngine(PromptEncoderAdapter(model_dir))
+
+def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
+    """options: TokenizerOptions (each capped by the model)."""
+    adapter = PromptEncoderAdapter(model_dir, **parse_options("tokenizer", options,
+                                                              TokenizerOptions))
+    engine = StepEngine(adapter)
+    limits = adapter.limits
+    description = pb.DescribeTokenizerResponse(
+        stage=stage_description("tokenizer", model_dir, engine),
+        max_prompt_chars=limits.max_prompt_chars, max_sequence_length=limits.max_sequence_length)
+    servicer = TokenizerServicer(engine, description)
     return StageBundle(
         name="tokenizer", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server(
-            TokenizerServicer(engine), server),
-        info={"model": str(model_dir)})
+            servicer, server),
+        info={"model": str(model_dir), "max_prompt_chars": str(limits.max_prompt_chars),
+              "max_sequence_length": str(limits.max_sequence_length)})

@@ -10,17 +10,31 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import assert_never
 
 import numpy as np
+import numpy.typing as npt
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
 from diffusers.image_processor import VaeImageProcessor
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
-from stagemesh.models.qwen_image import latent_factor
-from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepOutput
+from stagemesh.models.families.qwen_image import MAX_IMAGE_SIDE, latent_factor
+from stagemesh.shared.engine.adapter import (
+    EngineRequest,
+    InvalidInputError,
+    NoStream,
+    StageAdapter,
+    StepOutput,
+)
 
-MAX_SIDE = 2048  # pixels
+
+@dataclass(frozen=True)
+class VaeLimits:
+    """What the stage accepts (its Describe facts)."""
+
+    size_multiple: int  # height and width are multiples of this (the latent factor)
+    max_side: int  # pixels
 
 
 @dataclass(frozen=True)
@@ -36,8 +50,8 @@ class LatentsInput:
 class DecodedImages:
     """The pipeline's output_type="np" images and the uint8 pixels of its output_type="pil"."""
 
-    images: np.ndarray  # float32 [batch, height, width, 3] in [0, 1]
-    pixels: np.ndarray  # uint8 [batch, height, width, 3]
+    images: npt.NDArray[np.float32]  # [batch, height, width, 3] in [0, 1]
+    pixels: npt.NDArray[np.uint8]  # [batch, height, width, 3]
 
 
 @dataclass
@@ -49,7 +63,7 @@ class DecodeState:
 
 
 class LatentDecoderAdapter:
-    """`StageAdapter[DecodeState]` over AutoencoderKLQwenImage."""
+    """The VAE stage's model: AutoencoderKLQwenImage's decoder."""
 
     stage = "vae"
 
@@ -57,28 +71,29 @@ class LatentDecoderAdapter:
         self.vae = AutoencoderKLQwenImage.from_pretrained(
             model_dir, subfolder="vae", local_files_only=True
         ).eval()
-        self.latent_factor = latent_factor(Path(model_dir))
+        self.latent_factor = latent_factor(model_dir)
         self.vae_scale_factor = self.latent_factor // 2
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.latent_factor)
-        z_dim = self.vae.config.z_dim
-        self._latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1)
-        self._latents_std = torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1)
+        self._z_dim: int = self.vae.config.z_dim
+        shape = (1, self._z_dim, 1, 1, 1)
+        self._latents_mean = torch.tensor(self.vae.config.latents_mean).view(shape)
+        self._latents_std = torch.tensor(self.vae.config.latents_std).view(shape)
+        self.limits = VaeLimits(size_multiple=self.latent_factor, max_side=MAX_IMAGE_SIDE)
 
     # -- validation ---------------------------------------------------------------------------
 
-    def check_inputs(self, payload: Any) -> None:
-        if not isinstance(payload, LatentsInput):
-            raise TypeError(f"expected LatentsInput, got {type(payload).__name__}")
-        height, width, factor = payload.height, payload.width, self.latent_factor
-        if not all(0 < side <= MAX_SIDE and side % factor == 0 for side in (height, width)):
+    def check_inputs(self, payload: LatentsInput) -> None:
+        height, width = payload.height, payload.width
+        factor, max_side = self.limits.size_multiple, self.limits.max_side
+        if not all(0 < side <= max_side and side % factor == 0 for side in (height, width)):
             raise InvalidInputError(
                 "size",
-                f"height and width must be positive multiples of {factor} up to {MAX_SIDE}, "
+                f"height and width must be positive multiples of {factor} up to {max_side}, "
                 f"got {height}x{width}",
             )
         latents = payload.latents
         tokens = (height // factor) * (width // factor)
-        channels = self.vae.config.z_dim * 4
+        channels = self._z_dim * 4
         if latents.ndim != 3 or latents.shape[0] < 1 or latents.shape[1:] != (tokens, channels):
             raise InvalidInputError(
                 "latents",
@@ -90,15 +105,15 @@ class LatentDecoderAdapter:
 
     # -- step machine -------------------------------------------------------------------------
 
-    def prepare(self, request: EngineRequest) -> DecodeState:
-        payload: LatentsInput = request.payload
+    def prepare(self, request: EngineRequest[LatentsInput]) -> DecodeState:
+        payload = request.payload
         return DecodeState(height=payload.height, width=payload.width, request=payload)
 
-    def add_input(self, state: DecodeState, payload: Any) -> None:
-        raise NotImplementedError("the VAE decode stage takes no streamed input")
+    def add_input(self, state: DecodeState, payload: NoStream) -> None:
+        assert_never(payload)  # the VAE decode stage takes no streamed input
 
-    def step(self, states: Sequence[DecodeState]) -> list[StepOutput]:
-        outputs = []
+    def step(self, states: Sequence[DecodeState]) -> list[StepOutput[NoStream]]:
+        outputs: list[StepOutput[NoStream]] = []
         for state in states:
             if state.request is None:
                 raise RuntimeError("decode state used after release")
@@ -124,18 +139,24 @@ class LatentDecoderAdapter:
     @torch.inference_mode()
     def decode(self, request: LatentsInput) -> DecodedImages:
         latents = self.unpack_and_denormalize(request)
-        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        images = self.image_processor.postprocess(image, output_type="np")
+        image: torch.Tensor = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        images: npt.NDArray[np.float32] = self.image_processor.postprocess(image, output_type="np")
         # VaeImageProcessor.numpy_to_pil's rounding, without building PIL images.
         pixels = (images * 255).round().astype(np.uint8)
         return DecodedImages(images=images, pixels=pixels)
 
     def unpack_and_denormalize(self, request: LatentsInput) -> torch.Tensor:
-        latents = QwenImagePipeline._unpack_latents(
+        unpacked: torch.Tensor = QwenImagePipeline._unpack_latents(
             request.latents, request.height, request.width, self.vae_scale_factor
         )
-        latents = latents.to(self.vae.dtype)
+        latents = unpacked.to(self.vae.dtype)
         mean = self._latents_mean.to(latents.device, latents.dtype)
         # Divide by the reciprocal, as the pipeline does, so the float results are identical.
         std_inv = 1.0 / self._latents_std.to(latents.device, latents.dtype)
         return latents / std_inv + mean
+
+
+#: The static proof that the adapter is the VAE stage's StageAdapter.
+_: type[StageAdapter[LatentsInput, NoStream, DecodeState, NoStream, DecodedImages]] = (
+    LatentDecoderAdapter
+)

@@ -2,12 +2,14 @@
 
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
+    ExecutionMode,
     InvalidInputError,
+    NoStream,
     StageAdapter,
     StepBudget,
     StepOutput,
 )
-from stagemesh.shared.engine.engine import ExecutionMode, RequestStream, StepEngine
+from stagemesh.shared.engine.engine import QueueFullError, RequestStream, StepEngine
 from stagemesh.shared.engine.events import (
     Aborted,
     Completed,
@@ -16,6 +18,7 @@ from stagemesh.shared.engine.events import (
     Partial,
     Progress,
     Queued,
+    Terminal,
     is_terminal,
 )
 from stagemesh.shared.engine.metrics import EngineMetrics
@@ -37,8 +40,10 @@ __all__ = [
     "ExecutionMode",
     "Failed",
     "InvalidInputError",
+    "NoStream",
     "Partial",
     "Progress",
+    "QueueFullError",
     "Queued",
     "RequestRecord",
     "RequestState",
@@ -48,6 +53,7 @@ __all__ = [
     "StepBudget",
     "StepEngine",
     "StepOutput",
+    "Terminal",
     "TickPlan",
     "is_terminal",
     "resolve_total_steps",

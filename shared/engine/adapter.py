@@ -25,9 +25,28 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Never, Protocol, TypeVar
 
+# The five types an adapter fixes, in the order StageAdapter and StepEngine take them:
+#   InputT    what a request starts with (a dataclass the servicer builds from `start`)
+#   StreamT   streamed input, via add_input (`Never` for stages without streamed input)
+#   StateT    what the adapter holds for a request between steps
+#   PartialT  a piece of output a step streams out now (`Never` for stages without partials)
+#   ResultT   what `finish` returns
+InputT = TypeVar("InputT")
+StreamT = TypeVar("StreamT")
 StateT = TypeVar("StateT")
+PartialT = TypeVar("PartialT")
+ResultT = TypeVar("ResultT")
+# Variance: the read-only records and the protocol only consume inputs and only produce outputs.
+InputT_co = TypeVar("InputT_co", covariant=True)
+InputT_contra = TypeVar("InputT_contra", contravariant=True)
+StreamT_contra = TypeVar("StreamT_contra", contravariant=True)
+PartialT_co = TypeVar("PartialT_co", covariant=True)
+ResultT_co = TypeVar("ResultT_co", covariant=True)
+
+#: The StreamT / PartialT of stages that take no streamed input or stream no partial output.
+NoStream = Never
 
 
 class InvalidInputError(ValueError):
@@ -57,20 +76,20 @@ class StepBudget:
     start_step: int = 0
 
 
-@dataclass
-class EngineRequest:
-    """What a servicer hands the engine for one request."""
+@dataclass(frozen=True)
+class EngineRequest(Generic[InputT_co]):
+    """What a servicer hands the engine for one request (read-only once built)."""
 
     request_id: str
-    payload: Any  # the adapter's own typed input (a dataclass built by the servicer)
+    payload: InputT_co  # the adapter's own typed input (a dataclass built by the servicer)
     budget: StepBudget = field(default_factory=lambda: StepBudget(total_steps=1))
     deadline: float | None = None  # time.monotonic() value; None = no deadline
     priority: int = 0  # lower runs first; FIFO among equals
     mode: ExecutionMode | None = None  # None = the engine's default mode
 
 
-@dataclass
-class StepOutput:
+@dataclass(frozen=True)
+class StepOutput(Generic[PartialT_co]):
     """One state's outcome of one `step` call (the seed's RunnerOutput).
 
     step_index: steps completed so far (1 after the first step). None is a bug in the adapter
@@ -83,34 +102,35 @@ class StepOutput:
 
     step_index: int | None
     finished: bool = False
-    partial: Any = None
+    partial: PartialT_co | None = None
     waiting_for_input: bool = False
     error: str | None = None
 
 
-class StageAdapter(Protocol, Generic[StateT]):
+class StageAdapter(Protocol[InputT_contra, StreamT_contra, StateT, PartialT_co, ResultT_co]):
     """A stage's model, as a step machine. See the module docstring for the call order."""
 
     #: Name used in metrics labels and logs, e.g. "dit".
     stage: str
 
-    def check_inputs(self, payload: Any) -> None:
+    def check_inputs(self, payload: InputT_contra) -> None:
         """Validate before any compute; raise InvalidInputError naming the field."""
         ...
 
-    def prepare(self, request: EngineRequest) -> StateT:
+    def prepare(self, request: EngineRequest[InputT_contra]) -> StateT:
         """One-time work: encode inputs, allocate, seed noise."""
         ...
 
-    def add_input(self, state: StateT, payload: Any) -> None:
-        """Append streamed input (e.g. more codec frames). Stages without streamed input raise."""
+    def add_input(self, state: StateT, payload: StreamT_contra) -> None:
+        """Append streamed input (e.g. more codec frames). Stages without streamed input take
+        `NoStream`, so the type checker refuses any call."""
         ...
 
-    def step(self, states: Sequence[StateT]) -> list[StepOutput]:
+    def step(self, states: Sequence[StateT]) -> Sequence[StepOutput[PartialT_co]]:
         """Advance every state by one step; return one StepOutput per state, in order."""
         ...
 
-    def finish(self, state: StateT) -> Any:
+    def finish(self, state: StateT) -> ResultT_co:
         """The final result of a finished state."""
         ...
 

@@ -22,16 +22,21 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeAlias
 
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     ExecutionMode,
+    InputT,
     InvalidInputError,
+    PartialT,
+    ResultT,
     StageAdapter,
+    StateT,
     StepOutput,
+    StreamT,
 )
 from stagemesh.shared.engine.events import (
     Aborted,
@@ -41,6 +46,7 @@ from stagemesh.shared.engine.events import (
     Partial,
     Progress,
     Queued,
+    Terminal,
     is_terminal,
 )
 from stagemesh.shared.engine.metrics import EngineMetrics
@@ -62,20 +68,21 @@ class QueueFullError(RuntimeError):
     """The engine has `max_pending` requests in flight; becomes RESOURCE_EXHAUSTED."""
 
 
-Sink = Callable[[Event], None]  # thread-safe: hands one event to the request's stream
+#: Thread-safe: hands one event to the request's stream.
+Sink: TypeAlias = Callable[[Event[PartialT, ResultT]], None]
 
 
 # Control messages, from any thread to the compute thread.
 @dataclass(frozen=True)
-class _Submit:
-    request: EngineRequest
-    sink: Sink
+class _Submit(Generic[InputT, PartialT, ResultT]):
+    request: EngineRequest[InputT]
+    sink: Sink[PartialT, ResultT]
 
 
 @dataclass(frozen=True)
-class _Input:
+class _Input(Generic[StreamT]):
     request_id: str
-    payload: Any
+    payload: StreamT
 
 
 @dataclass(frozen=True)
@@ -90,50 +97,62 @@ class _Shutdown:
     abort_running: bool
 
 
-_Message = _Submit | _Input | _Abort | _Shutdown
+#: Type parameters in order of first appearance: InputT, PartialT, ResultT, StreamT.
+_Message: TypeAlias = _Submit[InputT, PartialT, ResultT] | _Input[StreamT] | _Abort | _Shutdown
 
 
 @dataclass
-class _Slot:
+class _Slot(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
     """The compute thread's side of one admitted request."""
 
-    request: EngineRequest
-    sink: Sink
-    state: Any = None  # the adapter's state, once prepared
-    prepared: bool = False
-    pending_inputs: list[Any] = field(default_factory=list)  # input that arrived before prepare
+    request: EngineRequest[InputT]
+    sink: Sink[PartialT, ResultT]
+    state: StateT | None = None  # the adapter's state, once prepared
+    pending_inputs: list[StreamT] = field(default_factory=list)  # arrived before prepare
     step_seconds: float = 0.0  # duration of the last step call it took part in
 
+    @property
+    def prepared(self) -> bool:
+        return self.state is not None
 
-class RequestStream:
+    def prepared_state(self) -> StateT:
+        assert self.state is not None, f"{self.request.request_id} is not prepared"
+        return self.state
+
+
+class RequestStream(Generic[PartialT, ResultT]):
     """The events of one request, as an async iterator that ends after the terminal event."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._queue: asyncio.Queue[Event[PartialT, ResultT]] = asyncio.Queue()
         self._done = False
 
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> RequestStream[PartialT, ResultT]:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> Event[PartialT, ResultT]:
         if self._done:
             raise StopAsyncIteration
         event = await self._queue.get()
         self._done = is_terminal(event)
         return event
 
-    def put(self, event: Event) -> None:
+    def put(self, event: Event[PartialT, ResultT]) -> None:
         """Event-loop thread only."""
         self._queue.put_nowait(event)
 
 
-class StepEngine:
-    """Runs one StageAdapter on a compute thread. See the module docstring for the tick."""
+class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
+    """Runs one StageAdapter on a compute thread. See the module docstring for the tick.
+
+    Its type parameters are the adapter's (see `stagemesh.shared.engine.adapter`); they are
+    inferred from the adapter it is built with.
+    """
 
     def __init__(
         self,
-        adapter: StageAdapter[Any],
+        adapter: StageAdapter[InputT, StreamT, StateT, PartialT, ResultT],
         *,
         mode: ExecutionMode = ExecutionMode.STEP,
         max_running: int = 1,
@@ -144,16 +163,18 @@ class StepEngine:
         self._mode = mode
         self._max_pending = max_pending
         self._metrics = EngineMetrics(adapter.stage) if metrics is None else metrics
-        self._control: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._control: queue.SimpleQueue[_Message[InputT, PartialT, ResultT, StreamT]] = (
+            queue.SimpleQueue()
+        )
         self._closing = False  # set by shutdown(): submit refuses new work
         self._thread = threading.Thread(
             target=self._run, name=f"stagemesh-engine-{adapter.stage}", daemon=True
         )
         # Event-loop side only.
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream[PartialT, ResultT]] = {}
         # Compute thread only.
         self._scheduler = Scheduler(max_running)
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, _Slot[InputT, StreamT, StateT, PartialT, ResultT]] = {}
         self._tombstones: OrderedDict[str, tuple[float, AbortReason]] = OrderedDict()
         self._stopping = False
 
@@ -162,7 +183,7 @@ class StepEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: EngineRequest) -> RequestStream:
+    def submit(self, request: EngineRequest[InputT]) -> RequestStream[PartialT, ResultT]:
         """Validate at once (raises InvalidInputError) and queue the request; call on a loop."""
         rid = request.request_id
         if self._closing:
@@ -174,11 +195,11 @@ class StepEngine:
                                  f"in flight (limit {self._max_pending}); retry later")
         self._adapter.check_inputs(request.payload)
         validate_budget(request)
-        stream = self._streams[rid] = RequestStream(rid)
+        stream = self._streams[rid] = RequestStream[PartialT, ResultT](rid)
         self._control.put(_Submit(request, self._sink_for(asyncio.get_running_loop(), stream)))
         return stream
 
-    def add_input(self, request_id: str, payload: Any) -> None:
+    def add_input(self, request_id: str, payload: StreamT) -> None:
         """Streamed input for a submitted request; ignored for unknown or finished ids."""
         self._control.put(_Input(request_id, payload))
 
@@ -200,6 +221,16 @@ class StepEngine:
         return not self._thread.is_alive()
 
     @property
+    def max_pending(self) -> int:
+        """Requests in flight (waiting + running) before submit raises QueueFullError."""
+        return self._max_pending
+
+    @property
+    def max_running(self) -> int:
+        """Requests that hold adapter state at once."""
+        return self._scheduler.max_running
+
+    @property
     def num_waiting(self) -> int:
         return self._scheduler.num_waiting
 
@@ -211,8 +242,10 @@ class StepEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _sink_for(self, loop: asyncio.AbstractEventLoop, stream: RequestStream) -> Sink:
-        def sink(event: Event) -> None:
+    def _sink_for(
+        self, loop: asyncio.AbstractEventLoop, stream: RequestStream[PartialT, ResultT]
+    ) -> Sink[PartialT, ResultT]:
+        def sink(event: Event[PartialT, ResultT]) -> None:
             try:
                 loop.call_soon_threadsafe(self._deliver, stream, event)
             except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -220,7 +253,9 @@ class StepEngine:
 
         return sink
 
-    def _deliver(self, stream: RequestStream, event: Event) -> None:
+    def _deliver(
+        self, stream: RequestStream[PartialT, ResultT], event: Event[PartialT, ResultT]
+    ) -> None:
         stream.put(event)
         if is_terminal(event) and self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
@@ -276,7 +311,7 @@ class StepEngine:
         deadline = self._scheduler.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    def _handle(self, message: _Message) -> None:
+    def _handle(self, message: _Message[InputT, PartialT, ResultT, StreamT]) -> None:
         match message:
             case _Submit(request, sink):
                 self._admit(request, sink)
@@ -289,7 +324,7 @@ class StepEngine:
                 if abort_running:
                     self._abort_all(AbortReason.SHUTDOWN)
 
-    def _admit(self, request: EngineRequest, sink: Sink) -> None:
+    def _admit(self, request: EngineRequest[InputT], sink: Sink[PartialT, ResultT]) -> None:
         rid = request.request_id
         tombstone = self._take_tombstone(rid)
         if tombstone is None and self._stopping:
@@ -306,7 +341,7 @@ class StepEngine:
         self._slots[rid] = _Slot(request, sink)
         sink(Queued(self._scheduler.position(rid)))
 
-    def _add_input(self, request_id: str, payload: Any) -> None:
+    def _add_input(self, request_id: str, payload: StreamT) -> None:
         slot = self._slots.get(request_id)
         if slot is None:
             logger.debug("input for unknown or finished request %s ignored", request_id)
@@ -314,7 +349,7 @@ class StepEngine:
             slot.pending_inputs.append(payload)
         else:
             try:
-                self._adapter.add_input(slot.state, payload)
+                self._adapter.add_input(slot.prepared_state(), payload)
             except Exception as exc:
                 self._fail(request_id, exc)
                 return
@@ -362,11 +397,10 @@ class StepEngine:
             slot, record = self._slots[rid], self._record(rid)
             self._metrics.observe_queue_time(time.monotonic() - record.submitted_at)
             try:
-                slot.state = self._adapter.prepare(slot.request)
-                slot.prepared = True
-                self._scheduler.mark_prepared(rid, self._adapter.batch_key(slot.state))
+                state = slot.state = self._adapter.prepare(slot.request)
+                self._scheduler.mark_prepared(rid, self._adapter.batch_key(state))
                 for payload in slot.pending_inputs:
-                    self._adapter.add_input(slot.state, payload)
+                    self._adapter.add_input(state, payload)
                 slot.pending_inputs.clear()
             except Exception as exc:
                 self._fail(rid, exc)
@@ -381,9 +415,9 @@ class StepEngine:
         )
         self._retire(finished)
 
-    def _execute(self, batches: list[list[str]]) -> tuple[dict[str, StepOutput], bool]:
+    def _execute(self, batches: list[list[str]]) -> tuple[dict[str, StepOutput[PartialT]], bool]:
         """Run every batch; also say whether any ran step-wise (then aborts are drained)."""
-        outputs: dict[str, StepOutput] = {}
+        outputs: dict[str, StepOutput[PartialT]] = {}
         stepwise = False
         for batch in batches:
             if self._mode_of(batch) is ExecutionMode.STEP:
@@ -401,10 +435,11 @@ class StepEngine:
                 return ExecutionMode.REQUEST
         return ExecutionMode.STEP
 
-    def _step(self, request_ids: list[str]) -> dict[str, StepOutput]:
+    def _step(self, request_ids: list[str]) -> dict[str, StepOutput[PartialT]]:
         """One `adapter.step` call; an exception becomes an error output for the whole batch."""
-        states = [self._slots[rid].state for rid in request_ids]
+        states = [self._slots[rid].prepared_state() for rid in request_ids]
         started = time.monotonic()
+        results: Sequence[StepOutput[PartialT]]
         try:
             results = self._adapter.step(states)
             if len(results) != len(states):
@@ -420,9 +455,9 @@ class StepEngine:
             self._slots[rid].step_seconds = seconds
         return dict(zip(request_ids, results, strict=True))
 
-    def _run_to_end(self, request_ids: list[str]) -> dict[str, StepOutput]:
+    def _run_to_end(self, request_ids: list[str]) -> dict[str, StepOutput[PartialT]]:
         """REQUEST mode: step until each request stops, publishing progress, seeing no aborts."""
-        outputs: dict[str, StepOutput] = {}
+        outputs: dict[str, StepOutput[PartialT]] = {}
         live = request_ids
         while live:
             step_outputs = self._step(live)
@@ -431,7 +466,7 @@ class StepEngine:
             self._publish_steps({rid: step_outputs[rid] for rid in live})
         return outputs
 
-    def _publish_steps(self, outputs: dict[str, StepOutput]) -> None:
+    def _publish_steps(self, outputs: Mapping[str, StepOutput[PartialT]]) -> None:
         """Progress (and any partial output) for each request still running or just completed."""
         now = time.monotonic()
         for rid, output in outputs.items():
@@ -452,20 +487,22 @@ class StepEngine:
             if record is None or slot is None:
                 continue
             completed = self._collect(record, slot)
-            if slot.prepared:
+            if slot.state is not None:
                 self._release(rid, slot.state)
             self._emit(slot.sink, completed or self._end_event(record))
 
-    def _collect(self, record: RequestRecord, slot: _Slot) -> Completed | Failed | None:
+    def _collect(
+        self, record: RequestRecord, slot: _Slot[InputT, StreamT, StateT, PartialT, ResultT]
+    ) -> Completed[ResultT] | Failed | None:
         if record.state is not RequestState.FINISHED_COMPLETED:
             return None
         try:
-            return Completed(self._adapter.finish(slot.state), record.step_index)
+            return Completed(self._adapter.finish(slot.prepared_state()), record.step_index)
         except Exception as exc:
             logger.exception("%s finish failed for %s", self._adapter.stage, record.request_id)
             return Failed(_describe(exc))
 
-    def _release(self, request_id: str, state: Any) -> None:
+    def _release(self, request_id: str, state: StateT) -> None:
         try:
             self._adapter.release(state)
         except Exception:
@@ -481,7 +518,7 @@ class StepEngine:
         signal_at = now if record.abort_signal_at is None else record.abort_signal_at
         return Aborted(record.step_index, reason, now - signal_at)
 
-    def _emit(self, sink: Sink, event: Completed | Aborted | Failed) -> None:
+    def _emit(self, sink: Sink[PartialT, ResultT], event: Terminal[ResultT]) -> None:
         self._metrics.observe_terminal(event)
         sink(event)
 
@@ -494,7 +531,7 @@ class StepEngine:
 _NOT_PUBLISHED = (RequestState.FINISHED_ABORTED, RequestState.FINISHED_ERROR)
 
 
-def _steps_on(output: StepOutput) -> bool:
+def _steps_on(output: StepOutput[object]) -> bool:
     """Whether a request-mode run keeps stepping this request after `output`."""
     return (
         output.error is None

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeAlias
 
+from stagemesh.shared.engine.adapter import PartialT, PartialT_co, ResultT, ResultT_co
 from stagemesh.shared.engine.request import AbortReason
 
 
@@ -26,17 +27,17 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Partial:
+class Partial(Generic[PartialT_co]):
     """A piece of output to stream now (codec frames, an audio chunk)."""
 
-    payload: Any
+    payload: PartialT_co
 
 
 @dataclass(frozen=True)
-class Completed:
+class Completed(Generic[ResultT_co]):
     """Terminal: the adapter's `finish` result."""
 
-    result: Any
+    result: ResultT_co
     step_index: int
 
 
@@ -57,9 +58,12 @@ class Failed:
     field_name: str | None = None
 
 
-Event = Queued | Progress | Partial | Completed | Aborted | Failed
+#: Everything a request's stream yields; generic in the adapter's partial and result types.
+Event: TypeAlias = Queued | Progress | Partial[PartialT] | Completed[ResultT] | Aborted | Failed
+#: The events that end a stream.
+Terminal: TypeAlias = Completed[ResultT] | Aborted | Failed
 TERMINAL_EVENTS = (Completed, Aborted, Failed)
 
 
-def is_terminal(event: Event) -> bool:
+def is_terminal(event: object) -> bool:
     return isinstance(event, TERMINAL_EVENTS)

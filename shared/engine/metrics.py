@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from stagemesh.shared.engine.events import Aborted, Completed, Failed
+from stagemesh.shared.engine.events import Aborted, Completed, Failed, Terminal
 
 #: The `status` label of stagemesh_requests_finished_total, per terminal event.
-FINISH_STATUS: dict[type[Completed | Aborted | Failed], str] = {
+FINISH_STATUS: dict[type[Terminal[object]], str] = {
     Completed: "completed",
     Aborted: "aborted",
     Failed: "failed",
@@ -111,7 +111,7 @@ class EngineMetrics:
     def observe_queue_time(self, seconds: float) -> None:
         self._queue_seconds.observe(seconds)
 
-    def observe_terminal(self, event: Completed | Aborted | Failed) -> None:
+    def observe_terminal(self, event: Terminal[object]) -> None:
         self._finished[type(event)].inc()
         if isinstance(event, Aborted):
             self._abort_latency.observe(event.abort_latency_seconds)

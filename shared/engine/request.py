@@ -39,9 +39,12 @@ class AbortReason(enum.Enum):
 
 @dataclass
 class RequestRecord:
-    """The scheduler's bookkeeping for one request. Times are `time.monotonic()` values."""
+    """The scheduler's bookkeeping for one request. Times are `time.monotonic()` values.
 
-    request: EngineRequest
+    The scheduler never reads a payload, so it holds every request as EngineRequest[object].
+    """
+
+    request: EngineRequest[object]
     arrival: int  # admission order, the FIFO tie-breaker among equal priorities
     state: RequestState = RequestState.WAITING
     step_index: int = 0  # steps completed so far (starts at the budget's start_step)

@@ -13,9 +13,8 @@ The engine calls, on its compute thread only:
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sized
 from dataclasses import dataclass, field
-from typing import Any
 
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepOutput
 from stagemesh.shared.engine.request import AbortReason, RequestRecord, RequestState
@@ -47,8 +46,8 @@ class TickPlan:
 
 
 def resolve_total_steps(
-    timesteps: Sequence[Any] | None,
-    sigmas: Sequence[Any] | None,
+    timesteps: Sized | None,
+    sigmas: Sized | None,
     num_inference_steps: int | None,
 ) -> int | None:
     """Steps a denoise loop will take: explicit timesteps > explicit sigmas > the step count.
@@ -62,7 +61,7 @@ def resolve_total_steps(
     return num_inference_steps
 
 
-def _length(values: Sequence[Any] | None) -> int:
+def _length(values: Sized | None) -> int:
     if values is None:
         return 0
     if getattr(values, "shape", None) == ():  # a 0-dim tensor or array holds one value
@@ -70,7 +69,7 @@ def _length(values: Sequence[Any] | None) -> int:
     return len(values)
 
 
-def validate_budget(request: EngineRequest) -> None:
+def validate_budget(request: EngineRequest[object]) -> None:
     """Raise InvalidInputError unless the request's StepBudget can be run."""
     rid, total, start = request.request_id, request.budget.total_steps, request.budget.start_step
     if total is not None and total < 1:
@@ -86,7 +85,10 @@ def validate_budget(request: EngineRequest) -> None:
 
 
 class Scheduler:
-    """FIFO by (priority, arrival), at most `max_running` running, batches by batch key."""
+    """FIFO by (priority, arrival), at most `max_running` running, batches by batch key.
+
+    It never reads a payload: requests of any input type are EngineRequest[object] here.
+    """
 
     def __init__(self, max_running: int = 1) -> None:
         assert max_running >= 1, f"max_running must be >= 1, got {max_running}"
@@ -100,7 +102,7 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest) -> RequestRecord:
+    def add_request(self, request: EngineRequest[object]) -> RequestRecord:
         """Queue a new request as WAITING; raises InvalidInputError for a bad budget or id."""
         validate_budget(request)
         rid = request.request_id
@@ -168,7 +170,9 @@ class Scheduler:
 
     # -- outcomes --------------------------------------------------------------------------
 
-    def update_from_output(self, plan: TickPlan, outputs: dict[str, StepOutput]) -> set[str]:
+    def update_from_output(
+        self, plan: TickPlan, outputs: Mapping[str, StepOutput[object]]
+    ) -> set[str]:
         """Apply the tick's step outputs; return the ids of `plan` that are now finished.
 
         A request that was aborted after `schedule()` is returned as finished and its output is
@@ -185,7 +189,7 @@ class Scheduler:
                 finished.add(rid)
         return finished
 
-    def _apply_output(self, record: RequestRecord, output: StepOutput | None) -> None:
+    def _apply_output(self, record: RequestRecord, output: StepOutput[object] | None) -> None:
         if output is None:
             self._finish(record, RequestState.FINISHED_ERROR, error=MISSING_OUTPUT)
         elif output.error is not None:
