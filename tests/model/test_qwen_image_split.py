@@ -18,27 +18,31 @@ import torch
 from diffusers import QwenImagePipeline
 
 from stagemesh.models import qwen_image
+from stagemesh.models.families.qwen_image import PromptEmbeddings, latent_factor
 from stagemesh.services.dit.adapter import (
     DenoiseAdapter,
     DenoisedLatents,
     DenoiseInput,
     DenoiseState,
+    DitLimits,
 )
 from stagemesh.services.tokenizer.adapter import (
-    PromptEmbeddings,
     PromptEncoderAdapter,
     PromptInput,
+    TokenizerLimits,
 )
 from stagemesh.services.vae.adapter import (
     DecodedImages,
     LatentDecoderAdapter,
     LatentsInput,
+    VaeLimits,
 )
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     InvalidInputError,
     StepOutput,
 )
+from stagemesh.shared.limits import MAX_SEED
 
 PROMPT = "a red circle on the left"
 SIZE = 64
@@ -217,6 +221,12 @@ def test_prompt_validation(encoder: PromptEncoderAdapter) -> None:
     assert _field_of(encoder, PromptInput(PROMPT, max_sequence_length=1025)) == (
         "max_sequence_length"
     )
+    # the stage's limit (512 unless configured) also bounds what a request may ask for
+    assert _field_of(encoder, PromptInput(PROMPT, max_sequence_length=513)) == (
+        "max_sequence_length"
+    )
+    assert _field_of(encoder, PromptInput("x" * 2001)) == "prompt"
+    assert _field_of(encoder, PromptInput(PROMPT, "x" * 2001)) == "negative_prompt"
     n_tokens = encoder.prompt_token_count(PROMPT)
     encoder.check_inputs(PromptInput(PROMPT, max_sequence_length=n_tokens))  # exactly at the limit
     too_long = PromptInput(PROMPT, max_sequence_length=n_tokens - 1)
@@ -236,7 +246,7 @@ def test_denoise_validation(encoder: PromptEncoderAdapter, dit: DenoiseAdapter) 
         "num_inference_steps": [replace(good, num_inference_steps=0)],
         "sigmas": [replace(good, sigmas=[1.0, 0.5]), replace(good, sigmas=[1.0, 0.5, 0.2, 0.0])],
         "true_cfg_scale": [replace(good, true_cfg_scale=-1.0), replace(good, true_cfg_scale=1e9)],
-        "seed": [replace(good, seed=-1)],
+        "seed": [replace(good, seed=-1), replace(good, seed=MAX_SEED + 1)],
         "embeddings": [
             replace(good, embeddings=PromptEmbeddings(wrong_dim, None)),
             replace(good, embeddings=replace(embeddings, negative_prompt_embeds=wrong_dim)),
@@ -279,7 +289,7 @@ def test_builder_is_deterministic_and_loads_offline(
     # The real Qwen2.5 tokenizer: the template's system prefix is the 34 tokens the pipeline drops.
     prefix = pipe.prompt_template_encode.split("{}")[0]
     assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx
-    assert qwen_image.latent_factor(model_dir) == 16
+    assert latent_factor(model_dir) == 16
 
 
 def test_ensure_model_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -304,3 +314,77 @@ def test_ensure_model_builds_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["qwen-image-tiny"]
     with pytest.raises(ValueError, match="unknown preset"):
         qwen_image.ensure_model("huge")
+
+
+# -- limits and options -------------------------------------------------------------------------
+
+
+def test_limits_are_published(
+    encoder: PromptEncoderAdapter, dit: DenoiseAdapter, decoder: LatentDecoderAdapter
+) -> None:
+    assert encoder.limits == TokenizerLimits(max_prompt_chars=2000, max_sequence_length=512)
+    assert dit.limits == DitLimits(
+        size_multiple=16,
+        max_side=2048,
+        max_pixels=1024 * 1024,
+        max_steps=200,
+        max_true_cfg_scale=20.0,
+        max_images_per_request=4,
+    )
+    assert decoder.limits == VaeLimits(size_multiple=16, max_side=2048)
+
+
+def test_dit_options_are_capped_by_the_model(model_dir: Path) -> None:
+    loose = DenoiseAdapter(
+        model_dir, max_steps=5000, max_side=4096, max_pixels=10**9, max_true_cfg_scale=100.0
+    )
+    assert (loose.limits.max_steps, loose.limits.max_side) == (1000, 2048)
+    assert loose.limits.max_pixels == 2048 * 2048
+    assert loose.limits.max_true_cfg_scale == 30.0
+    assert DenoiseAdapter(model_dir, max_side=1000).limits.max_side == 992  # a multiple of 16
+
+
+def test_dit_refusals_follow_the_options(encoder: PromptEncoderAdapter, model_dir: Path) -> None:
+    tight = DenoiseAdapter(
+        model_dir, max_steps=3, max_side=48, max_pixels=48 * 32, max_true_cfg_scale=2.0
+    )
+    embeddings = _run_single_step(encoder, PromptInput(PROMPT))
+    good = DenoiseInput(embeddings, 32, 48, 3, true_cfg_scale=2.0, seed=0)
+    tight.check_inputs(good)
+    cases = {
+        "num_inference_steps": replace(good, num_inference_steps=4),
+        "size": replace(good, height=48),  # 48x48 is over max_pixels, each side is not
+        "true_cfg_scale": replace(good, true_cfg_scale=2.5),
+    }
+    for field_name, payload in cases.items():
+        assert _field_of(tight, payload) == field_name
+    assert _field_of(tight, replace(good, width=64)) == "size"  # over max_side
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_steps": 0}, {"max_side": 8}, {"max_pixels": -1}, {"max_images_per_request": 0}],
+)
+def test_bad_dit_options_fail_at_construction(model_dir: Path, options: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match=next(iter(options))):
+        DenoiseAdapter(model_dir, **options)
+
+
+def test_tokenizer_options(model_dir: Path) -> None:
+    loose = PromptEncoderAdapter(model_dir, max_sequence_length=4096)
+    assert loose.limits.max_sequence_length == 1024  # the pipeline's tokenizer_max_length
+    tight = PromptEncoderAdapter(model_dir, max_prompt_chars=30, max_sequence_length=8)
+    assert tight.limits == TokenizerLimits(max_prompt_chars=30, max_sequence_length=8)
+    assert _field_of(tight, PromptInput("x" * 31)) == "prompt"
+    assert _field_of(tight, PromptInput("a cat", "x" * 31)) == "negative_prompt"
+    assert _field_of(tight, PromptInput("a cat", max_sequence_length=9)) == "max_sequence_length"
+    assert len(PROMPT) <= 30 and tight.prompt_token_count(PROMPT) > 8
+    assert _field_of(tight, PromptInput(PROMPT)) == "prompt"  # too many tokens
+    tight.check_inputs(PromptInput("a cat"))
+    with pytest.raises(ValueError, match="max_prompt_chars"):
+        PromptEncoderAdapter(model_dir, max_prompt_chars=0)
+
+
+def test_no_max_sequence_length_means_the_stage_limit(encoder: PromptEncoderAdapter) -> None:
+    state = encoder.prepare(EngineRequest(request_id="r", payload=PromptInput(PROMPT)))
+    assert state.max_sequence_length == encoder.limits.max_sequence_length

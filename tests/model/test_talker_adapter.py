@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,22 +14,28 @@ import pytest
 import torch
 from transformers import AutoProcessor, CsmForConditionalGeneration
 
+from stagemesh.models.families.csm import (
+    ChatMarkers,
+    CsmPromptFormat,
+    codec_dir,
+    load_voices,
+)
 from stagemesh.models.speech import (
     BUILD_STAMP_FILE,
     DEFAULT_VOICES,
-    codec_dir,
     ensure_speech_model,
-    load_voices,
 )
 from stagemesh.services.talker.adapter import (
     FinishReason,
     SamplingParams,
     TalkerAdapter,
     TalkerInput,
+    TalkerLimits,
     TalkerState,
     VoiceContext,
 )
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError
+from stagemesh.shared.limits import MAX_SEED
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +69,12 @@ def _prepare(talker: TalkerAdapter, payload: TalkerInput, request_id: str = "r")
 def _run_alone(talker: TalkerAdapter, payload: TalkerInput) -> torch.Tensor:
     state = _prepare(talker, payload)
     frames = []
-    while True:
+    for _ in range(state.max_new_frames):  # one frame per step: it must finish by then
         out = talker.step([state])[0]
         frames.append(out.partial)
         if out.finished:
             break
+    assert out.finished, f"not finished after max_new_frames={state.max_new_frames} steps"
     talker.release(state)
     return torch.stack(frames)
 
@@ -85,6 +93,62 @@ def test_model_folder_loads_offline_in_real_layout(model_dir: Path, processor: A
         [{"role": "0", "content": [{"type": "text", "text": "Hi"}]}], tokenize=False
     )
     assert prompt == "<|im_start|>[0]Hi<|im_end|>"
+
+
+def test_chat_markers_are_the_folders(model_dir: Path, processor: Any) -> None:
+    """The tiny folder keeps its markers where a real CSM folder does: bos/eos in the
+    tokenizer, the audio tokens resolved by CsmProcessor; the chat template uses bos/eos."""
+    prompt = CsmPromptFormat.from_folder(model_dir)
+    assert prompt.markers == ChatMarkers(
+        segment_start="<|im_start|>",
+        segment_end="<|im_end|>",
+        audio="<|AUDIO|>",
+        audio_eos="<|audio_eos|>",
+    )
+    assert (processor.audio_token, processor.audio_eos_token) == ("<|AUDIO|>", "<|audio_eos|>")
+    template = (model_dir / "chat_template.jinja").read_text()
+    assert "bos_token" in template and "eos_token" in template and "<|im_start|>" not in template
+    conversation = [{"role": "1", "content": [{"type": "text", "text": "Hello world."}]}]
+    by_template = processor.apply_chat_template(conversation, tokenize=True, return_dict=True)
+    ours = prompt.segment_ids(1, prompt.encode("Hello world."))
+    assert by_template["input_ids"][0].tolist() == ours
+
+
+def test_chat_markers_follow_the_folder_not_the_builder(model_dir: Path, tmp_path: Path) -> None:
+    """Another folder with other bos/eos tokens (as sesame/csm-1b has Llama-3's) gets prompts
+    built with its own tokens."""
+    other = tmp_path / "other-csm"
+    shutil.copytree(model_dir, other)
+    config_file = other / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(bos_token="<|vision_start|>", eos_token="<|vision_end|>")
+    config_file.write_text(json.dumps(config))
+    prompt = CsmPromptFormat.from_folder(other)
+    assert (prompt.markers.segment_start, prompt.markers.segment_end) == (
+        "<|vision_start|>",
+        "<|vision_end|>",
+    )
+    ids = prompt.segment_ids(0, [9707])
+    tokenizer = prompt.tokenizer
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    assert prompt.reference_audio_ids(2) == [
+        tokenizer.convert_tokens_to_ids("<|AUDIO|>"),
+        tokenizer.convert_tokens_to_ids("<|AUDIO|>"),
+        tokenizer.convert_tokens_to_ids("<|audio_eos|>"),
+    ]
+
+
+def test_voices_file_is_checked(tmp_path: Path) -> None:
+    (tmp_path / "voices.json").write_text(json.dumps({"voices": {"Alice": 3, "bob": 1}}))
+    assert load_voices(tmp_path) == {"alice": 3, "bob": 1}
+    assert list(load_voices(tmp_path)) == ["alice", "bob"]  # the folder's order
+    for bad in ({"default": 0}, {"clone": 0}, {"a": -1}, {"A": 0, "a": 1}, {}):
+        (tmp_path / "voices.json").write_text(json.dumps({"voices": bad}))
+        with pytest.raises(ValueError, match=r"voices\.json"):
+            load_voices(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"voices\.json"):
+        load_voices(tmp_path / "missing")
 
 
 def test_ensure_builds_once_and_replaces_stale(model_dir: Path) -> None:
@@ -224,7 +288,7 @@ def test_voice_clone_context_extends_the_prompt(talker: TalkerAdapter) -> None:
     cloned = _prepare(
         talker, _request(voice="clone", context=VoiceContext(codes=codes, text="Reference."))
     )
-    ref_segment = len(talker._segment_ids(0, talker._tokenizer.encode("Reference.")))
+    ref_segment = len(talker._prompt.segment_ids(0, talker._prompt.encode("Reference.")))
     assert cloned.cache.get_seq_length() == plain.cache.get_seq_length() + ref_segment + 6 + 1
     assert not torch.equal(talker.step([plain])[0].partial, talker.step([cloned])[0].partial)
 
@@ -245,11 +309,15 @@ def test_voice_clone_context_extends_the_prompt(talker: TalkerAdapter) -> None:
         (TalkerInput(text="hi", voice="clone"), "ref_audio"),
         (TalkerInput(text="hi", sampling=SamplingParams(temperature=-1)), "temperature"),
         (TalkerInput(text="hi", sampling=SamplingParams(temperature=float("nan"))), "temperature"),
+        (TalkerInput(text="hi", sampling=SamplingParams(temperature=10.5)), "temperature"),
         (TalkerInput(text="hi", sampling=SamplingParams(top_p=0)), "top_p"),
         (TalkerInput(text="hi", sampling=SamplingParams(top_p=1.5)), "top_p"),
         (TalkerInput(text="hi", sampling=SamplingParams(top_k=-1)), "top_k"),
+        (TalkerInput(text="hi", sampling=SamplingParams(top_k=10_001)), "top_k"),
         (TalkerInput(text="hi", sampling=SamplingParams(seed=-3)), "seed"),
+        (TalkerInput(text="hi", sampling=SamplingParams(seed=MAX_SEED + 1)), "seed"),
         (TalkerInput(text="hi", max_new_frames=0), "max_new_tokens"),
+        (TalkerInput(text="hi", max_new_frames=751), "max_new_tokens"),  # the stage's limit
         (TalkerInput(text="hi", max_new_frames=2045), "max_new_tokens"),
         (
             TalkerInput(text="hi", context=VoiceContext(codes=torch.zeros(3, 2, dtype=torch.long))),
@@ -280,3 +348,61 @@ def test_voice_names_are_case_insensitive(talker: TalkerAdapter) -> None:
     talker.check_inputs(TalkerInput(text="hi", voice="Serena"))
     talker.check_inputs(TalkerInput(token_ids=[9707, 1879]))
     assert talker.voices == DEFAULT_VOICES
+
+
+# -- limits and options -------------------------------------------------------------------------
+
+
+def test_limits_are_published(talker: TalkerAdapter) -> None:
+    assert talker.limits == TalkerLimits(
+        voices=("vivian", "ryan", "serena", "uncle_fu"),
+        default_voice="vivian",
+        supports_voice_clone=True,
+        max_input_chars=4096,
+        max_reference_text_chars=4096,
+        max_new_frames=750,
+        default_max_new_frames=250,
+        frame_rate=12.5,
+        max_temperature=10.0,
+        max_top_k=10_000,
+    )
+
+
+def test_no_max_new_frames_means_the_default(talker: TalkerAdapter) -> None:
+    state = _prepare(talker, TalkerInput(text="hi", sampling=SamplingParams(seed=1)))
+    assert state.max_new_frames == 250
+    talker.release(state)
+
+
+@pytest.mark.parametrize("voice", [None, "", "default", "DEFAULT"])
+def test_default_voice_is_the_configured_one(model_dir: Path, voice: str | None) -> None:
+    talker = TalkerAdapter(model_dir, default_voice="Serena")
+    assert talker.limits.default_voice == "serena"
+    by_default = _run_alone(talker, _request(frames=3, voice=voice))
+    assert torch.equal(by_default, _run_alone(talker, _request(frames=3, voice="serena")))
+    assert not torch.equal(by_default, _run_alone(talker, _request(frames=3, voice="ryan")))
+
+
+def test_options_are_capped_by_the_model(model_dir: Path) -> None:
+    loose = TalkerAdapter(model_dir, max_new_frames=10**6)
+    assert loose.limits.max_new_frames == 2048  # the tiny CSM's positions
+    tight = TalkerAdapter(model_dir, max_input_chars=10, max_new_frames=100)
+    assert (tight.limits.max_input_chars, tight.limits.max_new_frames) == (10, 100)
+    assert tight.limits.default_max_new_frames == 100  # never above the limit
+    for payload, field in [
+        (TalkerInput(text="x" * 11), "input"),
+        (TalkerInput(text="hi", max_new_frames=101), "max_new_tokens"),
+    ]:
+        with pytest.raises(InvalidInputError) as info:
+            tight.check_inputs(payload)
+        assert info.value.field_name == field
+    tight.check_inputs(TalkerInput(text="x" * 10, max_new_frames=100))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"default_voice": "nobody"}, {"max_new_frames": 0}, {"max_input_chars": 0}],
+)
+def test_bad_options_fail_at_construction(model_dir: Path, options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(options))):
+        TalkerAdapter(model_dir, **options)

@@ -87,8 +87,14 @@ def _emissions(rule: ChunkRule, arrivals: list[int], total: int) -> list[tuple[i
     for size in arrivals:
         available = min(total, available + size)
         finished = available == total
-        while (emission := tracker.next_emission(available, finished)) is not None:
+        # every emission moves past at least one new frame, so `available` calls are enough
+        for _ in range(available + 1):
+            emission = tracker.next_emission(available, finished)
+            if emission is None:
+                break
             out.append((emission.start, emission.left_context_size, emission.end))
+        else:
+            pytest.fail(f"the tracker kept emitting with {available} frames available")
         if finished:
             break
     return out

@@ -4,24 +4,24 @@ can hold open, so cancels land exactly where each test wants them. No model, no 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
+    ExecutionMode,
     InvalidInputError,
     StepBudget,
     StepOutput,
 )
-from stagemesh.shared.engine.engine import ExecutionMode, QueueFullError, RequestStream, StepEngine
+from stagemesh.shared.engine.engine import QueueFullError, RequestStream, StepEngine
 from stagemesh.shared.engine.events import (
     Aborted,
     Completed,
@@ -39,19 +39,37 @@ pytestmark = pytest.mark.timeout(10)
 WAIT = 3.0  # seconds any single wait may take before the test fails instead of hanging
 
 
+@dataclass(frozen=True)
+class FakeInput:
+    prompt: str = "a prompt"  # "" is refused by check_inputs
+    key: str = "k"  # the batch key
+    streamed: bool = False  # consumes one add_input per step; None ends the input
+
+
+#: Streamed input: a frame (its partial output is the frame doubled), or None for "no more".
+FakeFrame = int | None
+#: (request id, steps done, every partial produced).
+FakeResult = tuple[str, int, tuple[int, ...]]
+FakeEngine = StepEngine[FakeInput, FakeFrame, "FakeState", int, FakeResult]
+FakeStream = RequestStream[int, FakeResult]
+
+
 @dataclass
 class FakeState:
     request_id: str
     total: int | None
     step: int
     key: str
-    streamed: bool  # consumes one add_input per step; None ends the input
-    inputs: list[Any] = field(default_factory=list)
-    produced: list[Any] = field(default_factory=list)
+    streamed: bool
+    inputs: list[FakeFrame] = field(default_factory=list)
+    produced: list[int] = field(default_factory=list)
 
 
 class FakeAdapter:
-    """A StageAdapter that records every call. Gated: each step waits for a permit."""
+    """A StageAdapter that records every call. Gated: each step waits for a permit.
+
+    `open_after(moment)` also holds every step until time.monotonic() has passed `moment`.
+    """
 
     stage = "fake"
 
@@ -65,6 +83,7 @@ class FakeAdapter:
         self._gate = threading.Condition()
         self._permits = 0
         self._open = not gated
+        self._not_before = 0.0
 
     def allow(self, steps: int = 1) -> None:
         with self._gate:
@@ -76,36 +95,46 @@ class FakeAdapter:
             self._open = True
             self._gate.notify_all()
 
-    def check_inputs(self, payload: dict[str, Any]) -> None:
-        if payload.get("prompt") == "":
+    def open_after(self, moment: float) -> None:
+        """Open the gate, but let no step end before `moment` (a time.monotonic() value)."""
+        with self._gate:
+            self._not_before = moment
+            self._open = True
+            self._gate.notify_all()
+
+    def check_inputs(self, payload: FakeInput) -> None:
+        if payload.prompt == "":
             raise InvalidInputError("prompt", "prompt must not be empty")
 
-    def prepare(self, request: EngineRequest) -> FakeState:
+    def prepare(self, request: EngineRequest[FakeInput]) -> FakeState:
         self._maybe_fail("prepare", request.request_id)
         self.prepared.append(request.request_id)
-        payload = request.payload
         return FakeState(
             request_id=request.request_id,
             total=request.budget.total_steps,
             step=request.budget.start_step,
-            key=payload.get("key", "k"),
-            streamed=payload.get("streamed", False),
+            key=request.payload.key,
+            streamed=request.payload.streamed,
         )
 
-    def add_input(self, state: FakeState, payload: Any) -> None:
+    def add_input(self, state: FakeState, payload: FakeFrame) -> None:
         state.inputs.append(payload)
 
-    def step(self, states: list[FakeState]) -> list[StepOutput]:
+    def step(self, states: Sequence[FakeState]) -> list[StepOutput[int]]:
         self.step_calls.append([s.request_id for s in states])
         self.step_entered.release()
         with self._gate:
             assert self._gate.wait_for(lambda: self._open or self._permits > 0, WAIT)
             self._permits -= not self._open
+            deadline = time.monotonic() + WAIT
+            while (left := self._not_before - time.monotonic()) > 0:
+                assert time.monotonic() < deadline, "open_after moment never came"
+                self._gate.wait(left)
         for state in states:
             self._maybe_fail("step", state.request_id)
         return [self._advance(s) for s in states]
 
-    def _advance(self, state: FakeState) -> StepOutput:
+    def _advance(self, state: FakeState) -> StepOutput[int]:
         if not state.streamed:
             state.step += 1
             done = state.total is not None and state.step >= state.total
@@ -119,7 +148,7 @@ class FakeAdapter:
         state.produced.append(frame * 2)
         return StepOutput(state.step, partial=frame * 2, waiting_for_input=not state.inputs)
 
-    def finish(self, state: FakeState) -> Any:
+    def finish(self, state: FakeState) -> FakeResult:
         self.finished.append(state.request_id)
         return (state.request_id, state.step, tuple(state.produced))
 
@@ -139,9 +168,22 @@ class FakeAdapter:
         assert sorted(self.released) == sorted(self.prepared)
 
 
-def make_request(rid: str, total_steps: int | None = 3, **payload: Any) -> EngineRequest:
+def make_request(
+    rid: str,
+    total_steps: int | None = 3,
+    *,
+    deadline: float | None = None,
+    mode: ExecutionMode | None = None,
+    prompt: str = "a prompt",
+    key: str = "k",
+    streamed: bool = False,
+) -> EngineRequest[FakeInput]:
     return EngineRequest(
-        request_id=rid, payload=payload, budget=StepBudget(total_steps=total_steps)
+        request_id=rid,
+        payload=FakeInput(prompt, key, streamed),
+        budget=StepBudget(total_steps=total_steps),
+        deadline=deadline,
+        mode=mode,
     )
 
 
@@ -150,15 +192,35 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
-EngineFactory = Callable[..., StepEngine]
+class EngineFactory(Protocol):
+    def __call__(
+        self,
+        adapter: FakeAdapter,
+        *,
+        mode: ExecutionMode = ...,
+        max_running: int = ...,
+        max_pending: int = ...,
+    ) -> FakeEngine: ...
 
 
 @pytest.fixture
 def make_engine(registry: CollectorRegistry) -> Iterator[EngineFactory]:
-    created: list[tuple[StepEngine, FakeAdapter]] = []
+    created: list[tuple[FakeEngine, FakeAdapter]] = []
 
-    def make(adapter: FakeAdapter, **kwargs: Any) -> StepEngine:
-        engine = StepEngine(adapter, metrics=EngineMetrics("fake", registry), **kwargs)
+    def make(
+        adapter: FakeAdapter,
+        *,
+        mode: ExecutionMode = ExecutionMode.STEP,
+        max_running: int = 1,
+        max_pending: int = 256,
+    ) -> FakeEngine:
+        engine = StepEngine(
+            adapter,
+            mode=mode,
+            max_running=max_running,
+            max_pending=max_pending,
+            metrics=EngineMetrics("fake", registry),
+        )
         created.append((engine, adapter))
         return engine
 
@@ -174,14 +236,17 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-async def collect(stream: RequestStream) -> list[Event]:
-    async def drain() -> list[Event]:
+FakeEvent = Event[int, FakeResult]
+
+
+async def collect(stream: FakeStream) -> list[FakeEvent]:
+    async def drain() -> list[FakeEvent]:
         return [event async for event in stream]
 
     return await asyncio.wait_for(drain(), WAIT)
 
 
-async def next_event(stream: RequestStream) -> Event:
+async def next_event(stream: FakeStream) -> FakeEvent:
     return await asyncio.wait_for(anext(stream), WAIT)
 
 
@@ -189,8 +254,13 @@ async def entered_step(adapter: FakeAdapter) -> None:
     assert await asyncio.to_thread(adapter.step_entered.acquire, True, WAIT)
 
 
-def kinds(events: list[Event]) -> list[type]:
+def kinds(events: list[FakeEvent]) -> list[type]:
     return [type(event) for event in events]
+
+
+def as_aborted(event: FakeEvent) -> Aborted:
+    assert isinstance(event, Aborted), event
+    return event
 
 
 async def test_events_are_queued_then_progress_then_completed(
@@ -199,14 +269,17 @@ async def test_events_are_queued_then_progress_then_completed(
     adapter = FakeAdapter()
     engine = make_engine(adapter)
     engine.start()
+    submitted = time.monotonic()
     events = await collect(engine.submit(make_request("a", total_steps=3)))
+    waited = time.monotonic() - submitted
 
     assert kinds(events) == [Queued, Progress, Progress, Progress, Completed]
     assert events[0] == Queued(position=0)
     progress = [e for e in events if isinstance(e, Progress)]
     assert [(p.step_index, p.total_steps) for p in progress] == [(1, 3), (2, 3), (3, 3)]
-    assert all(p.step_seconds >= 0 for p in progress)
-    assert progress[0].elapsed_seconds <= progress[-1].elapsed_seconds
+    # Each step really ran, and took part of the time since submit; elapsed keeps growing.
+    assert all(0 < p.step_seconds <= p.elapsed_seconds <= waited for p in progress)
+    assert progress[0].elapsed_seconds < progress[1].elapsed_seconds < progress[2].elapsed_seconds
     assert events[-1] == Completed(result=("a", 3, ()), step_index=3)
     adapter.assert_released_once()
     assert sample(registry, "stagemesh_steps_total") == 3
@@ -244,15 +317,17 @@ async def test_running_request_stops_at_the_next_step_boundary(
     await entered_step(adapter)
     await entered_step(adapter)  # step 2 is in flight when the cancel arrives
 
+    signalled = time.monotonic()
     engine.abort("a")
     engine.abort("a")  # repeated: harmless
     adapter.open()
     events = await collect(stream)
+    observed = time.monotonic() - signalled
     assert kinds(events) == [Queued, Progress, Aborted]
-    aborted = events[-1]
-    assert isinstance(aborted, Aborted)
+    aborted = as_aborted(events[-1])
     assert (aborted.step_index, aborted.reason) == (1, AbortReason.CANCELLED)
-    assert aborted.abort_latency_seconds >= 0
+    # The latency runs from the first abort to the release, after the in-flight step ended.
+    assert 0 < aborted.abort_latency_seconds <= observed
 
     # The engine keeps serving, and the aborted request takes no further step.
     assert isinstance((await collect(engine.submit(make_request("b", 1))))[-1], Completed)
@@ -275,7 +350,7 @@ async def test_cancel_during_the_final_step_yields_no_completed(make_engine: Eng
     adapter.open()
     events = await collect(stream)
     assert kinds(events) == [Queued, Aborted]
-    assert events[-1].reason is AbortReason.RPC_CANCELLED  # type: ignore[union-attr]
+    assert as_aborted(events[-1]).reason is AbortReason.RPC_CANCELLED
     assert adapter.finished == [] and len(adapter.step_calls) == 1
     adapter.assert_released_once()
 
@@ -326,7 +401,7 @@ async def test_abort_before_submit_wins(make_engine: EngineFactory) -> None:
     events = await collect(engine.submit(make_request("early")))
 
     assert kinds(events) == [Aborted]
-    assert events[0].reason is AbortReason.RPC_CANCELLED  # type: ignore[union-attr]
+    assert as_aborted(events[0]).reason is AbortReason.RPC_CANCELLED
     assert adapter.prepared == [] and adapter.step_calls == []
     # The tombstone is used up: the same id can be submitted again afterwards.
     assert isinstance((await collect(engine.submit(make_request("early"))))[-1], Completed)
@@ -338,12 +413,11 @@ async def test_expired_deadline_while_waiting_is_never_prepared(
     adapter = FakeAdapter()
     engine = make_engine(adapter)
     engine.start()
-    request = make_request("late")
-    request.deadline = time.monotonic() - 0.001
+    request = make_request("late", deadline=time.monotonic() - 0.001)
     events = await collect(engine.submit(request))
 
     assert kinds(events) == [Queued, Aborted]
-    assert events[-1].reason is AbortReason.DEADLINE_EXCEEDED  # type: ignore[union-attr]
+    assert as_aborted(events[-1]).reason is AbortReason.DEADLINE_EXCEEDED
     assert adapter.prepared == []
 
 
@@ -351,19 +425,17 @@ async def test_deadline_stops_a_running_request_after_its_step(make_engine: Engi
     adapter = FakeAdapter(gated=True)
     engine = make_engine(adapter)
     engine.start()
-    request = make_request("a", total_steps=5)
-    request.deadline = time.monotonic() + 0.5
-    stream = engine.submit(request)
+    deadline = time.monotonic() + 0.5
+    stream = engine.submit(make_request("a", total_steps=5, deadline=deadline))
     adapter.allow(1)
     await entered_step(adapter)
     await entered_step(adapter)
-    await asyncio.sleep(max(0.0, request.deadline - time.monotonic()) + 0.01)
-    adapter.open()
+    adapter.open_after(deadline)  # step 2 ends once the deadline has passed
 
     events = await collect(stream)
     assert kinds(events) == [Queued, Progress, Progress, Aborted]
-    assert events[-1].step_index == 2  # type: ignore[union-attr]
-    assert events[-1].reason is AbortReason.DEADLINE_EXCEEDED  # type: ignore[union-attr]
+    end = as_aborted(events[-1])
+    assert (end.step_index, end.reason) == (2, AbortReason.DEADLINE_EXCEEDED)
     assert len(adapter.step_calls) == 2
     adapter.assert_released_once()
 
@@ -374,12 +446,12 @@ async def test_deadline_wakes_an_idle_engine_and_input_wait_takes_no_steps(
     adapter = FakeAdapter()
     engine = make_engine(adapter)
     engine.start()
-    request = make_request("mute", total_steps=None, streamed=True)
-    request.deadline = time.monotonic() + 0.5
+    request = make_request("mute", total_steps=None, deadline=time.monotonic() + 0.5,
+                           streamed=True)
     events = await collect(engine.submit(request))
 
     assert kinds(events) == [Queued, Progress, Aborted]
-    assert events[-1].reason is AbortReason.DEADLINE_EXCEEDED  # type: ignore[union-attr]
+    assert as_aborted(events[-1]).reason is AbortReason.DEADLINE_EXCEEDED
     assert adapter.step_calls == [["mute"]]  # one step found no input; then none until input
     adapter.assert_released_once()
 
@@ -433,7 +505,7 @@ async def test_a_request_can_ask_for_request_mode_in_a_step_engine(
     adapter = FakeAdapter(gated=True)
     engine = make_engine(adapter)  # STEP by default
     engine.start()
-    request = dataclasses.replace(make_request("a", total_steps=3), mode=ExecutionMode.REQUEST)
+    request = make_request("a", total_steps=3, mode=ExecutionMode.REQUEST)
     stream = engine.submit(request)
     await entered_step(adapter)
     engine.abort("a")

@@ -25,7 +25,7 @@ def make_request(
     start_step: int = 0,
     priority: int = 0,
     deadline: float | None = None,
-) -> EngineRequest:
+) -> EngineRequest[None]:
     return EngineRequest(
         request_id=rid,
         payload=None,
@@ -220,7 +220,7 @@ def test_error_output_marks_finished_error() -> None:
     scheduler = Scheduler()
     start_running(scheduler, "a")
     plan = scheduler.schedule()
-    output = StepOutput(step_index=1, finished=True, error="worker failed")
+    output: StepOutput[None] = StepOutput(step_index=1, finished=True, error="worker failed")
     assert scheduler.update_from_output(plan, {"a": output}) == {"a"}
     record = scheduler.get("a")
     assert record is not None
@@ -232,7 +232,9 @@ def test_output_for_unknown_or_unscheduled_ids_is_ignored() -> None:
     scheduler = Scheduler()
     start_running(scheduler, "a")
     plan = scheduler.schedule()
-    outputs = {"a": StepOutput(step_index=1), "ghost": StepOutput(step_index=9, finished=True)}
+    outputs: dict[str, StepOutput[None]] = {
+        "a": StepOutput(step_index=1), "ghost": StepOutput(step_index=9, finished=True)
+    }
     assert scheduler.update_from_output(plan, outputs) == set()
     assert scheduler.get("ghost") is None
 
@@ -308,7 +310,9 @@ def test_waiting_for_input_is_not_stepped_until_input_arrives() -> None:
     scheduler = Scheduler(max_running=2)
     start_running(scheduler, "a", "b")
     plan = scheduler.schedule()
-    outputs = {"a": StepOutput(step_index=1, waiting_for_input=True), "b": StepOutput(1)}
+    outputs: dict[str, StepOutput[None]] = {
+        "a": StepOutput(step_index=1, waiting_for_input=True), "b": StepOutput(1)
+    }
     scheduler.update_from_output(plan, outputs)
     assert scheduler.schedule().batches == [["b"]]
     scheduler.mark_input_ready("a")

@@ -1,0 +1,45 @@
+"""The Qwen-Image family (diffusers `QwenImagePipeline` folders): what its stages share.
+
+The Tokenizer stage produces `PromptEmbeddings` and the DiT stage consumes them; both read the
+family's facts here, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: QwenImagePipeline's `tokenizer_max_length`: the most prompt tokens its text encoder keeps.
+PROMPT_MAX_TOKENS = 1024
+#: Largest image height or width any Qwen-Image stage accepts, in pixels; bounds the latent
+#: memory of one request (the DiT may be configured lower, never higher).
+MAX_IMAGE_SIDE = 2048
+
+
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """What `QwenImagePipeline.encode_prompt` returns for a prompt (and a negative prompt).
+
+    A mask is None when every token is valid (the pipeline drops all-ones masks).
+    """
+
+    prompt_embeds: torch.Tensor  # [1, seq, hidden]
+    prompt_embeds_mask: torch.Tensor | None  # [1, seq] int64
+    negative_prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = None
+
+
+def latent_factor(model_dir: str | Path) -> int:
+    """What image height and width must be a multiple of: the VAE's spatial factor x 2 (packing).
+
+    Read from the folder's `vae/config.json`, the way `QwenImagePipeline` derives it.
+    """
+    vae_config = json.loads((Path(model_dir) / "vae" / "config.json").read_text())
+    downsample = vae_config["temperal_downsample"]
+    if not isinstance(downsample, list):
+        raise ValueError(f"{model_dir}/vae/config.json: temperal_downsample must be a list")
+    spatial_factor: int = 2 ** len(downsample)  # one 2x downsample per entry
+    return spatial_factor * 2
