@@ -1,4 +1,9 @@
-"""The gateway process: the REST app (OpenAI routes + native routes) and the public gRPC API."""
+"""The gateway process: the REST app and the public gRPC API over one GatewayCore.
+
+`open_gateway` is the application's lifespan: it opens one channel per stage address and
+starts watching them (the stage catalog), and closes both on the way out. REST and gRPC then
+call the same in-process core.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +11,34 @@ import asyncio
 import contextlib
 import logging
 import re
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
-import grpc
 import uvicorn
 from starlette.applications import Starlette
-from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stagemesh.gateway.cancel import new_request_id
+from stagemesh.gateway.catalog import StageCatalog
+from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.grpc_api import GatewayServicer
+from stagemesh.gateway.http_io import REQUEST_ID_HEADER
 from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.metrics import RequestMetricsMiddleware, metrics_endpoint
-from stagemesh.gateway.openai_api import OpenAIRoutes
+from stagemesh.gateway.metrics import RequestMetricsMiddleware
+from stagemesh.gateway.native import NativeApi
 from stagemesh.gateway.recipes import Recipe
-from stagemesh.gateway.transcoding import annotated_routes
+from stagemesh.gateway.routes import rest_routes
+from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
 from stagemesh.shared.proto.v1 import gateway_service_pb2, gateway_service_pb2_grpc
-from stagemesh.shared.server import CHANNEL_OPTIONS, RunningServer, start_server
+from stagemesh.shared.server import RunningServer, start_server
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "x-request-id"
-_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: A client's x-request-id is kept when it is short and safe to echo in a header.
+_VALID_REQUEST_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}$")
 GATEWAY_SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+HTTP_STOP_TIMEOUT_S = 10.0
+GRPC_STOP_GRACE_S = 5.0
 
 
 class RequestIdMiddleware:
@@ -43,37 +52,35 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        request_id = given if _VALID_REQUEST_ID.match(given) else f"req-{uuid.uuid4().hex}"
+        request_id = given if _VALID_REQUEST_ID.match(given) else new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"],
+                message["headers"] = [*message.get("headers", []),
                                       (REQUEST_ID_HEADER.encode(), request_id.encode())]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
 
 
-def build_rest_app(mesh: Mesh, grpc_target: str) -> Starlette:
-    """Starlette app: OpenAI routes + routes derived from the proto's http annotations."""
-    loopback: dict[str, grpc.aio.Channel] = {}
+@contextlib.asynccontextmanager
+async def open_gateway(recipes: Mapping[str, Recipe]) -> AsyncIterator[GatewayCore]:
+    """Channels and the stage catalog for `recipes`, open for the life of the block."""
+    mesh = Mesh(recipes)
+    await mesh.start()
+    catalog = StageCatalog(mesh)
+    catalog.start()
+    try:
+        yield GatewayCore(mesh, catalog)
+    finally:
+        await catalog.close()
+        await mesh.close()
 
-    def channel() -> grpc.aio.Channel:
-        if "channel" not in loopback:
-            loopback["channel"] = grpc.aio.insecure_channel(grpc_target, options=CHANNEL_OPTIONS)
-        return loopback["channel"]
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        if "channel" in loopback:
-            await loopback["channel"].close()
-
-    app = Starlette(routes=[*OpenAIRoutes(mesh).routes(), *annotated_routes(channel),
-                            Route("/metrics", metrics_endpoint, methods=["GET"])],
-                    lifespan=lifespan)
+def build_rest_app(core: GatewayCore) -> Starlette:
+    """The REST app over an open core (see routes.py for the routes)."""
+    app = Starlette(routes=rest_routes(core))
     app.add_middleware(RequestMetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)
     return app
@@ -86,35 +93,43 @@ class GatewayConfig:
     grpc_port: int = 50051
 
 
+async def _serve_http(app: Starlette, config: GatewayConfig) -> tuple[uvicorn.Server,
+                                                                      asyncio.Task[None]]:
+    """Start uvicorn and wait until it listens (a bind error surfaces here)."""
+    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port,
+                                         log_level="warning", lifespan="on",
+                                         timeout_graceful_shutdown=5))
+    task = asyncio.create_task(http.serve())
+    while not http.started:
+        if task.done():
+            await task
+            raise OSError(f"HTTP server on port {config.http_port} did not start")
+        await asyncio.sleep(0.05)
+    return http, task
+
+
 async def run_gateway(recipes: dict[str, Recipe], config: GatewayConfig,
                       ready: asyncio.Event | None = None,
                       stop: asyncio.Event | None = None) -> None:
     """Serve REST and gRPC until `stop` is set (or the task is cancelled)."""
-    mesh = Mesh(recipes)
-    await mesh.start()
-    grpc_server: RunningServer = await start_server(
-        lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(mesh), server),
-        [GATEWAY_SERVICE], host=config.host, port=config.grpc_port)
-    app = build_rest_app(mesh, f"{config.host}:{grpc_server.port}")
-    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port,
-                                         log_level="warning", lifespan="on",
-                                         timeout_graceful_shutdown=5))
-    http_task = asyncio.create_task(http.serve())
-    try:
-        while not http.started:
-            if http_task.done():
-                await http_task  # surfaces a bind error
-                raise OSError(f"HTTP server on port {config.http_port} did not start")
-            await asyncio.sleep(0.05)
-        log.info("gateway: REST on http://%s:%d, gRPC on %s:%d", config.host, config.http_port,
-                 config.host, grpc_server.port)
-        if ready is not None:
-            ready.set()
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
-    finally:
-        http.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(http_task, 10)
-        await grpc_server.stop(grace=5)
-        await mesh.close()
+    async with open_gateway(recipes) as core:
+        api = NativeApi(core)
+        grpc_server: RunningServer = await start_server(
+            lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
+                GatewayServicer(api), server),
+            [GATEWAY_SERVICE], host=config.host, port=config.grpc_port)
+        http: uvicorn.Server | None = None
+        http_task: asyncio.Task[None] | None = None
+        try:
+            http, http_task = await _serve_http(build_rest_app(core), config)
+            log.info("gateway: REST on http://%s:%d, gRPC on %s:%d", config.host,
+                     config.http_port, config.host, grpc_server.port)
+            if ready is not None:
+                ready.set()
+            await (stop.wait() if stop is not None else asyncio.Event().wait())
+        finally:
+            if http is not None and http_task is not None:
+                http.should_exit = True
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(http_task, HTTP_STOP_TIMEOUT_S)
+            await grpc_server.stop(grace=GRPC_STOP_GRACE_S)

@@ -18,9 +18,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
+from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
 from stagemesh.shared.proto.v1 import common_pb2
-from stagemesh.shared.stage_stream import MAX_REQUEST_ID_CHARS
+
+#: A common_pb2.RequestState value.
+RequestState: TypeAlias = common_pb2.RequestState.ValueType
 
 #: How long a cancel-by-id waits for the stage's acknowledgement.
 CANCEL_ACK_TIMEOUT_S = 10.0
@@ -41,13 +45,18 @@ class DeadlineExceeded(Exception):
 @dataclass(frozen=True)
 class CancelOutcome:
     request_id: str
-    state: int  # common_pb2.RequestState
+    state: RequestState
     stage: str = ""
     step_index: int = 0
     abort_latency_seconds: float = 0.0
 
 
 SendCancel = Callable[[str], Awaitable[None]]
+
+
+def new_request_id() -> str:
+    """An id for a request whose client chose none."""
+    return f"req-{uuid.uuid4().hex}"
 
 
 class CancelScope:
@@ -96,7 +105,7 @@ class CancelScope:
             self._settled.set()
         return self.outcome
 
-    def settle(self, state: int) -> None:
+    def settle(self, state: RequestState) -> None:
         """The request ended without a stage ack (completed, failed): tell a waiting canceller."""
         if self.outcome is None:
             self.outcome = CancelOutcome(request_id=self.request_id, state=state)
@@ -130,7 +139,7 @@ class ScopeRegistry:
         self._scopes: dict[str, CancelScope] = {}
 
     def open(self, request_id: str | None, timeout: float | None) -> CancelScope:
-        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        request_id = request_id or new_request_id()
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request id longer than {MAX_REQUEST_ID_CHARS} characters")
         if request_id in self._scopes:

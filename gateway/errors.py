@@ -1,11 +1,21 @@
-"""Gateway errors and the one table that maps gRPC codes to HTTP statuses."""
+"""Gateway errors, the one table from gRPC codes to HTTP statuses, and the one REST error body.
+
+Every REST error (OpenAI routes, native routes, SSE error events, NDJSON error lines) has
+OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, where `param` names the bad
+field (or is null) and `code` is the lower-case AIP-193 reason (`invalid_argument`,
+`stage_unavailable`, ...).
+"""
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import grpc
 
+from stagemesh.shared.errors import StageError
+
 #: gRPC status -> HTTP status for every error the gateway returns over REST.
-HTTP_STATUS = {
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -18,14 +28,28 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
-#: OpenAI's error `type` for each HTTP status family.
-OPENAI_ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error",
-                     409: "invalid_request_error", 429: "rate_limit_error",
-                     499: "cancelled", 503: "service_unavailable", 504: "timeout"}
+#: OpenAI's error `type` for each HTTP status (anything else is a "server_error").
+OPENAI_ERROR_TYPE: dict[int, str] = {
+    400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+    429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout",
+}
 
 
 def http_status(code: grpc.StatusCode) -> int:
     return HTTP_STATUS.get(code, 500)
+
+
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(TypedDict):
+    """The JSON body of every REST error."""
+
+    error: ErrorDetail
 
 
 class GatewayError(Exception):
@@ -39,17 +63,34 @@ class GatewayError(Exception):
         self.field_name = field_name
         self.reason = reason or code.name
 
-    def to_openai(self) -> dict[str, object]:
-        """OpenAI's error body: {"error": {message, type, param, code}}."""
-        status = http_status(self.code)
+    @classmethod
+    def from_stage(cls, error: StageError, message: str | None = None) -> GatewayError:
+        """A stage's own error, passed on with its code, field and reason."""
+        return cls(error.code, error.message if message is None else message, error.field_name,
+                   reason=error.reason)
+
+    @property
+    def http_status(self) -> int:
+        return http_status(self.code)
+
+    def body(self) -> ErrorBody:
+        """OpenAI's error body; `param` names the bad field."""
         return {"error": {"message": self.message,
-                          "type": OPENAI_ERROR_TYPE.get(status, "server_error"),
+                          "type": OPENAI_ERROR_TYPE.get(self.http_status, "server_error"),
                           "param": self.field_name, "code": self.reason.lower()}}
 
 
 class InvalidRequest(GatewayError):
     """Bad input, named by field."""
 
-    def __init__(self, field_name: str, message: str) -> None:
+    def __init__(self, field_name: str | None, message: str) -> None:
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message, field_name,
                          reason="INVALID_ARGUMENT")
+
+
+class StageUnavailable(GatewayError):
+    """A stage a request needs cannot be reached (or did not answer in time)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message,
+                         reason=reason or "STAGE_UNAVAILABLE")

@@ -1,61 +1,64 @@
-"""Turning a pipeline that reports through callbacks into an async stream of events."""
+"""Turning a pipeline that reports through callbacks into an async stream of typed events."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
-from google.protobuf.message import Message
+from stagemesh.shared.proto.v1 import common_pb2
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
 class StageEvent:
-    """A non-terminal event of one stage (its response message: queued, progress, partial)."""
+    """A stage's queue position or step progress, as it streamed it."""
 
     stage: str
-    response: Message
+    event: common_pb2.Queued | common_pb2.Progress
 
 
 @dataclass(frozen=True)
-class Output:
+class Output(Generic[T]):
     """A piece of the request's output (an image, an audio chunk), in order."""
 
-    value: Any
+    value: T
 
 
 @dataclass(frozen=True)
-class Done:
+class Done(Generic[R]):
     """The pipeline returned; `result` is its return value."""
 
-    result: Any
+    result: R
 
 
-Emit = Callable[[Any], Awaitable[None]]
+#: How a pipeline reports: awaited for each event, in order.
+Emit = Callable[[StageEvent | Output[T]], Awaitable[None]]
 
 
 async def stream_pipeline(
-    run: Callable[[Emit], Awaitable[Any]],
-) -> AsyncIterator[StageEvent | Output | Done]:
+    run: Callable[[Emit[T]], Awaitable[R]],
+) -> AsyncGenerator[StageEvent | Output[T] | Done[R], None]:
     """Run `run(emit)` as a task and yield what it emits, then Done.
 
     The pipeline's exceptions propagate to the consumer. If the consumer stops early (client
     gone), the pipeline task is cancelled, which cancels its open stage call.
     """
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    finished = object()
+    queue: asyncio.Queue[StageEvent | Output[T] | None] = asyncio.Queue()
 
-    async def runner() -> Any:
+    async def runner() -> R:
         try:
             return await run(queue.put)
         finally:
-            queue.put_nowait(finished)
+            queue.put_nowait(None)  # the end marker
 
     task = asyncio.create_task(runner())
     try:
-        while (item := await queue.get()) is not finished:
+        while (item := await queue.get()) is not None:
             yield item
         yield Done(await task)
     finally:

@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Literal, Protocol, TypeVar
 
 import grpc
-from google.protobuf.message import Message
 
 from stagemesh.gateway.cancel import CancelScope, RequestCancelled
 from stagemesh.shared.errors import StageError, parse_rpc_error
 from stagemesh.shared.proto.v1 import common_pb2
 
-log = logging.getLogger(__name__)
+RequestT = TypeVar("RequestT")
+RequestT_co = TypeVar("RequestT_co", covariant=True)
+ResponseT = TypeVar("ResponseT", bound="StageResponse")
 
-#: stage name -> that stage's generated gRPC stub (see Mesh.stubs).
-StubFor = Callable[[str], Any]
+
+class StageResponse(Protocol):
+    """What every stage stream's server message has: a oneof `event` with `result` and
+    `aborted` among its members (the generated messages match this)."""
+
+    @property
+    def aborted(self) -> common_pb2.Aborted: ...
+
+    def WhichOneof(self, oneof_group: Literal["event"]) -> str | None: ...
+
+
+class CancelMessage(Protocol[RequestT_co]):
+    """A stage stream's client message class, built with `cancel=` (the generated classes)."""
+
+    def __call__(self, *, cancel: common_pb2.Cancel | None = ...) -> RequestT_co: ...
+
 
 #: Called for every non-terminal event (queued, progress, partial outputs) of a stage.
-OnEvent = Callable[[str, Message], Awaitable[None]]
+OnEvent = Callable[[str, ResponseT], Awaitable[None]]
+#: Writes `input` messages on an open call (streamed input, e.g. frames for the codec).
+PumpInputs = Callable[[grpc.aio.StreamStreamCall[RequestT, ResponseT]],
+                      Coroutine[object, object, None]]
 
 
 class StageCallError(Exception):
@@ -35,36 +52,36 @@ class StageCallError(Exception):
 async def call_stage(
     scope: CancelScope,
     stage: str,
-    rpc: grpc.aio.StreamStreamMultiCallable,
-    request_cls: type[Message],
-    start: Message,
+    rpc: grpc.aio.StreamStreamMultiCallable[RequestT, ResponseT],
+    start: RequestT,
+    cancel_message: CancelMessage[RequestT],
     *,
-    on_event: OnEvent | None = None,
-    pump_inputs: Callable[[Any], Awaitable[None]] | None = None,
-) -> Message:
-    """Run one stage stream to its result.
+    on_event: OnEvent[ResponseT] | None = None,
+    pump_inputs: PumpInputs[RequestT, ResponseT] | None = None,
+) -> ResponseT:
+    """Run one stage stream to its result; return the response that carries it (`.result`).
 
-    Raises RequestCancelled when the stage acknowledges a cancel, StageCallError on a gRPC
-    error. If the surrounding task is cancelled (client gone), the call is cancelled too, and
-    the stage aborts the request at once.
-    pump_inputs, if given, is started as `await pump_inputs(call)` alongside the reader: it
-    writes `input` messages (streamed input, e.g. frames for the codec).
+    `start` is the stream's first message; `cancel_message` is the stream's client message
+    class (it builds the Cancel message). Raises RequestCancelled when the stage acknowledges
+    a cancel, StageCallError on a gRPC error. If the surrounding task is cancelled (client
+    gone), the call is cancelled too, and the stage aborts the request at once. pump_inputs,
+    if given, runs alongside the reader.
     """
     call = rpc(timeout=scope.remaining(), metadata=(("x-request-id", scope.request_id),))
 
     async def send_cancel(reason: str) -> None:
-        await call.write(request_cls(cancel=common_pb2.Cancel(reason=reason)))
+        await call.write(cancel_message(cancel=common_pb2.Cancel(reason=reason)))
 
-    pump = None
+    pump: asyncio.Task[None] | None = None
     try:
-        await call.write(request_cls(start=start))
+        await call.write(start)
         scope.enter_stage(stage, send_cancel)
         if pump_inputs is not None:
             pump = asyncio.create_task(pump_inputs(call))
         async for response in call:
             kind = response.WhichOneof("event")
             if kind == "result":
-                return response.result
+                return response
             if kind == "aborted":
                 raise RequestCancelled(scope.acknowledge(stage, response.aborted))
             if on_event is not None:

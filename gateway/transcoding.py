@@ -1,120 +1,176 @@
 """Native REST routes derived from GatewayService's google.api.http annotations.
 
-The proto is the one source of truth: each annotated RPC becomes a Starlette route that parses
-JSON (strictly: unknown fields are a 400) into the request message, calls the gateway's own gRPC
-server over loopback, and answers JSON (server-streaming RPCs answer NDJSON, one message a line).
+The proto is the one source of truth for paths, verbs and bodies: each annotated RPC becomes a
+Starlette route that parses JSON (strictly: unknown fields are a 400 naming the field) plus
+path and query parameters into the request message, calls the same in-process NativeApi method
+the gRPC servicer calls, and answers JSON (server-streaming RPCs answer NDJSON, one message a
+line; an error after the first line is a last line holding the error body).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
-import grpc
 from google.api import annotations_pb2
-from google.protobuf import descriptor, json_format, message_factory
+from google.protobuf import json_format
 from google.protobuf.message import Message
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from stagemesh.gateway.errors import http_status
-from stagemesh.shared.errors import parse_rpc_error
-from stagemesh.shared.proto.v1 import gateway_service_pb2
+from stagemesh.gateway.core import RequestContext
+from stagemesh.gateway.errors import GatewayError, InvalidRequest
+from stagemesh.gateway.http_io import error_response, ndjson_line, read_body, request_id
+from stagemesh.gateway.native import NativeApi
+from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
-SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"]
-MAX_BODY_BYTES = 32 * 1024 * 1024
+SERVICE = pb.DESCRIPTOR.services_by_name["GatewayService"]
 _TEMPLATE_VAR = re.compile(r"\{([^}=]+)(=[^}]*)?\}")
+#: Where json_format's ParseError messages name the field.
+_PARSE_ERROR_FIELD = (re.compile(r'has no field named "([^"]+)"'),
+                      re.compile(r"Failed to parse (\w+) field"),
+                      re.compile(r" at [\w.]*\.(\w+)"))
+
+MessageT = TypeVar("MessageT", bound=Message)
+ReplyT = TypeVar("ReplyT", bound=Message)
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def _to_json(message: Message) -> dict[str, Any]:
-    return json_format.MessageToDict(message, preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True)
+@dataclass(frozen=True)
+class HttpBinding:
+    """One google.api.http annotation: RPC name, HTTP verb, Starlette path, body rule."""
+
+    rpc: str
+    verb: str
+    path: str
+    body: str  # "*": the whole body is the message; "": fields come from query and path
 
 
-def _error_response(code: grpc.StatusCode, message: str, field_name: str | None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code.name, "message": message,
-                                   "field": field_name}}, status_code=http_status(code))
-
-
-async def _parse(request: Request, rule: Any, input_cls: type[Message]) -> Message:
-    """Build the request message from body, path and query (strict JSON)."""
-    fields: dict[str, Any] = {}
-    if rule.body == "*":
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise json_format.ParseError(f"body larger than {MAX_BODY_BYTES} bytes")
-        try:
-            fields = json.loads(raw) if raw else {}
-        except json.JSONDecodeError as error:
-            raise json_format.ParseError(f"body is not JSON: {error}") from None
-        if not isinstance(fields, dict):
-            raise json_format.ParseError("body must be a JSON object")
-    else:
-        fields.update(request.query_params)
-    fields.update(request.path_params)
-    message = input_cls()
-    json_format.ParseDict(fields, message, ignore_unknown_fields=False)
-    return message
-
-
-def _endpoint(method: descriptor.MethodDescriptor, rule: Any,
-              channel: Callable[[], grpc.aio.Channel]) -> Callable[[Request], Any]:
-    input_cls = message_factory.GetMessageClass(method.input_type)
-    output_cls = message_factory.GetMessageClass(method.output_type)
-    path = f"/{SERVICE.full_name}/{method.name}"
-
-    async def endpoint(request: Request) -> Response:
-        try:
-            message = await _parse(request, rule, input_cls)
-        except json_format.ParseError as error:
-            return _error_response(grpc.StatusCode.INVALID_ARGUMENT, str(error), None)
-        if not method.server_streaming:
-            call = channel().unary_unary(path, request_serializer=input_cls.SerializeToString,
-                                         response_deserializer=output_cls.FromString)
-            try:
-                return JSONResponse(_to_json(await call(message)))
-            except grpc.aio.AioRpcError as failed:
-                error = parse_rpc_error(failed)
-                return _error_response(error.code, error.message, error.field_name)
-        stream = channel().unary_stream(path, request_serializer=input_cls.SerializeToString,
-                                        response_deserializer=output_cls.FromString)(message)
-        try:  # surface errors before the first message as a proper HTTP status
-            first = await stream.read()
-        except grpc.aio.AioRpcError as failed:
-            error = parse_rpc_error(failed)
-            return _error_response(error.code, error.message, error.field_name)
-        return StreamingResponse(_ndjson(first, stream), media_type="application/x-ndjson")
-
-    return endpoint
-
-
-async def _ndjson(first: Any, stream: Any) -> AsyncIterator[bytes]:
-    try:
-        message = first
-        while message is not grpc.aio.EOF:  # read() only: the call must not mix in iteration
-            yield (json.dumps(_to_json(message)) + "\n").encode()
-            message = await stream.read()
-    except grpc.aio.AioRpcError as failed:  # status is already 200: end with an error line
-        error = parse_rpc_error(failed)
-        yield (json.dumps({"error": {"code": error.code.name, "message": error.message,
-                                     "field": error.field_name}}) + "\n").encode()
-    finally:
-        stream.cancel()  # client gone or done: stop the work behind it
-
-
-def annotated_routes(channel: Callable[[], grpc.aio.Channel]) -> list[Route]:
-    """One route per google.api.http-annotated GatewayService method."""
-    routes = []
+def http_bindings() -> list[HttpBinding]:
+    """Every annotated RPC of GatewayService, in proto order."""
+    bindings = []
     for method in SERVICE.methods:
         options = method.GetOptions()
         if not options.HasExtension(annotations_pb2.http):
             continue
         rule = options.Extensions[annotations_pb2.http]
-        verb = rule.WhichOneof("pattern")
-        template = getattr(rule, verb)
-        routes.append(Route(_TEMPLATE_VAR.sub(r"{\1}", template), _endpoint(method, rule, channel),
-                            methods=[verb.upper()], name=f"native.{method.name}"))
+        verb = str(rule.WhichOneof("pattern"))
+        template = str(getattr(rule, verb))
+        bindings.append(HttpBinding(rpc=method.name, verb=verb.upper(),
+                                    path=_TEMPLATE_VAR.sub(r"{\1}", template),
+                                    body=str(rule.body)))
+    return bindings
+
+
+def to_json(message: Message) -> dict[str, object]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+def parse_error_field(message: str) -> str | None:
+    """The field a json_format.ParseError message names, if any."""
+    for pattern in _PARSE_ERROR_FIELD:
+        if match := pattern.search(message):
+            return match.group(1)
+    return None
+
+
+async def parse_message(request: Request, binding: HttpBinding,
+                        message_type: type[MessageT]) -> MessageT:
+    """The request message from body, path and query (strict JSON)."""
+    fields: dict[str, object] = {}
+    if binding.body == "*":
+        raw = await read_body(request)
+        try:
+            body = json.loads(raw) if raw else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise InvalidRequest("body", f"body is not JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("body", "body must be a JSON object")
+        fields.update(body)
+    else:
+        fields.update(request.query_params)
+    fields.update(request.path_params)
+    message = message_type()
+    try:
+        json_format.ParseDict(fields, message, ignore_unknown_fields=False)
+    except json_format.ParseError as error:
+        raise InvalidRequest(parse_error_field(str(error)), str(error)) from None
+    return message
+
+
+def _context(request: Request) -> RequestContext:
+    """Native routes: the x-request-id id unless the message names its own; no timeout."""
+    return RequestContext.create(request_id(request), None)
+
+
+def unary_endpoint(binding: HttpBinding, message_type: type[MessageT],
+                   call: Callable[[MessageT, RequestContext], Awaitable[ReplyT]]) -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        try:
+            message = await parse_message(request, binding, message_type)
+            reply = await call(message, _context(request))
+        except GatewayError as error:
+            return error_response(error)
+        return JSONResponse(to_json(reply))
+
+    return endpoint
+
+
+def stream_endpoint(
+    binding: HttpBinding, message_type: type[MessageT],
+    call: Callable[[MessageT, RequestContext], AsyncGenerator[ReplyT, None]],
+) -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        try:
+            message = await parse_message(request, binding, message_type)
+            replies = call(message, _context(request))
+        except GatewayError as error:
+            return error_response(error)
+        try:  # errors before the first message still get their HTTP status
+            first = await anext(replies, None)
+        except GatewayError as error:
+            await replies.aclose()
+            return error_response(error)
+        return StreamingResponse(_ndjson(first, replies), media_type="application/x-ndjson")
+
+    return endpoint
+
+
+async def _ndjson(first: Message | None,
+                  replies: AsyncGenerator[Message, None]) -> AsyncIterator[bytes]:
+    try:
+        if first is not None:
+            yield ndjson_line(to_json(first))
+            async for reply in replies:
+                yield ndjson_line(to_json(reply))
+    except GatewayError as error:  # the status is already 200: end with an error line
+        yield ndjson_line(error.body())
+    finally:
+        await replies.aclose()  # client gone or done: stop the work behind it
+
+
+def annotated_routes(api: NativeApi) -> list[Route]:
+    """One route per google.api.http-annotated GatewayService method, bound to `api`."""
+    endpoints: dict[str, Callable[[HttpBinding], Endpoint]] = {
+        "GenerateImage": lambda b: stream_endpoint(b, pb.GenerateImageRequest,
+                                                   api.GenerateImage),
+        "SynthesizeSpeech": lambda b: stream_endpoint(b, pb.SynthesizeSpeechRequest,
+                                                      api.SynthesizeSpeech),
+        "CancelRequest": lambda b: unary_endpoint(b, pb.CancelRequestRequest,
+                                                  api.CancelRequest),
+        "ListStages": lambda b: unary_endpoint(b, pb.ListStagesRequest, api.ListStages),
+        "ListRecipes": lambda b: unary_endpoint(b, pb.ListRecipesRequest, api.ListRecipes),
+    }
+    routes = []
+    for binding in http_bindings():
+        if binding.rpc not in endpoints:
+            raise RuntimeError(f"GatewayService.{binding.rpc} is annotated for REST but "
+                               "NativeApi has no endpoint for it")
+        routes.append(Route(binding.path, endpoints[binding.rpc](binding),
+                            methods=[binding.verb], name=f"native.{binding.rpc}"))
     return routes

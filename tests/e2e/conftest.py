@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -16,6 +16,24 @@ import pytest
 from stagemesh.serve import free_port
 
 START_TIMEOUT_S = 240
+#: How often a bounded wait checks its condition.
+POLL_S = 0.05
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0,
+               what: str = "the condition") -> None:
+    """Return as soon as `condition()` holds; fail the test if it does not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(POLL_S)
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., None]:
+    """The bounded wait above, for tests (synchronise on a condition, never on a sleep)."""
+    return wait_until
 
 
 @dataclass

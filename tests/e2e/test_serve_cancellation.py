@@ -10,7 +10,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import grpc
@@ -21,6 +21,8 @@ from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+WaitUntil = Callable[..., None]
 
 SIZE = "256x256"  # larger images make each tiny-model step long enough to observe
 LARGE = "512x512"
@@ -51,14 +53,17 @@ class Snapshot:
         return later.values[key] - self.values[key]
 
 
-def wait_for_aborts(served, before: Snapshot, count: int, timeout: float = 30) -> Snapshot:
-    """Poll the DiT's metrics until `count` more requests were aborted (or time runs out)."""
-    deadline = time.monotonic() + timeout
-    after = Snapshot(served)
-    while before.delta(after, "dit_aborted") < count and time.monotonic() < deadline:
-        time.sleep(0.1)
-        after = Snapshot(served)
-    return after
+def wait_for_aborts(served, before: Snapshot, count: int, wait_until: WaitUntil) -> Snapshot:
+    """The DiT's counters once `count` more requests were aborted (the test fails if they are
+    not within the wait's deadline)."""
+    wait_until(lambda: before.delta(Snapshot(served), "dit_aborted") >= count,
+               what=f"{count} more aborted DiT requests")
+    return Snapshot(served)
+
+
+def wait_for_dit_steps(served, before: Snapshot, steps: int, wait_until: WaitUntil) -> None:
+    wait_until(lambda: before.delta(Snapshot(served), "dit_steps") >= steps,
+               what=f"the DiT running {steps} steps")
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict]:
@@ -90,7 +95,9 @@ def test_stream_reports_queued_each_step_then_the_image(served) -> None:
                and e["type"] == "progress")
 
 
-def test_disconnect_after_ten_steps_stops_the_dit_and_skips_the_vae(served) -> None:
+def test_disconnect_after_ten_steps_stops_the_dit_and_skips_the_vae(
+    served, wait_until: WaitUntil,
+) -> None:
     baseline = min(timed_generation(served, 50) for _ in range(2))
     before = Snapshot(served)
     seen = 0
@@ -102,7 +109,7 @@ def test_disconnect_after_ten_steps_stops_the_dit_and_skips_the_vae(served) -> N
                 seen = event["step"]
                 if seen >= 10:
                     break  # leaving the block closes the connection: the client is gone
-    after = wait_for_aborts(served, before, 1)
+    after = wait_for_aborts(served, before, 1, wait_until)
 
     assert before.delta(after, "dit_aborted") == 1
     assert before.delta(after, "dit_completed") == 0
@@ -117,7 +124,9 @@ def test_disconnect_after_ten_steps_stops_the_dit_and_skips_the_vae(served) -> N
     assert post_abort < 2 * baseline + 0.5, (baseline, post_abort)
 
 
-def test_cancel_by_id_answers_with_the_stage_step_and_latency(served) -> None:
+def test_cancel_by_id_answers_with_the_stage_step_and_latency(
+    served, wait_until: WaitUntil,
+) -> None:
     request_id = f"cancel-me-{time.monotonic_ns()}"
     result: dict[str, httpx.Response] = {}
 
@@ -130,11 +139,11 @@ def test_cancel_by_id_answers_with_the_stage_step_and_latency(served) -> None:
     worker = threading.Thread(target=generate)
     before = Snapshot(served)
     worker.start()
-    while before.delta(Snapshot(served), "dit_steps") < 3:
-        time.sleep(0.02)
+    wait_for_dit_steps(served, before, 3, wait_until)
     cancel = httpx.post(f"{served.http_url}/v1/requests/{request_id}/cancel", timeout=30)
     worker.join(timeout=60)
 
+    assert not worker.is_alive(), "the cancelled request must answer"
     assert cancel.status_code == 200, cancel.text
     ack = cancel.json()
     assert ack["request_id"] == request_id and ack["stage"] == "dit"
@@ -147,7 +156,7 @@ def test_cancel_by_id_answers_with_the_stage_step_and_latency(served) -> None:
     assert before.delta(after, "vae_steps") == 0
 
 
-def test_grpc_cancel_and_deadline_stop_the_dit(served) -> None:
+def test_grpc_cancel_and_deadline_stop_the_dit(served, wait_until: WaitUntil) -> None:
     with grpc.insecure_channel(served.grpc_target) as channel:
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         before = Snapshot(served)
@@ -164,7 +173,7 @@ def test_grpc_cancel_and_deadline_stop_the_dit(served) -> None:
                 pass
         assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
 
-        after = wait_for_aborts(served, before, 2)
+        after = wait_for_aborts(served, before, 2, wait_until)
         assert before.delta(after, "dit_aborted") == 2
         assert before.delta(after, "dit_steps") < 200
         assert before.delta(after, "vae_steps") == 0
@@ -180,6 +189,9 @@ def test_rest_timeout_becomes_the_deadline(served) -> None:
     response = httpx.post(f"{served.http_url}/v1/images/generations", timeout=60, json={
         "prompt": "a red circle", "size": SIZE, "num_inference_steps": 200, "timeout": 0.5})
     assert response.status_code == 504
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("timeout", "deadline_exceeded",
+                                                              None)
     assert time.monotonic() - started < 10
 
 
@@ -205,7 +217,9 @@ def test_stages_expose_the_cancellation_metrics(served) -> None:
 
 
 
-def test_a_non_streaming_client_that_disconnects_cancels_too(served) -> None:
+def test_a_non_streaming_client_that_disconnects_cancels_too(
+    served, wait_until: WaitUntil,
+) -> None:
     before = Snapshot(served)
     host, port = served.http_url.removeprefix("http://").split(":")
     body = json.dumps({"prompt": "a red circle", "size": LARGE, "num_inference_steps": 200})
@@ -213,10 +227,9 @@ def test_a_non_streaming_client_that_disconnects_cancels_too(served) -> None:
         client.sendall((f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\n"
                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
                         f"{body}").encode())
-        while before.delta(Snapshot(served), "dit_steps") < 3:
-            time.sleep(0.02)
+        wait_for_dit_steps(served, before, 3, wait_until)
     # The socket is closed: the gateway must notice and stop the DiT.
-    after = wait_for_aborts(served, before, 1)
+    after = wait_for_aborts(served, before, 1, wait_until)
     assert before.delta(after, "dit_aborted") == 1
     assert before.delta(after, "dit_steps") < 200
     assert before.delta(after, "vae_steps") == 0

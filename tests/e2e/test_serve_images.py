@@ -121,7 +121,10 @@ def test_reflection_lists_the_gateway_and_each_stage_service(served) -> None:
 def test_bad_input_is_a_400_naming_the_field(served, body: dict, param: str) -> None:
     response = httpx.post(f"{served.http_url}/v1/images/generations", json=body, timeout=30)
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["type"], error["code"]) == (param, "invalid_request_error",
+                                                              "invalid_argument")
     assert response.headers["x-request-id"]
 
 
@@ -148,6 +151,13 @@ def test_native_routes_come_from_the_proto_annotations(served) -> None:
     unknown = httpx.post(f"{served.http_url}/v1/images:generate", json={"prompt": "x",
                                                                          "colour": "red"})
     assert unknown.status_code == 400 and "colour" in unknown.json()["error"]["message"]
+    # one error body everywhere: OpenAI's shape, `param` naming the field
+    assert unknown.json()["error"]["param"] == "colour"
+    assert unknown.json()["error"]["type"] == "invalid_request_error"
+    missing = httpx.post(f"{served.http_url}/v1/requests/nobody/cancel", timeout=10)
+    assert missing.status_code == 404 and missing.json() == {"error": {
+        "message": "no running request with id 'nobody'", "type": "invalid_request_error",
+        "param": "request_id", "code": "not_found"}}
     recipes = httpx.get(f"{served.http_url}/v1/recipes").json()["recipes"]
     assert recipes[0]["stages"] == ["tokenizer", "dit", "vae"]
 

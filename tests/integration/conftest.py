@@ -2,19 +2,49 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from stagemesh.gateway.recipes import ImageDefaults, ImageLimits, Recipe, StageEndpoint, Task
-from stagemesh.models.qwen_image import ensure_model, latent_factor
+from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
+from stagemesh.models.qwen_image import ensure_model
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.server import RunningServer
 from stagemesh.shared.stage_runtime import StageBundle, start_stage, stop_stage
 
 IMAGE_STAGES = ("tokenizer", "dit", "vae")
+#: Stage options of the image stages: the DiT allows the model's own cap of 1000 steps, so a
+#: request can run long enough to be cancelled or to outlive its deadline.
+IMAGE_STAGE_OPTIONS: dict[str, dict[str, object]] = {"dit": {"max_steps": 1000}}
+#: How often a bounded wait checks its condition.
+POLL_S = 0.02
+
+
+async def wait_until(condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
+                     what: str = "the condition") -> None:
+    """Return as soon as `condition()` holds (it may be async); fail the test if it does not
+    within `timeout`."""
+    deadline = time.monotonic() + timeout
+
+    async def holds() -> bool:
+        value = condition()
+        return await value if inspect.isawaitable(value) else value
+
+    while not await holds():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        await asyncio.sleep(POLL_S)
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., object]:
+    """The bounded wait above, for tests (synchronise on a condition, never on a sleep)."""
+    return wait_until
 
 
 @dataclass
@@ -36,7 +66,7 @@ def tiny_model_dir() -> Path:
 async def image_stages(tiny_model_dir: Path) -> AsyncIterator[dict[str, RunningStage]]:
     stages = {}
     for name in IMAGE_STAGES:
-        bundle = build_stage(name, tiny_model_dir)
+        bundle = build_stage(name, tiny_model_dir, IMAGE_STAGE_OPTIONS.get(name))
         stages[name] = RunningStage(bundle, await start_stage(bundle))
     yield stages
     for stage in stages.values():
@@ -50,8 +80,8 @@ def make_image_recipe() -> Callable[[dict[str, str], Path], Recipe]:
 
 
 def image_recipe(addresses: dict[str, str], model_dir: Path) -> Recipe:
+    """Request defaults only: every limit comes from what the stages publish."""
     return Recipe(
         name="tiny", task=Task.TEXT_TO_IMAGE, model=str(model_dir),
         stages={name: StageEndpoint(name, address) for name, address in addresses.items()},
-        image_defaults=ImageDefaults(width=64, height=64, num_inference_steps=4),
-        image_limits=ImageLimits(size_multiple=latent_factor(model_dir)))
+        image_defaults=ImageDefaults(width=64, height=64, num_inference_steps=4))

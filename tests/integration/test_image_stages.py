@@ -1,10 +1,11 @@
-"""Tokenizer, DiT and VAE as real gRPC servers on loopback, composed by the gateway's Mesh."""
+"""Tokenizer, DiT and VAE as real gRPC servers on loopback, composed by the gateway's core."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,16 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from PIL import Image
 from prometheus_client import REGISTRY
 
-from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.images import generate_images, validate_image_params
-from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.app import open_gateway
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.errors import GatewayError, InvalidRequest
+from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.models.qwen_image import latent_factor
 from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2, dit_service_pb2_grpc
-from stagemesh.shared.stage_runtime import start_stage
+from stagemesh.shared.stage_runtime import start_stage, stop_stage
 from stagemesh.shared.torch_tensors import to_proto
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,30 +45,46 @@ def finished(stage: str, status: str) -> float:
     return value or 0.0
 
 
-async def generate(mesh: Mesh, **fields: object) -> list[bytes]:
-    recipe = next(iter(mesh.recipes.values()))
-    params = validate_image_params(recipe, **{"prompt": "a red circle", **fields})
-    async with mesh.request_scope(recipe, None, 30) as scope:
-        images = await generate_images(recipe, params, scope, mesh.stubs(recipe))
+async def generate(core: GatewayCore, **fields: Any) -> list[bytes]:
+    job = await core.prepare_images(ImageRequest(**{"prompt": "a red circle", **fields}))
+    images = await core.generate_images(job, RequestContext.create(None, 30))
     return [image.png for image in images]
 
 
 @pytest.fixture
-async def mesh(image_stages: dict[str, Any], tiny_model_dir: Path, make_image_recipe: Any):
-    mesh = Mesh({"tiny": make_image_recipe({n: s.address for n, s in image_stages.items()},
-                                      tiny_model_dir)})
-    await mesh.start()
-    yield mesh
-    await mesh.close()
+async def core(image_stages: dict[str, Any], tiny_model_dir: Path,
+               make_image_recipe: Any) -> AsyncIterator[GatewayCore]:
+    recipe = make_image_recipe({n: s.address for n, s in image_stages.items()}, tiny_model_dir)
+    async with open_gateway({"tiny": recipe}) as core:
+        yield core
 
 
-async def test_prompt_becomes_a_png_of_the_requested_size(mesh: Mesh) -> None:
-    first, second = await generate(mesh, width=64, height=32, seed=7, n=2)
+async def test_prompt_becomes_a_png_of_the_requested_size(core: GatewayCore) -> None:
+    first, second = await generate(core, width=64, height=32, seed=7, n=2)
     for png in (first, second):
         image = Image.open(io.BytesIO(png))
         assert image.format == "PNG" and image.size == (64, 32) and image.mode == "RGB"
     assert first != second  # n=2 uses seeds 7 and 8
-    assert (await generate(mesh, width=64, height=32, seed=7))[0] == first
+    assert (await generate(core, width=64, height=32, seed=7))[0] == first
+
+
+async def test_the_gateway_enforces_what_the_stages_publish(
+    core: GatewayCore, tiny_model_dir: Path,
+) -> None:
+    facts = await core.catalog.image_facts(core.recipes["tiny"])
+    assert facts.size_multiple == latent_factor(tiny_model_dir)  # the model's own factor
+    assert facts.max_steps == 1000  # the DiT's option (its default is 200)
+    assert facts.max_prompt_chars == 2000  # the tokenizer's default
+    assert facts.execution_modes == (common_pb2.EXECUTION_MODE_STEP,
+                                     common_pb2.EXECUTION_MODE_REQUEST)
+    dit_requests = finished("dit", "completed") + finished("dit", "failed")
+    for fields, field in (({"num_inference_steps": 1001}, "num_inference_steps"),
+                          ({"width": 4 * facts.size_multiple + 1}, "size"),
+                          ({"prompt": "x" * 2001}, "prompt")):
+        with pytest.raises(InvalidRequest) as refused:
+            await generate(core, **fields)
+        assert refused.value.field_name == field
+    assert finished("dit", "completed") + finished("dit", "failed") == dit_requests
 
 
 async def test_each_stage_reports_health_and_reflects_its_service(
@@ -106,11 +125,11 @@ async def test_cancel_message_ends_the_stream_with_an_aborted_event(
         assert seen[0] == "queued" and "result" not in seen
         assert aborted.reason == common_pb2.ABORT_REASON_CANCELLED
         assert 3 <= aborted.step_index <= 5  # stopped at the next step boundary
-        assert 0 <= aborted.abort_latency_seconds < 5
+        assert 0 < aborted.abort_latency_seconds < 5
 
 
 async def test_a_cancelled_rpc_stops_the_denoise_loop(
-    image_stages: dict[str, Any], tiny_model_dir: Path
+    image_stages: dict[str, Any], tiny_model_dir: Path, wait_until: Any,
 ) -> None:
     aborted_before = finished("dit", "aborted")
     channel, call = await open_denoise(image_stages["dit"])
@@ -121,10 +140,8 @@ async def test_a_cancelled_rpc_stops_the_denoise_loop(
             if response.WhichOneof("event") == "progress":
                 break
         call.cancel()
-    for _ in range(100):
-        if finished("dit", "aborted") > aborted_before:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: finished("dit", "aborted") > aborted_before, timeout=5,
+                     what="the DiT counting the abort")
     assert finished("dit", "aborted") == aborted_before + 1
     assert image_stages["dit"].bundle.engines[0].num_running == 0
 
@@ -157,19 +174,18 @@ async def test_a_stage_that_is_down_is_unavailable_at_once(
 ) -> None:
     addresses = {n: s.address for n, s in image_stages.items()}
     addresses["vae"] = f"127.0.0.1:{free_port()}"  # nothing listens there
-    mesh = Mesh({"tiny": make_image_recipe(addresses, tiny_model_dir)})
-    await mesh.start()
     started = time.monotonic()
-    with pytest.raises(GatewayError) as failure:
-        await generate(mesh)
-    await mesh.close()
+    async with open_gateway({"tiny": make_image_recipe(addresses, tiny_model_dir)}) as core:
+        with pytest.raises(GatewayError) as failure:
+            await generate(core)
     assert failure.value.code is grpc.StatusCode.UNAVAILABLE
-    assert "vae stage" in failure.value.message
+    assert f"vae stage at {addresses['vae']}" in failure.value.message
+    assert failure.value.body()["error"]["code"] == "stage_unavailable"
     assert time.monotonic() - started < 10
 
 
 async def test_deadline_reaches_the_stage(
-    image_stages: dict[str, Any], tiny_model_dir: Path
+    image_stages: dict[str, Any], tiny_model_dir: Path, wait_until: Any,
 ) -> None:
     async with grpc.aio.insecure_channel(image_stages["dit"].address) as channel:
         call = dit_service_pb2_grpc.DitServiceStub(channel).Denoise(timeout=0.5)
@@ -180,11 +196,8 @@ async def test_deadline_reaches_the_stage(
                 pass
     assert failure.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     engine = image_stages["dit"].bundle.engines[0]
-    for _ in range(100):
-        if engine.num_running == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.num_running == 0
+    await wait_until(lambda: engine.num_running == 0, timeout=5,
+                     what="the DiT dropping the expired request")
 
 
 def _joint_dim(model_dir: Path) -> int:
@@ -205,32 +218,59 @@ def _start(dim: int, request_id: str, steps: int, **overrides: object):
     return dit_service_pb2.DenoiseStart(**fields)
 
 
-
 async def test_a_stage_that_dies_mid_request_is_unavailable_at_once(
-    image_stages: dict[str, Any], tiny_model_dir: Path, make_image_recipe: Any
+    image_stages: dict[str, Any], tiny_model_dir: Path, make_image_recipe: Any,
+    wait_until: Any,
 ) -> None:
     dit = build_stage("dit", tiny_model_dir)
     dit_server = await start_stage(dit)
     addresses = {n: s.address for n, s in image_stages.items()}
     addresses["dit"] = f"127.0.0.1:{dit_server.port}"
-    mesh = Mesh({"tiny": make_image_recipe(addresses, tiny_model_dir)})
-    await mesh.start()
     try:
-        running = asyncio.create_task(generate(mesh, num_inference_steps=200, width=512,
-                                               height=512))
-        engine = dit.engines[0]
-        for _ in range(500):
-            if engine.num_running or running.done():
-                break
-            await asyncio.sleep(0.01)
-        assert engine.num_running == 1
-        killed_at = time.monotonic()
-        await dit_server.server.stop(0)  # the DiT process goes away mid-denoise
-        with pytest.raises(GatewayError) as failure:
-            await running
-        assert failure.value.code is grpc.StatusCode.UNAVAILABLE
-        assert "dit stage" in failure.value.message
-        assert time.monotonic() - killed_at < 5
+        async with open_gateway({"tiny": make_image_recipe(addresses, tiny_model_dir)}) as core:
+            running = asyncio.create_task(generate(core, num_inference_steps=200, width=512,
+                                                   height=512))
+            engine = dit.engines[0]
+            await wait_until(lambda: engine.num_running == 1 or running.done(), timeout=30,
+                             what="the DiT running the request")
+            assert engine.num_running == 1
+            killed_at = time.monotonic()
+            await dit_server.server.stop(0)  # the DiT process goes away mid-denoise
+            with pytest.raises(GatewayError) as failure:
+                await running
+            assert failure.value.code is grpc.StatusCode.UNAVAILABLE
+            assert "dit stage" in failure.value.message
+            assert time.monotonic() - killed_at < 5
     finally:
-        await mesh.close()
         await asyncio.to_thread(dit.engines[0].shutdown, True, 5)
+
+
+async def test_a_stage_restarted_with_new_options_is_read_again(
+    image_stages: dict[str, Any], tiny_model_dir: Path, make_image_recipe: Any,
+    wait_until: Any,
+) -> None:
+    port = free_port()
+    addresses = {n: s.address for n, s in image_stages.items()}
+    addresses["dit"] = f"127.0.0.1:{port}"
+    first = build_stage("dit", tiny_model_dir, {"max_steps": 3})
+    first_server = await start_stage(first, port=port)
+    async with open_gateway({"tiny": make_image_recipe(addresses, tiny_model_dir)}) as core:
+        recipe = core.recipes["tiny"]
+        with pytest.raises(InvalidRequest, match="between 1 and 3") as refused:
+            await generate(core, num_inference_steps=4)
+        assert refused.value.field_name == "num_inference_steps"
+        await stop_stage(first, first_server, grace=0.5)
+        second = build_stage("dit", tiny_model_dir, {"max_steps": 5})
+        second_server = await start_stage(second, port=port)
+        try:
+            async def reads_the_new_limit() -> bool:
+                try:
+                    return (await core.catalog.image_facts(recipe)).max_steps == 5
+                except GatewayError:  # read while the channel reconnects
+                    return False
+
+            await wait_until(reads_the_new_limit, timeout=20,
+                             what="the gateway reading the restarted DiT's options")
+            assert len(await generate(core, num_inference_steps=4, width=32, height=32)) == 1
+        finally:
+            await stop_stage(second, second_server, grace=0.5)

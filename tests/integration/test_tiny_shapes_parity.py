@@ -17,8 +17,9 @@ import torch
 from diffusers import QwenImagePipeline
 from PIL import Image
 
-from stagemesh.gateway.images import generate_images, validate_image_params
-from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.app import open_gateway
+from stagemesh.gateway.core import RequestContext
+from stagemesh.gateway.image_params import ImageRequest
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
 from stagemesh.services.dit.adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.registry import build_stage
@@ -76,19 +77,16 @@ async def test_the_mesh_over_grpc_returns_the_pipelines_pixels(
     servers = {name: await start_stage(bundle) for name, bundle in bundles.items()}
     recipe = make_image_recipe({n: f"127.0.0.1:{s.port}" for n, s in servers.items()},
                                SHIPPED_TINY_SHAPES)
-    mesh = Mesh({recipe.name: recipe})
-    await mesh.start()
     try:
-        for prompt, negative, scale, seed in CASES:
-            params = validate_image_params(recipe, prompt=prompt, negative_prompt=negative,
-                                           width=SIZE, height=SIZE, num_inference_steps=STEPS,
-                                           true_cfg_scale=scale, seed=seed)
-            async with mesh.request_scope(recipe, None, 60) as scope:
-                (image,) = await generate_images(recipe, params, scope, mesh.stubs(recipe))
-            pixels = np.asarray(Image.open(io.BytesIO(image.png)).convert("RGB"))
-            expected = np.asarray(reference(pipe, prompt, negative, scale, seed, "pil")[0])
-            np.testing.assert_array_equal(pixels, expected)
+        async with open_gateway({recipe.name: recipe}) as core:
+            for prompt, negative, scale, seed in CASES:
+                job = await core.prepare_images(ImageRequest(
+                    prompt=prompt, negative_prompt=negative, width=SIZE, height=SIZE,
+                    num_inference_steps=STEPS, true_cfg_scale=scale, seed=seed))
+                (image,) = await core.generate_images(job, RequestContext.create(None, 60))
+                pixels = np.asarray(Image.open(io.BytesIO(image.png)).convert("RGB"))
+                expected = np.asarray(reference(pipe, prompt, negative, scale, seed, "pil")[0])
+                np.testing.assert_array_equal(pixels, expected)
     finally:
-        await mesh.close()
         for name, server in servers.items():
             await stop_stage(bundles[name], server, grace=0.5)

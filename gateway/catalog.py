@@ -1,0 +1,196 @@
+"""What the stages publish about themselves, read through their Describe RPCs and cached.
+
+Each stage owns its limits and model facts (sizes, steps, voices, sample rates, modes) and
+publishes them; the gateway enforces exactly those. Answers are cached per stage address and
+dropped whenever that address's channel leaves READY (the stage went away, restarted, or the
+connection idled), so a stage that comes back with new options is read again by the next
+request that needs it. A stage that cannot be read is a 503 (UNAVAILABLE) naming the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeAlias, TypeVar
+
+import grpc
+
+from stagemesh.gateway.errors import StageUnavailable
+from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.recipes import Recipe
+from stagemesh.gateway.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
+from stagemesh.shared.errors import parse_rpc_error
+from stagemesh.shared.proto.v1 import (
+    codec_service_pb2,
+    common_pb2,
+    dit_service_pb2,
+    talker_service_pb2,
+    tokenizer_service_pb2,
+    vae_service_pb2,
+)
+
+log = logging.getLogger(__name__)
+
+#: A Describe call is tiny: a stage that does not answer in this time is unavailable.
+DESCRIBE_TIMEOUT_S = 5.0
+
+#: A common_pb2.ExecutionMode value.
+ExecutionMode: TypeAlias = common_pb2.ExecutionMode.ValueType
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    """What a text-to-image request may ask, as its Tokenizer, DiT and VAE publish it."""
+
+    max_prompt_chars: int
+    size_multiple: int  # width and height: multiples of this (DiT and VAE agree)
+    max_side: int
+    max_pixels: int
+    max_steps: int
+    max_true_cfg_scale: float
+    max_images_per_request: int
+    execution_modes: tuple[ExecutionMode, ...]  # the first is the default
+
+    @classmethod
+    def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
+                  dit: dit_service_pb2.DescribeDitResponse,
+                  vae: vae_service_pb2.DescribeVaeResponse) -> ImageFacts:
+        sides = [side for side in (dit.max_side, vae.max_side) if side > 0]
+        return cls(max_prompt_chars=tokenizer.max_prompt_chars,
+                   size_multiple=math.lcm(max(1, dit.size_multiple), max(1, vae.size_multiple)),
+                   max_side=min(sides) if sides else 0, max_pixels=dit.max_pixels,
+                   max_steps=dit.max_steps, max_true_cfg_scale=dit.max_true_cfg_scale,
+                   max_images_per_request=dit.max_images_per_request,
+                   execution_modes=tuple(dit.execution_modes))
+
+
+@dataclass(frozen=True)
+class SpeechFacts:
+    """What a text-to-speech request may ask, as its Talker and Codec publish it."""
+
+    voices: tuple[str, ...]
+    default_voice: str
+    supports_voice_clone: bool
+    max_input_chars: int
+    max_reference_text_chars: int
+    max_new_frames: int
+    default_max_new_frames: int
+    max_temperature: float
+    max_top_k: int
+    max_reference_seconds: float
+    reference_sample_rates: tuple[int, ...]
+
+    @classmethod
+    def published(cls, talker: talker_service_pb2.DescribeTalkerResponse,
+                  codec: codec_service_pb2.DescribeCodecResponse) -> SpeechFacts:
+        return cls(voices=tuple(talker.voices), default_voice=talker.default_voice,
+                   supports_voice_clone=talker.supports_voice_clone,
+                   max_input_chars=talker.max_input_chars,
+                   max_reference_text_chars=talker.max_reference_text_chars,
+                   max_new_frames=talker.max_new_frames,
+                   default_max_new_frames=talker.default_max_new_frames,
+                   max_temperature=talker.max_temperature, max_top_k=talker.max_top_k,
+                   max_reference_seconds=codec.max_reference_seconds,
+                   reference_sample_rates=tuple(codec.reference_sample_rates))
+
+
+class DescribeCache(Generic[R]):
+    """One stage kind's Describe answers by address, each kept until `drop(address)`."""
+
+    def __init__(self, stage: str, describe: Callable[[grpc.aio.Channel], Awaitable[R]]) -> None:
+        self.stage = stage
+        self._describe = describe
+        self._answers: dict[str, R] = {}
+        self._generation: dict[str, int] = {}  # bumped by drop(): late answers are not kept
+
+    async def get(self, address: str, channel: grpc.aio.Channel) -> R:
+        """The cached answer, or a fresh one (raises grpc.aio.AioRpcError if unreachable)."""
+        if address in self._answers:
+            return self._answers[address]
+        generation = self._generation.get(address, 0)
+        answer = await self._describe(channel)
+        if self._generation.get(address, 0) == generation:
+            self._answers[address] = answer
+        return answer
+
+    def drop(self, address: str) -> None:
+        self._answers.pop(address, None)
+        self._generation[address] = self._generation.get(address, 0) + 1
+
+
+class StageCatalog:
+    """The published facts of every stage of the mesh. `start()` watches the channels;
+    `close()` stops watching (before the channels close)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.tokenizer = DescribeCache("tokenizer", lambda channel: tokenizer_stub(
+            channel).DescribeTokenizer(tokenizer_service_pb2.DescribeTokenizerRequest(),
+                                       timeout=DESCRIBE_TIMEOUT_S))
+        self.dit = DescribeCache("dit", lambda channel: dit_stub(channel).DescribeDit(
+            dit_service_pb2.DescribeDitRequest(), timeout=DESCRIBE_TIMEOUT_S))
+        self.vae = DescribeCache("vae", lambda channel: vae_stub(channel).DescribeVae(
+            vae_service_pb2.DescribeVaeRequest(), timeout=DESCRIBE_TIMEOUT_S))
+        self.talker = DescribeCache("talker", lambda channel: talker_stub(channel).DescribeTalker(
+            talker_service_pb2.DescribeTalkerRequest(), timeout=DESCRIBE_TIMEOUT_S))
+        self.codec = DescribeCache("codec", lambda channel: codec_stub(channel).DescribeCodec(
+            codec_service_pb2.DescribeCodecRequest(), timeout=DESCRIBE_TIMEOUT_S))
+        self._watchers: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._watchers = [asyncio.create_task(self._watch(address, channel))
+                          for address, channel in self.mesh.channels.items()]
+
+    async def close(self) -> None:
+        for watcher in self._watchers:
+            watcher.cancel()
+        for watcher in self._watchers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        self._watchers = []
+
+    def drop(self, address: str) -> None:
+        """Forget what the stage at `address` published (it is read again when needed)."""
+        for cache in (self.tokenizer, self.dit, self.vae, self.talker, self.codec):
+            cache.drop(address)
+
+    async def _watch(self, address: str, channel: grpc.aio.Channel) -> None:
+        """Drop an address's facts whenever its channel leaves READY: what answers after the
+        reconnect may be a different process, with different options."""
+        state = channel.get_state(try_to_connect=False)
+        while True:
+            await channel.wait_for_state_change(state)
+            new_state = channel.get_state(try_to_connect=False)
+            if state is grpc.ChannelConnectivity.READY:
+                log.info("channel to %s left READY (%s): its stage facts will be read again",
+                         address, new_state.name)
+                self.drop(address)
+            state = new_state
+
+    async def read(self, cache: DescribeCache[R], recipe: Recipe) -> R:
+        """One stage's facts for a recipe; StageUnavailable (503) naming the stage if it
+        cannot be read."""
+        endpoint = recipe.stage(cache.stage)
+        try:
+            return await cache.get(endpoint.address, self.mesh.channel(endpoint))
+        except grpc.aio.AioRpcError as failed:
+            error = parse_rpc_error(failed)
+            raise StageUnavailable(
+                f"{cache.stage} stage at {endpoint.address} is unavailable: could not read "
+                f"its limits ({error.code.name}: {error.message})") from None
+
+    async def image_facts(self, recipe: Recipe) -> ImageFacts:
+        tokenizer, dit, vae = await asyncio.gather(
+            self.read(self.tokenizer, recipe), self.read(self.dit, recipe),
+            self.read(self.vae, recipe))
+        return ImageFacts.published(tokenizer, dit, vae)
+
+    async def speech_facts(self, recipe: Recipe) -> SpeechFacts:
+        talker, codec = await asyncio.gather(self.read(self.talker, recipe),
+                                             self.read(self.codec, recipe))
+        return SpeechFacts.published(talker, codec)

@@ -1,0 +1,200 @@
+"""The gateway's work, written once: every transport (OpenAI REST, native REST, gRPC) calls it.
+
+A request is prepared first (recipe chosen, stage facts read, every field checked: a bad field
+is refused before any stage runs and before a streamed response starts), then run inside its
+CancelScope, which turns every failure into a GatewayError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, replace
+
+import grpc
+
+from stagemesh.gateway.cancel import (
+    CancelOutcome,
+    CancelScope,
+    DeadlineExceeded,
+    RequestCancelled,
+    ScopeRegistry,
+    new_request_id,
+)
+from stagemesh.gateway.catalog import StageCatalog
+from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
+from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipeline
+from stagemesh.gateway.image_params import ImageParams, ImageRequest, resolve_image_request
+from stagemesh.gateway.image_pipeline import GeneratedImage, generate_images
+from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.recipes import Recipe, Task
+from stagemesh.gateway.speech_params import SpeechParams, SpeechRequest, resolve_speech_request
+from stagemesh.gateway.speech_pipeline import AudioPiece, SpeechSummary, synthesize, synthesize_all
+from stagemesh.gateway.stage_client import StageCallError
+from stagemesh.shared.logs import request_id_var
+from stagemesh.shared.proto.v1 import common_pb2
+
+#: Every request gets a deadline: this one when the client gives none.
+DEFAULT_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = 3600.0
+
+
+ImageEvents = AsyncGenerator[
+    StageEvent | Output[GeneratedImage] | Done[list[GeneratedImage]], None]
+SpeechEvents = AsyncGenerator[StageEvent | Output[AudioPiece] | Done[SpeechSummary], None]
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What the transport knows about a request: its id and its time budget."""
+
+    request_id: str
+    timeout: float | None = None  # seconds; None = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def create(cls, request_id: str | None, timeout: float | None) -> RequestContext:
+        """Check the client's timeout; an empty id gets a new one."""
+        if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+            raise InvalidRequest("timeout", f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+        return cls(request_id or new_request_id(), timeout)
+
+    def for_request(self, request_id: str) -> RequestContext:
+        """The id a request message carries wins over the transport's."""
+        return replace(self, request_id=request_id) if request_id else self
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """A checked image request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: ImageParams
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    """A checked speech request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: SpeechParams
+
+
+class GatewayCore:
+    """Prepare, run and cancel requests on a started Mesh and StageCatalog."""
+
+    def __init__(self, mesh: Mesh, catalog: StageCatalog) -> None:
+        self.mesh = mesh
+        self.catalog = catalog
+        self.scopes = ScopeRegistry()
+
+    @property
+    def recipes(self) -> dict[str, Recipe]:
+        return self.mesh.recipes
+
+    # -- images --------------------------------------------------------------------------------
+
+    async def prepare_images(self, request: ImageRequest) -> ImageJob:
+        recipe = self.mesh.recipe(request.model, Task.TEXT_TO_IMAGE)
+        facts = await self.catalog.image_facts(recipe)
+        return ImageJob(recipe, resolve_image_request(request, recipe.image_defaults, facts))
+
+    async def generate_images(self, job: ImageJob, context: RequestContext,
+                              emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
+        async with self.request_scope(job.recipe, context) as scope:
+            return await generate_images(job.params, scope, self.mesh.image_stubs(job.recipe),
+                                         emit)
+
+    def image_events(self, job: ImageJob, context: RequestContext) -> ImageEvents:
+        """generate_images as a stream: stage progress, each image, then Done."""
+
+        async def run(emit: Emit[GeneratedImage]) -> list[GeneratedImage]:
+            return await self.generate_images(job, context, emit)
+
+        return stream_pipeline(run)
+
+    # -- speech --------------------------------------------------------------------------------
+
+    async def prepare_speech(self, request: SpeechRequest) -> SpeechJob:
+        recipe = self.mesh.recipe(request.model, Task.TEXT_TO_SPEECH)
+        facts = await self.catalog.speech_facts(recipe)
+        # Decoding a reference clip is CPU work: keep it off the event loop.
+        params = await asyncio.to_thread(resolve_speech_request, request, facts)
+        return SpeechJob(recipe, params)
+
+    async def synthesize(self, job: SpeechJob, context: RequestContext,
+                         emit: Emit[AudioPiece]) -> SpeechSummary:
+        async with self.request_scope(job.recipe, context) as scope:
+            return await synthesize(job.params, scope, self.mesh.speech_stubs(job.recipe), emit)
+
+    def speech_events(self, job: SpeechJob, context: RequestContext) -> SpeechEvents:
+        """synthesize as a stream: each audio chunk, then Done with the summary."""
+
+        async def run(emit: Emit[AudioPiece]) -> SpeechSummary:
+            return await self.synthesize(job, context, emit)
+
+        return stream_pipeline(run)
+
+    async def synthesize_all(self, job: SpeechJob, context: RequestContext) -> bytes:
+        async with self.request_scope(job.recipe, context) as scope:
+            audio, _ = await synthesize_all(job.params, scope,
+                                            self.mesh.speech_stubs(job.recipe))
+            return audio
+
+    async def voices(self, model: str | None) -> tuple[Recipe, list[str]]:
+        """The voices of a speech recipe, as its talker publishes them."""
+        recipe = self.mesh.recipe(model, Task.TEXT_TO_SPEECH)
+        talker = await self.catalog.read(self.catalog.talker, recipe)
+        return recipe, list(talker.voices)
+
+    # -- control -------------------------------------------------------------------------------
+
+    async def cancel(self, request_id: str, reason: str = "cancelled by id") -> CancelOutcome:
+        scope = self.scopes.get(request_id)
+        if scope is None:
+            raise GatewayError(grpc.StatusCode.NOT_FOUND,
+                               f"no running request with id {request_id!r}", "request_id")
+        return await scope.cancel(reason)
+
+    @contextlib.asynccontextmanager
+    async def request_scope(self, recipe: Recipe,
+                            context: RequestContext) -> AsyncIterator[CancelScope]:
+        """Open a CancelScope and turn every failure inside into a GatewayError."""
+        try:
+            scope = self.scopes.open(context.request_id, context.timeout or DEFAULT_TIMEOUT_S)
+        except KeyError:
+            raise GatewayError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request id {context.request_id!r} is already in use",
+                               "request_id") from None
+        except ValueError as error:
+            raise InvalidRequest("request_id", str(error)) from None
+        token = request_id_var.set(scope.request_id)
+        state = common_pb2.REQUEST_STATE_FAILED
+        try:
+            yield scope
+            state = common_pb2.REQUEST_STATE_SUCCEEDED
+        except RequestCancelled as cancelled:
+            raise GatewayError(grpc.StatusCode.CANCELLED,
+                               f"request {scope.request_id} was cancelled "
+                               f"(stage {cancelled.outcome.stage or 'none'})") from None
+        except DeadlineExceeded as error:
+            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, str(error)) from None
+        except StageCallError as failed:
+            raise stage_error(recipe, failed) from None
+        finally:
+            scope.settle(state)
+            self.scopes.close(scope)
+            request_id_var.reset(token)
+
+
+def stage_error(recipe: Recipe, failed: StageCallError) -> GatewayError:
+    """A failed stage call, as the client sees it (a stage that is down is named)."""
+    error = failed.error
+    endpoint = recipe.stages.get(failed.stage)
+    where = f"{failed.stage} stage at {endpoint.address}" if endpoint else failed.stage
+    if error.code is grpc.StatusCode.UNAVAILABLE:
+        return StageUnavailable(f"{where} is unavailable: {error.message}", error.reason)
+    if error.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(error.code, f"deadline exceeded in the {where}",
+                            reason=error.reason)
+    return GatewayError.from_stage(error)

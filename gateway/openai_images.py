@@ -1,0 +1,92 @@
+"""POST /v1/images/generations: OpenAI's image API (JSON, or SSE progress with stream=true)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from stagemesh.gateway.core import GatewayCore, ImageJob, RequestContext
+from stagemesh.gateway.errors import GatewayError
+from stagemesh.gateway.events import Done, Output, StageEvent
+from stagemesh.gateway.http_io import (
+    SSE_DONE,
+    ClientGone,
+    error_response,
+    read_json_object,
+    rest_context,
+    sse_event,
+    until_disconnect,
+)
+from stagemesh.gateway.image_pipeline import GeneratedImage
+from stagemesh.gateway.openai_requests import JsonFields, image_request, openai_body
+from stagemesh.shared.proto.v1 import common_pb2
+
+#: The status a request answers when its client left before the answer (nginx's convention).
+CLIENT_GONE_STATUS = 499
+
+
+def b64_png(image: GeneratedImage) -> str:
+    return base64.b64encode(image.png).decode()
+
+
+def progress_payload(item: StageEvent) -> dict[str, object]:
+    """A stage's queued/progress event as an SSE payload."""
+    if isinstance(item.event, common_pb2.Queued):
+        return {"type": "queued", "stage": item.stage, "position": item.event.position}
+    progress = item.event
+    return {"type": "progress", "stage": item.stage, "step": progress.step_index,
+            "total_steps": progress.total_steps, "step_seconds": progress.step_seconds,
+            "elapsed_seconds": progress.elapsed_seconds}
+
+
+class ImageRoutes:
+    """The image route, bound to the gateway core."""
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    async def generations(self, request: Request) -> Response:
+        try:
+            body = openai_body(await read_json_object(request))
+            job = await self.core.prepare_images(image_request(body))  # 400 before any stream
+            context = rest_context(request, body.get("timeout"))
+            if JsonFields(body).boolean("stream"):
+                return self._stream(job, context)
+            images = await until_disconnect(request, self.core.generate_images(job, context))
+        except GatewayError as error:
+            return error_response(error)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE_STATUS)
+        return JSONResponse({"created": int(time.time()),
+                             "data": [{"b64_json": b64_png(i), "revised_prompt": None,
+                                       "seed": i.seed} for i in images]})
+
+    def _stream(self, job: ImageJob, context: RequestContext) -> Response:
+        """SSE: the request id, queued/progress per stage step, each image, done, [DONE]."""
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield sse_event({"type": "request", "request_id": context.request_id})
+                async with contextlib.aclosing(self.core.image_events(job, context)) as items:
+                    async for item in items:
+                        yield sse_event(_image_event(item))
+            except GatewayError as error:
+                yield sse_event({"type": "error", **error.body()})
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+
+def _image_event(item: StageEvent | Output[GeneratedImage] | Done[list[GeneratedImage]]
+                 ) -> dict[str, object]:
+    if isinstance(item, StageEvent):
+        return progress_payload(item)
+    if isinstance(item, Output):
+        return {"type": "image", "b64_json": b64_png(item.value), "seed": item.value.seed}
+    return {"type": "done"}

@@ -1,0 +1,161 @@
+"""OpenAI request bodies -> the gateway's typed request records, read once.
+
+Only the JSON shape is checked here (types, formats, which values a field may take); the limits
+are checked against what the stages publish when the request is prepared (image_params.py,
+speech_params.py). Every refusal names its field.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Mapping
+
+from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.http_io import JsonObject
+from stagemesh.gateway.image_params import EXECUTION_MODES, ImageRequest, parse_size
+from stagemesh.gateway.speech_params import SpeechRequest
+from stagemesh.shared.proto.v1 import common_pb2
+
+_DATA_URL = re.compile(r"^data:([\w.+/-]*)(;[\w=.+-]+)*;base64,(.*)$", re.DOTALL)
+
+
+class JsonFields:
+    """Typed reads of a JSON object's fields: None when absent (or null); a value of the wrong
+    type is a 400 naming the field."""
+
+    def __init__(self, body: Mapping[str, object]) -> None:
+        self.body = body
+
+    def _refuse(self, name: str, kind: str) -> InvalidRequest:
+        return InvalidRequest(name, f"{name} must be of type {kind}")
+
+    def string(self, name: str) -> str | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise self._refuse(name, "str")
+        return value
+
+    def integer(self, name: str) -> int | None:
+        value = self.body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise self._refuse(name, "int")
+        return value
+
+    def number(self, name: str) -> float | None:
+        value = self.body.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._refuse(name, "number")
+        return float(value)
+
+    def boolean(self, name: str) -> bool | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise self._refuse(name, "bool")
+        return value
+
+
+def openai_body(body: JsonObject) -> JsonObject:
+    """The body with a literal `extra_body` object merged in (curl users copying SDK code)."""
+    extra = body.get("extra_body")
+    rest = {key: value for key, value in body.items() if key != "extra_body"}
+    return {**rest, **extra} if isinstance(extra, dict) else rest
+
+
+def _execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
+    if value is None:
+        return common_pb2.EXECUTION_MODE_UNSPECIFIED
+    if value not in EXECUTION_MODES:
+        raise InvalidRequest("execution_mode",
+                             f"execution_mode must be one of {sorted(EXECUTION_MODES)}")
+    return EXECUTION_MODES[value]
+
+
+def image_request(body: Mapping[str, object]) -> ImageRequest:
+    """POST /v1/images/generations: OpenAI's fields plus stagemesh's extensions."""
+    fields = JsonFields(body)
+    size = fields.string("size")
+    width, height = (parse_size(size) if size is not None
+                     else (fields.integer("width"), fields.integer("height")))
+    if body.get("response_format", "b64_json") != "b64_json":
+        raise InvalidRequest("response_format", "only response_format 'b64_json' is supported")
+    scale_field = "true_cfg_scale" if "true_cfg_scale" in body else "guidance_scale"
+    return ImageRequest(
+        prompt=fields.string("prompt") or "", model=fields.string("model") or "",
+        negative_prompt=fields.string("negative_prompt"), n=fields.integer("n"),
+        width=width, height=height,
+        num_inference_steps=fields.integer("num_inference_steps"),
+        true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
+        execution_mode=_execution_mode(fields.string("execution_mode")))
+
+
+def _cfg_scale(fields: JsonFields, name: str) -> float | None:
+    """true_cfg_scale (alias guidance_scale); a refusal names true_cfg_scale either way."""
+    try:
+        return fields.number(name)
+    except InvalidRequest:
+        raise InvalidRequest("true_cfg_scale", "true_cfg_scale must be a number") from None
+
+
+def chat_image_request(body: Mapping[str, object]) -> ImageRequest:
+    """POST /v1/chat/completions with image output: the prompt is the last user message's
+    text; width/height (in extra_body) win over size."""
+    fields = {key: value for key, value in body.items() if key != "prompt"}
+    if "height" in body or "width" in body:
+        fields.pop("size", None)
+    fields["prompt"] = last_user_text(body.get("messages"))
+    return image_request(fields)
+
+
+def last_user_text(messages: object) -> str:
+    """The prompt of a chat request: the text of the last user message."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", "messages must be a non-empty list")
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                texts = [str(p.get("text", "")) for p in content
+                         if isinstance(p, dict) and p.get("type") == "text"]
+                return " ".join(t for t in texts if t)
+    raise InvalidRequest("messages", "messages must contain a user message with text")
+
+
+def ref_audio_bytes(value: str) -> bytes:
+    """A data URL (`data:audio/wav;base64,...`) or bare base64 -> the file's bytes.
+
+    Remote URLs are refused: the gateway never fetches from the network on a client's behalf.
+    """
+    if value.strip().startswith(("http://", "https://", "file:")):
+        raise InvalidRequest("ref_audio", "ref_audio must be a data URL or base64, not a URL")
+    match = _DATA_URL.match(value.strip())
+    payload = match.group(3) if match else value
+    try:
+        return base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("ref_audio", "ref_audio is not valid base64") from None
+
+
+def speech_request(body: Mapping[str, object]) -> tuple[SpeechRequest, bool]:
+    """POST /v1/audio/speech: OpenAI's fields plus the seed's extensions -> (request, stream)."""
+    fields = JsonFields(body)
+    stream_format = fields.string("stream_format")
+    if stream_format not in (None, "audio"):
+        raise InvalidRequest("stream_format", "only stream_format 'audio' is supported")
+    ref_audio = fields.string("ref_audio")
+    request = SpeechRequest(
+        input=fields.string("input") or "", model=fields.string("model") or "",
+        voice=fields.string("voice"), response_format=fields.string("response_format"),
+        speed=fields.number("speed"), task_type=fields.string("task_type"),
+        language=fields.string("language"), instructions=fields.string("instructions"),
+        ref_audio=None if ref_audio is None else ref_audio_bytes(ref_audio),
+        ref_text=fields.string("ref_text"), seed=fields.integer("seed"),
+        max_new_tokens=fields.integer("max_new_tokens"),
+        temperature=fields.number("temperature"), top_p=fields.number("top_p"),
+        top_k=fields.integer("top_k"))
+    return request, bool(fields.boolean("stream"))

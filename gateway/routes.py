@@ -1,0 +1,31 @@
+"""Every REST route of the gateway, in one list."""
+
+from __future__ import annotations
+
+from starlette.routing import Route
+
+from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.metrics import metrics_endpoint
+from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.openai_audio import AudioRoutes
+from stagemesh.gateway.openai_chat import ChatRoutes
+from stagemesh.gateway.openai_images import ImageRoutes
+from stagemesh.gateway.openai_models import ModelRoutes
+from stagemesh.gateway.transcoding import annotated_routes
+
+
+def rest_routes(core: GatewayCore) -> list[Route]:
+    """OpenAI routes (written out: their JSON is OpenAI's), the native routes (derived from
+    GatewayService's google.api.http annotations) and the gateway's own metrics."""
+    images, chat = ImageRoutes(core), ChatRoutes(core)
+    audio, models = AudioRoutes(core), ModelRoutes(core)
+    return [
+        Route("/v1/images/generations", images.generations, methods=["POST"]),
+        Route("/v1/chat/completions", chat.completions, methods=["POST"]),
+        Route("/v1/audio/speech", audio.speech, methods=["POST"]),
+        Route("/v1/audio/voices", audio.voices, methods=["GET"]),
+        Route("/v1/models", models.models, methods=["GET"]),
+        Route("/health", models.health, methods=["GET"]),
+        *annotated_routes(NativeApi(core)),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]

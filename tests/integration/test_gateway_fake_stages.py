@@ -1,0 +1,434 @@
+"""The gateway over fake stages: in-process grpc.aio servers that publish chosen facts through
+their Describe RPCs and answer the stage streams with tiny canned tensors (no model).
+
+What is checked: the gateway enforces what the stages publish (and re-reads it when a stage
+comes back with other options), a stage it cannot read is a 503 naming the stage, and every
+REST error (OpenAI routes, native routes, SSE events, NDJSON lines) has one body.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import soundfile
+
+from stagemesh.gateway.app import build_rest_app, open_gateway
+from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.grpc_api import GatewayServicer
+from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
+from stagemesh.serve import free_port
+from stagemesh.shared.errors import abort_with, parse_rpc_error
+from stagemesh.shared.proto.v1 import (
+    codec_service_pb2,
+    codec_service_pb2_grpc,
+    common_pb2,
+    dit_service_pb2,
+    dit_service_pb2_grpc,
+    gateway_service_pb2,
+    gateway_service_pb2_grpc,
+    talker_service_pb2,
+    talker_service_pb2_grpc,
+    tokenizer_service_pb2,
+    tokenizer_service_pb2_grpc,
+    vae_service_pb2,
+    vae_service_pb2_grpc,
+)
+from stagemesh.shared.server import start_server
+from stagemesh.shared.tensors import array_to_proto
+
+pytestmark = pytest.mark.timeout(60)
+
+SAMPLES_PER_FRAME = 10
+SAMPLE_RATE = 8_000
+
+
+async def _start_message(requests: AsyncIterator[Any]) -> Any:
+    async for request in requests:
+        return request.start
+    raise AssertionError("the stream ended before its start message")
+
+
+@dataclass
+class FakeTokenizer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
+    max_prompt_chars: int = 100
+    describes: int = 0
+
+    async def DescribeTokenizer(self, request: Any, context: Any) -> Any:
+        self.describes += 1
+        return tokenizer_service_pb2.DescribeTokenizerResponse(
+            stage=common_pb2.StageDescription(stage="tokenizer"),
+            max_prompt_chars=self.max_prompt_chars, max_sequence_length=64)
+
+    async def EncodePrompt(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        await _start_message(requests)
+        embeds = array_to_proto(np.zeros((1, 2, 4), np.float32))
+        yield tokenizer_service_pb2.EncodePromptResponse(
+            result=tokenizer_service_pb2.EncodePromptResult(prompt_embeds=embeds))
+
+
+@dataclass
+class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
+    max_steps: int = 10
+    fail_at_step: int | None = None  # INVALID_ARGUMENT naming `seed` after this step
+    describes: int = 0
+
+    async def DescribeDit(self, request: Any, context: Any) -> Any:
+        self.describes += 1
+        return dit_service_pb2.DescribeDitResponse(
+            stage=common_pb2.StageDescription(stage="dit"), size_multiple=8, max_side=64,
+            max_pixels=64 * 64, max_steps=self.max_steps, max_true_cfg_scale=5.0,
+            max_images_per_request=2,
+            execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST])
+
+    async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        start = await _start_message(requests)
+        yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
+        for step in range(1, start.num_inference_steps + 1):
+            yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
+                step_index=step, total_steps=start.num_inference_steps))
+            if step == self.fail_at_step:
+                await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "bad seed",
+                                 reason="INVALID_ARGUMENT", field_name="seed")
+        yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
+            latents=array_to_proto(np.full((1, 1), start.seed, np.float32)),
+            height=start.height, width=start.width, steps=start.num_inference_steps))
+
+
+class FakeVae(vae_service_pb2_grpc.VaeServiceServicer):
+    async def DescribeVae(self, request: Any, context: Any) -> Any:
+        return vae_service_pb2.DescribeVaeResponse(
+            stage=common_pb2.StageDescription(stage="vae"), size_multiple=16, max_side=48)
+
+    async def DecodeLatents(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        start = await _start_message(requests)
+        pixels = np.full((1, start.height, start.width, 3), 200, np.uint8)
+        yield vae_service_pb2.DecodeLatentsResponse(
+            result=vae_service_pb2.DecodeLatentsResult(pixels=array_to_proto(pixels)))
+
+
+@dataclass
+class FakeTalker(talker_service_pb2_grpc.TalkerServiceServicer):
+    starts: list[Any] = field(default_factory=list)
+
+    async def DescribeTalker(self, request: Any, context: Any) -> Any:
+        return talker_service_pb2.DescribeTalkerResponse(
+            stage=common_pb2.StageDescription(stage="talker"), voices=["ava", "bo"],
+            default_voice="ava", supports_voice_clone=True, max_input_chars=50,
+            max_reference_text_chars=20, max_new_frames=12, default_max_new_frames=4,
+            frame_rate=12.5, max_temperature=3.0, max_top_k=100)
+
+    async def GenerateFrames(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        start = await _start_message(requests)
+        self.starts.append(start)
+        frames = start.sampling.max_new_frames or 4
+        for first in range(0, frames, 2):
+            yield talker_service_pb2.GenerateFramesResponse(frames=talker_service_pb2.CodecFrames(
+                codes=array_to_proto(np.zeros((2, 8), np.int64)), first_frame_index=first))
+        result = talker_service_pb2.GenerateFramesResult(total_frames=frames,
+                                                         finish_reason="length")
+        yield talker_service_pb2.GenerateFramesResponse(result=result)
+
+
+class FakeCodec(codec_service_pb2_grpc.CodecServiceServicer):
+    async def DescribeCodec(self, request: Any, context: Any) -> Any:
+        return codec_service_pb2.DescribeCodecResponse(
+            stage=common_pb2.StageDescription(stage="codec"), sample_rate=SAMPLE_RATE,
+            frame_rate=12.5, num_codebooks=8, max_reference_seconds=2.0,
+            reference_sample_rates=[SAMPLE_RATE])
+
+    async def DecodeAudio(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        total = 0
+        async for request in requests:
+            if request.HasField("input") and request.input.HasField("codes"):
+                samples = request.input.codes.shape[0] * SAMPLES_PER_FRAME
+                total += samples
+                yield codec_service_pb2.DecodeAudioResponse(chunk=codec_service_pb2.AudioChunk(
+                    pcm=array_to_proto(np.full(samples, 0.25, np.float32)),
+                    sample_rate=SAMPLE_RATE))
+            if request.HasField("input") and request.input.final:
+                break
+        yield codec_service_pb2.DecodeAudioResponse(result=codec_service_pb2.DecodeAudioResult(
+            total_samples=total, sample_rate=SAMPLE_RATE))
+
+    async def EncodeAudio(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        await _start_message(requests)
+        yield codec_service_pb2.EncodeAudioResponse(result=codec_service_pb2.EncodeAudioResult(
+            codes=array_to_proto(np.zeros((3, 8), np.int64))))
+
+
+REGISTER = {
+    "tokenizer": tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server,
+    "dit": dit_service_pb2_grpc.add_DitServiceServicer_to_server,
+    "vae": vae_service_pb2_grpc.add_VaeServiceServicer_to_server,
+    "talker": talker_service_pb2_grpc.add_TalkerServiceServicer_to_server,
+    "codec": codec_service_pb2_grpc.add_CodecServiceServicer_to_server,
+}
+
+
+async def serve_fake(stage: str, servicer: Any, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    REGISTER[stage](servicer, server)
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    await server.start()
+    return server
+
+
+@dataclass
+class Mesh:
+    """Fake stages on fixed ports, the gateway core over them, and a REST client."""
+
+    servicers: dict[str, Any]
+    ports: dict[str, int]
+    servers: dict[str, grpc.aio.Server]
+    core: GatewayCore
+    client: httpx.AsyncClient
+
+    async def restart(self, stage: str, servicer: Any) -> None:
+        await self.servers[stage].stop(0)
+        self.servicers[stage] = servicer
+        self.servers[stage] = await serve_fake(stage, servicer, self.ports[stage])
+
+
+def recipes(ports: dict[str, int]) -> dict[str, Recipe]:
+    def endpoints(*names: str) -> dict[str, StageEndpoint]:
+        return {n: StageEndpoint(n, f"127.0.0.1:{ports[n]}") for n in names}
+
+    return {"img": Recipe("img", Task.TEXT_TO_IMAGE, "m", endpoints("tokenizer", "dit", "vae"),
+                          ImageDefaults(width=16, height=16, num_inference_steps=3)),
+            "tts": Recipe("tts", Task.TEXT_TO_SPEECH, "m", endpoints("talker", "codec"))}
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[Mesh]:
+    servicers = {"tokenizer": FakeTokenizer(), "dit": FakeDit(), "vae": FakeVae(),
+                 "talker": FakeTalker(), "codec": FakeCodec()}
+    ports = {stage: free_port() for stage in servicers}
+    servers = {stage: await serve_fake(stage, servicer, ports[stage])
+               for stage, servicer in servicers.items()}
+    try:
+        async with open_gateway(recipes(ports)) as core:
+            transport = httpx.ASGITransport(app=build_rest_app(core))
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+                yield Mesh(servicers, ports, servers, core, client)
+    finally:
+        for server in servers.values():
+            await server.stop(0)
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]  # type: ignore[no-any-return]
+
+
+async def test_an_image_over_the_fake_stages(mesh: Mesh) -> None:
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "a cat", "size": "32x16", "n": 2, "seed": 4})
+    assert response.status_code == 200, response.text
+    assert [d["seed"] for d in response.json()["data"]] == [4, 5]
+    assert response.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"prompt": "x" * 101}, "prompt", "longer than 100"),  # the tokenizer's max_prompt_chars
+    ({"prompt": "x", "num_inference_steps": 11}, "num_inference_steps", "between 1 and 10"),
+    ({"prompt": "x", "size": "24x16"}, "size", "multiple of 16"),  # lcm(DiT 8, VAE 16)
+    ({"prompt": "x", "size": "64x16"}, "size", "at most 48"),  # the VAE's max_side
+    ({"prompt": "x", "true_cfg_scale": 5.5}, "true_cfg_scale", "[0, 5]"),
+    ({"prompt": "x", "n": 3}, "n", "between 1 and 2"),
+])
+async def test_image_limits_are_the_ones_the_stages_publish(
+    mesh: Mesh, body: dict[str, Any], param: str, message: str,
+) -> None:
+    response = await mesh.client.post("/v1/images/generations", json=body)
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["param"] == param and message in error["message"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_argument")
+
+
+async def test_stage_facts_are_read_once_and_again_after_a_restart(mesh: Mesh,
+                                                                   wait_until: Any) -> None:
+    for _ in range(3):
+        response = await mesh.client.post("/v1/images/generations", json={"prompt": "x"})
+        assert response.status_code == 200
+    assert mesh.servicers["dit"].describes == 1 and mesh.servicers["tokenizer"].describes == 1
+    refused = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "num_inference_steps": 15})
+    assert error_of(refused)["param"] == "num_inference_steps"
+
+    await mesh.restart("dit", FakeDit(max_steps=20))  # the operator raised the option
+
+    async def accepts_15_steps() -> bool:
+        response = await mesh.client.post("/v1/images/generations", json={
+            "prompt": "x", "num_inference_steps": 15})
+        return response.status_code == 200
+
+    await wait_until(accepts_15_steps, timeout=20, what="the gateway reading the new DiT")
+    assert mesh.servicers["tokenizer"].describes == 1  # only the restarted stage is read again
+
+
+async def test_a_stage_that_cannot_be_read_is_a_503_naming_it(mesh: Mesh) -> None:
+    await mesh.servers["vae"].stop(0)
+    response = await mesh.client.post("/v1/images/generations", json={"prompt": "x"})
+    assert response.status_code == 503
+    error = error_of(response)
+    assert f"vae stage at 127.0.0.1:{mesh.ports['vae']} is unavailable" in error["message"]
+    assert error == {**error, "type": "service_unavailable", "param": None,
+                     "code": "stage_unavailable"}
+    native = await mesh.client.post("/v1/images:generate", json={"prompt": "x"})
+    assert native.status_code == 503 and error_of(native)["code"] == "stage_unavailable"
+
+
+def sse_events(response: httpx.Response) -> list[dict[str, Any]]:
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+async def test_sse_reports_progress_then_the_image(mesh: Mesh) -> None:
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "stream": True, "num_inference_steps": 2},
+        headers={"x-request-id": "sse-1"})
+    events = sse_events(response)
+    assert events[0] == {"type": "request", "request_id": "sse-1"}
+    assert [e["type"] for e in events[1:]] == ["queued", "progress", "progress", "image", "done"]
+    assert events[2]["step"] == 1 and events[2]["stage"] == "dit"
+
+
+async def test_a_stage_error_mid_stream_is_an_sse_error_event_with_the_error_body(
+    mesh: Mesh,
+) -> None:
+    mesh.servicers["dit"].fail_at_step = 1
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "stream": True, "num_inference_steps": 3})
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert events[-1] == {"type": "error", "error": {
+        "message": "bad seed", "type": "invalid_request_error", "param": "seed",
+        "code": "invalid_argument"}}
+    assert "image" not in [e["type"] for e in events]
+
+
+async def test_native_ndjson_ends_with_an_error_line_after_a_mid_stream_failure(
+    mesh: Mesh,
+) -> None:
+    mesh.servicers["dit"].fail_at_step = 2
+    response = await mesh.client.post("/v1/images:generate", json={
+        "prompt": "x", "num_inference_steps": 3})
+    lines = [json.loads(line) for line in response.text.splitlines()]
+    assert response.status_code == 200 and "queued" in lines[0]
+    assert lines[-1] == {"error": {"message": "bad seed", "type": "invalid_request_error",
+                                   "param": "seed", "code": "invalid_argument"}}
+
+
+async def test_a_one_shot_error_has_the_same_body_on_openai_and_native_routes(
+    mesh: Mesh,
+) -> None:
+    mesh.servicers["dit"].fail_at_step = 1
+    openai_error = await mesh.client.post("/v1/images/generations", json={"prompt": "x"})
+    mesh.servicers["dit"].fail_at_step = None
+    native_error = await mesh.client.post("/v1/images:generate", json={"prompt": "x",
+                                                                        "seed": "-1"})
+    assert openai_error.status_code == 400 and error_of(openai_error)["param"] == "seed"
+    assert native_error.status_code == 400 and error_of(native_error) == {
+        "message": "seed must be between 0 and 9223372036854775806, got -1",
+        "type": "invalid_request_error", "param": "seed", "code": "invalid_argument"}
+
+
+async def test_voices_come_from_the_talker(mesh: Mesh) -> None:
+    response = await mesh.client.get("/v1/audio/voices")
+    assert response.json() == {"model": "tts", "voices": ["ava", "bo"]}
+    missing = await mesh.client.get("/v1/audio/voices", params={"model": "img"})
+    assert missing.status_code == 400 and error_of(missing)["param"] == "model"
+
+
+def wav_clip(seconds: float, rate: int = SAMPLE_RATE) -> str:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(int(seconds * rate), np.float32), rate, format="WAV")
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+async def test_speech_one_shot_and_streamed(mesh: Mesh) -> None:
+    one_shot = await mesh.client.post("/v1/audio/speech", json={"input": "Hi", "voice": "Bo",
+                                                                "max_new_tokens": 6})
+    assert one_shot.status_code == 200 and one_shot.headers["content-type"] == "audio/wav"
+    assert len(one_shot.content) == 44 + 6 * SAMPLES_PER_FRAME * 2
+    streamed = await mesh.client.post("/v1/audio/speech", json={
+        "input": "Hi", "voice": "bo", "max_new_tokens": 6, "stream": True})
+    assert streamed.content[44:] == one_shot.content[44:]
+    default = await mesh.client.post("/v1/audio/speech", json={"input": "Hi",
+                                                               "response_format": "pcm"})
+    assert len(default.content) == 4 * SAMPLES_PER_FRAME * 2  # the talker's default length
+    starts = mesh.servicers["talker"].starts
+    assert [s.voice for s in starts] == ["bo", "bo", "default"]
+    assert [s.sampling.max_new_frames for s in starts] == [6, 6, 0]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"voice": "nobody"}, "voice", "known: [ava, bo]"),
+    ({"input": "x" * 51}, "input", "the limit is 50"),
+    ({"max_new_tokens": 13}, "max_new_tokens", "[1, 12]"),
+    ({"temperature": 3.5}, "temperature", "[0, 3]"),
+    ({"top_k": 101}, "top_k", "[0, 100]"),
+    ({"task_type": "Base", "ref_audio": wav_clip(2.5)}, "ref_audio", "the limit is 2 s"),
+    ({"task_type": "Base", "ref_audio": wav_clip(0.5, rate=16_000)}, "ref_audio", "16000 Hz"),
+    ({"task_type": "Base", "ref_audio": wav_clip(0.5), "ref_text": "x" * 21}, "ref_text",
+     "the limit is 20"),
+    ({"stream": True, "voice": "nobody"}, "voice", "unknown voice"),
+])
+async def test_speech_limits_are_the_ones_the_stages_publish(
+    mesh: Mesh, fields: dict[str, Any], param: str, message: str,
+) -> None:
+    response = await mesh.client.post("/v1/audio/speech", json={"input": "Hi", **fields})
+    assert response.status_code == 400 and response.headers["content-type"] == "application/json"
+    error = error_of(response)
+    assert error["param"] == param and message in error["message"]
+    assert mesh.servicers["talker"].starts == []  # refused before the talker
+
+
+async def test_a_voice_clone_sends_the_encoded_reference_to_the_talker(mesh: Mesh) -> None:
+    response = await mesh.client.post("/v1/audio/speech", json={
+        "input": "Hi", "task_type": "Base", "ref_audio": wav_clip(0.5), "ref_text": "hello",
+        "max_new_tokens": 2})
+    assert response.status_code == 200, response.text
+    (start,) = mesh.servicers["talker"].starts
+    assert (start.voice, start.reference_text, list(start.reference_codes.shape)) == (
+        "clone", "hello", [3, 8])
+
+
+async def test_the_grpc_api_runs_the_same_core(mesh: Mesh) -> None:
+    running = await start_server(
+        lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
+            GatewayServicer(NativeApi(mesh.core)), server), [])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            replies = [r async for r in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+                prompt="x", num_inference_steps=2, seed=9, request_id="g-1"), timeout=10)]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+                        prompt="x", num_inference_steps=11), timeout=10):
+                    pass
+            audio = [r async for r in stub.SynthesizeSpeech(
+                gateway_service_pb2.SynthesizeSpeechRequest(input="Hi", max_new_tokens=2),
+                timeout=10)]
+    finally:
+        await running.stop(0)
+    assert {r.request_id for r in replies} == {"g-1"}
+    assert replies[-1].result.images[0].seed == 9
+    error = parse_rpc_error(refused.value)
+    assert (error.code, error.field_name) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                              "num_inference_steps")
+    assert b"".join(r.audio for r in audio)[:4] == b"RIFF"
+    assert {r.sample_rate for r in audio} == {SAMPLE_RATE}
