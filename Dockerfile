@@ -9,7 +9,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     HF_HOME=/tmp/huggingface \
-    MPLCONFIGDIR=/tmp/matplotlib \
     STAGEMESH_CACHE=/tmp/stagemesh-cache
 
 # torch first, from PyTorch's CPU wheel index: the default index would pull the multi-GB CUDA
@@ -19,8 +18,11 @@ RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 
 WORKDIR /src
 COPY . .
-# The repository root is the `stagemesh` package; the shipped tiny-shapes weights (assets/) are
-# package data, installed next to the code where stagemesh.models.registry looks for them.
+# The repository root is the `stagemesh` package (setup.py lists every package folder); the
+# shipped tiny-shapes weights (assets/) are package data, installed next to the code where
+# stagemesh.models.registry looks for them. No extras: bench charts and training progress bars
+# (`stagemesh[bench,train]`) are not needed to serve; built-in models are built into
+# $STAGEMESH_CACHE.
 RUN pip install . && cd / && rm -rf /src
 
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin stagemesh

@@ -1,21 +1,33 @@
 # Two commands a fresh machine needs (each installs what it uses on first run):
-#   make serve   the whole mesh on the embedded default models
-#   make test    lint, contract checks and the test suite
+#   make serve      the whole mesh on the embedded default models
+#   make test       lint (ruff, mypy --strict, contracts, manifests), then every test tier
+# While working:
+#   make test-fast  the unit tier only (no model, no gRPC server): seconds
+#   make lint       the checks alone
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# dev: lint and test tools; bench: charts (`stagemesh bench`); train: progress bars (`stagemesh
+# train`). The runtime itself needs none of them.
+EXTRAS := dev,bench,train
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: serve test lint install
+.PHONY: serve test test-fast lint install
 
-$(BIN)/stagemesh: pyproject.toml package-lock.json
+# An editable install (setup.py makes it a static path that mypy follows; new modules need no
+# reinstall), with every extra.
+$(BIN)/stagemesh: pyproject.toml setup.py package-lock.json
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
 	npm ci --silent --no-audit --no-fund
 	touch $@
 
-install: $(BIN)/stagemesh
+# The editable install's one symlink (see setup.py): remade if `build/` was cleaned.
+build/__editable__/stagemesh: | $(BIN)/stagemesh
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
+
+install: $(BIN)/stagemesh build/__editable__/stagemesh
 
 serve: install
 	$(BIN)/stagemesh serve
@@ -25,7 +37,11 @@ lint: install
 	node_modules/.bin/buf format --diff --exit-code
 	$(BIN)/python tools/genproto.py --check
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	tools/check_k8s.sh
+
+test-fast: install
+	$(BIN)/pytest -m unit tests/unit
 
 test: lint
 	$(BIN)/pytest

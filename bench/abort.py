@@ -55,7 +55,7 @@ from stagemesh.bench.common import (
     write_json,
 )
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.images import parse_size
+from stagemesh.gateway.image_params import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,12 @@ recipes:
     model: builtin:qwen-image-bench
     stages:
       tokenizer: {{address: "127.0.0.1:1", metrics_port: 1}}
-      dit: {{address: "127.0.0.1:2", metrics_port: 2, options: {{step_execution: true}}}}
+      dit: {{address: "127.0.0.1:2", metrics_port: 2,
+            options: {{step_execution: true, max_steps: {max_steps},
+                      max_images_per_request: 1, max_pixels: 1048576}}}}
       vae: {{address: "127.0.0.1:3", metrics_port: 3}}
     defaults: {{width: {width}, height: {height}, num_inference_steps: {steps},
                true_cfg_scale: {cfg}, negative_prompt: "{negative}"}}
-    limits: {{max_steps: {max_steps}, max_n: 1, max_pixels: 1048576,
-              size_multiple: {size_multiple}}}
 """
 
 

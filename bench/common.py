@@ -106,7 +106,11 @@ class BarGroup:
 
 def write_bar_chart(path: Path, panels: Sequence[BarGroup], suptitle: str = "") -> Path:
     """A PNG with one grouped bar chart per panel, side by side (matplotlib, Agg backend)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as error:  # the `bench` extra: the runtime does not need it
+        raise ModuleNotFoundError("benchmark charts need matplotlib: "
+                                  "pip install 'stagemesh[bench]'") from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

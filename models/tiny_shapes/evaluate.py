@@ -15,12 +15,21 @@ import os
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from stagemesh.models.tiny_shapes.data import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, all_specs
-from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, METHODS, measure, parse_caption
+from stagemesh.models.tiny_shapes.data import (
+    BACKGROUNDS,
+    COLOURS,
+    POSITIONS,
+    SHAPES,
+    Spec,
+    all_specs,
+    parse_caption,
+)
+from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, METHODS, Measurement, measure
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +48,29 @@ _CELL_SCALE = 5
 _LABEL_HEIGHT = 52
 
 
+class Record(TypedDict):
+    """One prompt's reading: attribute -> value asked for, value seen, whether they agree."""
+
+    prompt: str
+    wanted: dict[str, str]
+    seen: dict[str, str]
+    correct: dict[str, bool]
+    fill: float
+    corners: float
+    taper: float
+
+
+class Metrics(TypedDict):
+    """What `evaluate` returns and writes to metrics.json."""
+
+    n: int
+    seed: int
+    accuracy: dict[str, float]
+    confusion: dict[str, dict[str, dict[str, int]]]
+    methods: dict[str, str]
+    records: list[Record]
+
+
 def all_prompts() -> list[str]:
     """The whole grammar: 270 prompts in a fixed order."""
     return [spec.caption for spec in all_specs()]
@@ -54,7 +86,8 @@ def subset_prompts(n: int = 18) -> list[str]:
     if n < needed:
         raise ValueError(f"n must be at least {needed} to cover every value, got {n}")
     order = [all_specs()[i] for i in np.random.default_rng(20261130).permutation(270)]
-    chosen, seen = [], {name: set() for name in ATTRIBUTES}
+    chosen: list[Spec] = []
+    seen: dict[str, set[str]] = {name: set() for name in ATTRIBUTES}
     for spec in order:
         if any(getattr(spec, name) not in seen[name] for name in ATTRIBUTES):
             chosen.append(spec)
@@ -64,27 +97,32 @@ def subset_prompts(n: int = 18) -> list[str]:
     return [spec.caption for spec in chosen[:n]]
 
 
-def _confusion(records: list[dict], name: str) -> dict[str, dict[str, int]]:
+def _confusion(records: list[Record], name: str) -> dict[str, dict[str, int]]:
     table = {wanted: dict.fromkeys(VALUES[name], 0) for wanted in VALUES[name]}
     for record in records:
         table[record["wanted"][name]][record["seen"][name]] += 1
     return table
 
 
-def _record(prompt: str, image: np.ndarray) -> dict:
-    wanted, seen = parse_caption(prompt), measure(image)
+def _attributes(reading: Spec | Measurement) -> dict[str, str]:
+    return {name: str(getattr(reading, name)) for name in ATTRIBUTES}
+
+
+def _record(prompt: str, image: np.ndarray) -> Record:
+    wanted, seen = _attributes(parse_caption(prompt)), measure(image)
+    seen_values = _attributes(seen)
     return {
         "prompt": prompt,
-        "wanted": {name: getattr(wanted, name) for name in ATTRIBUTES},
-        "seen": {name: getattr(seen, name) for name in ATTRIBUTES},
-        "correct": {name: getattr(seen, name) == getattr(wanted, name) for name in ATTRIBUTES},
+        "wanted": wanted,
+        "seen": seen_values,
+        "correct": {name: seen_values[name] == wanted[name] for name in ATTRIBUTES},
         "fill": round(seen.fill, 3),
         "corners": round(seen.corners, 3),
         "taper": round(seen.taper, 3),
     }
 
 
-def _cell(image: np.ndarray, record: dict) -> Image.Image:
+def _cell(image: np.ndarray, record: Record) -> Image.Image:
     h, w = image.shape[:2]
     cell = Image.new("RGB", (w * _CELL_SCALE, h * _CELL_SCALE + _LABEL_HEIGHT), "white")
     cell.paste(Image.fromarray(image).resize((w * _CELL_SCALE, h * _CELL_SCALE),
@@ -102,7 +140,7 @@ def _cell(image: np.ndarray, record: dict) -> Image.Image:
     return cell
 
 
-def write_grid(images: list[np.ndarray], records: list[dict], path: Path, columns: int = 15
+def write_grid(images: list[np.ndarray], records: list[Record], path: Path, columns: int = 15
                ) -> None:
     """Saves every image (upscaled 5x) with its prompt and the attributes it got wrong in red."""
     cells = [_cell(image, record) for image, record in zip(images, records, strict=True)]
@@ -123,7 +161,7 @@ def _check_image(image: np.ndarray, prompt: str) -> np.ndarray:
 
 
 def evaluate(generate: Generate, out_dir: str | Path, prompts: list[str] | None = None,
-             seed: int = 0) -> dict:
+             seed: int = 0) -> Metrics:
     """Generates one image per prompt (all with `seed`), scores them, writes metrics and grid.
 
     Returns the metrics dict that is also written to `out_dir/metrics.json`: `accuracy` (per
@@ -133,13 +171,14 @@ def evaluate(generate: Generate, out_dir: str | Path, prompts: list[str] | None 
     prompts = all_prompts() if prompts is None else list(prompts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    images, records = [], []
+    images: list[np.ndarray] = []
+    records: list[Record] = []
     for i, prompt in enumerate(prompts):
         images.append(_check_image(generate(prompt, seed), prompt))
         records.append(_record(prompt, images[-1]))
         if (i + 1) % 30 == 0:
             logger.info("evaluated %d/%d prompts", i + 1, len(prompts))
-    metrics = {
+    metrics: Metrics = {
         "n": len(prompts),
         "seed": seed,
         "accuracy": {n: float(np.mean([r["correct"][n] for r in records])) for n in ATTRIBUTES},
@@ -162,7 +201,7 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from diffusers import QwenImagePipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
     pipe = QwenImagePipeline.from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
@@ -171,7 +210,8 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
         result = pipe(prompt, negative_prompt="", true_cfg_scale=guidance, height=size,
                       width=size, num_inference_steps=steps, output_type="np",
                       generator=torch.Generator().manual_seed(seed))
-        return (result.images[0] * 255.0).round().astype(np.uint8)
+        image: np.ndarray = (result.images[0] * 255.0).round().astype(np.uint8)
+        return image
 
     return generate
 

@@ -90,7 +90,8 @@ def background_colour(image: np.ndarray) -> np.ndarray:
 
 
 def _distance_map(image: np.ndarray, background: np.ndarray) -> np.ndarray:
-    return np.linalg.norm(image.astype(np.float64) - background, axis=-1)
+    distances: np.ndarray = np.linalg.norm(image.astype(np.float64) - background, axis=-1)
+    return distances
 
 
 def _largest_component(mask: np.ndarray) -> np.ndarray:

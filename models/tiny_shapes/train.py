@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,23 +30,31 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import (
+
+# Concrete module paths, not `from diffusers import ...`: the package's lazy __init__ makes type
+# checkers see the dummy placeholder classes instead of the real ones.
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import (
     AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
+    QwenImageCausalConv3d,
 )
-from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
+    FlowMatchEulerDiscreteScheduler,
+)
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
-from tqdm.auto import tqdm
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from stagemesh.models.tiny_shapes.data import IMAGE_SIZE, all_specs, make_dataset
 from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, score
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The pipeline wraps every prompt in this template and drops its first 34 tokens (the system
 # prefix); the tokenizer must split that prefix into exactly 34 tokens, as Qwen's own does.
@@ -130,8 +139,11 @@ def build_tokenizer(captions: list[str]) -> Qwen2Tokenizer:
         bpe.model.save(tmp)
         vocab = json.loads(Path(tmp, "vocab.json").read_text())
         lines = Path(tmp, "merges.txt").read_text().splitlines()
-    merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#")]
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right")
+    merges = [_merge(line) for line in lines if line and not line.startswith("#")]
+    # Qwen2Tokenizer annotates `merges` as strings but hands them to tokenizers' BPE, which takes
+    # (left, right) pairs, as passed here.
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges,  # type: ignore[arg-type]
+                               padding_side="right")
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
     prefix = PROMPT_TEMPLATE.split("{}")[0]
     n_prefix = len(tokenizer(prefix).input_ids)
@@ -140,9 +152,24 @@ def build_tokenizer(captions: list[str]) -> Qwen2Tokenizer:
     return tokenizer
 
 
+def _merge(line: str) -> tuple[str, str]:
+    """One line of a BPE merges.txt ("left right") as the pair tokenizers' BPE takes."""
+    left, right = line.split(" ")
+    return left, right
+
+
+def _token_id(tokenizer: Qwen2Tokenizer, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int):
+        raise TypeError(f"{token!r} is not a single token")
+    return token_id
+
+
 def build_text_encoder(tokenizer: Qwen2Tokenizer, dim: int) -> Qwen2_5_VLForConditionalGeneration:
     """A 2-layer Qwen2.5-VL text model (and a 1-layer vision tower the pipeline never calls)."""
-    ids = tokenizer.convert_tokens_to_ids
+    def ids(token: str) -> int:
+        return _token_id(tokenizer, token)
+
     heads = 4
     half_head = dim // heads // 2
     section = [half_head // 4, (half_head - half_head // 4) // 2]
@@ -176,7 +203,7 @@ def build_text_encoder(tokenizer: Qwen2Tokenizer, dim: int) -> Qwen2_5_VLForCond
 
 def build_vae(cfg: TrainConfig) -> AutoencoderKLQwenImage:
     """No attention, one res block, spatial-only downsampling (factor 2 ** (len(dim_mult) - 1))."""
-    vae = AutoencoderKLQwenImage(
+    vae: AutoencoderKLQwenImage = AutoencoderKLQwenImage(
         base_dim=cfg.vae_base_dim,
         z_dim=cfg.z_dim,
         dim_mult=list(cfg.vae_dim_mult),
@@ -186,15 +213,18 @@ def build_vae(cfg: TrainConfig) -> AutoencoderKLQwenImage:
         latents_mean=[0.0] * cfg.z_dim,
         latents_std=[1.0] * cfg.z_dim,
     )
+    bias = vae.quant_conv.bias
+    if bias is None:
+        raise RuntimeError("the VAE's quant_conv has no bias to initialise")
     with torch.no_grad():  # with a tiny KL weight the default log-variance is far too large
-        vae.quant_conv.bias[cfg.z_dim :].fill_(-6.0)
+        bias[cfg.z_dim :].fill_(-6.0)
     return vae
 
 
 def build_transformer(cfg: TrainConfig) -> QwenImageTransformer2DModel:
     head_dim = cfg.dit_head_dim
     rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
-    return QwenImageTransformer2DModel(
+    transformer: QwenImageTransformer2DModel = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=cfg.z_dim * 4,
         out_channels=cfg.z_dim,
@@ -205,10 +235,13 @@ def build_transformer(cfg: TrainConfig) -> QwenImageTransformer2DModel:
         guidance_embeds=False,
         axes_dims_rope=rope,
     )
+    return transformer
 
 
 def build_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    return FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG)
+    scheduler: FlowMatchEulerDiscreteScheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        SCHEDULER_CONFIG)
+    return scheduler
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +263,8 @@ def single_frame_convs() -> Iterator[None]:
         if x.shape[2] != 1 or cache_x is not None or self.stride[0] != 1:
             return original(self, x, cache_x)
         pad_w, _, pad_h = self._padding[:3]
+        if not isinstance(pad_w, int) or not isinstance(pad_h, int):  # a padding mode string
+            return original(self, x, cache_x)
         weight = self.weight[:, :, -1]
         return F.conv2d(x[:, :, 0], weight, self.bias, self.stride[1:], (pad_h, pad_w))[:, :, None]
 
@@ -269,7 +304,10 @@ def cosine_lr(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def _progress(total: int, desc: str) -> tqdm:
+def _progress(total: int, desc: str) -> tqdm[NoReturn]:
+    """A progress bar (tqdm is in the `train` extra, so it is imported only when training)."""
+    from tqdm.auto import tqdm
+
     return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
 
 
@@ -406,7 +444,7 @@ def train_dit(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str
 # Entry point
 
 
-def _phase(name: str, fn: Callable[[], object], timings: dict[str, float]) -> object:
+def _phase(name: str, fn: Callable[[], T], timings: dict[str, float]) -> T:
     start = time.perf_counter()
     result = fn()
     timings[name] = round(time.perf_counter() - start, 1)
@@ -440,7 +478,9 @@ def _train(out: Path, cfg: TrainConfig, seed: int) -> Path:
     images, captions = _phase("render", lambda: make_dataset(cfg.n_images, seed=seed), timings)
     tokenizer = build_tokenizer([s.caption for s in all_specs()])
     pipe = QwenImagePipeline(
-        scheduler=build_scheduler(),
+        # diffusers annotates `scheduler` with the placeholder class its lazy __init__ defines
+        # for installs without torch, not the real scheduler passed here.
+        scheduler=build_scheduler(),  # type: ignore[arg-type]
         vae=build_vae(cfg),
         text_encoder=build_text_encoder(tokenizer, cfg.text_dim),
         tokenizer=tokenizer,

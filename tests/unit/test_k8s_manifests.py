@@ -191,6 +191,8 @@ def test_cpu_tiny_builds_each_stage_model_where_the_stage_reads_it() -> None:
         (init,) = pod["initContainers"]
         spec, target = init["args"]
         assert spec.startswith("builtin:")
+        assert init["command"][:2] == ["sh", "-ec"], stage
+        assert 'stagemesh model prepare "$0"' in init["command"][2], stage
         assert target == flag(container(deployment, "stage")["args"], "--model"), stage
         models = named(pod["volumes"], "models")
         assert set(models) == {"name", "emptyDir"}, stage

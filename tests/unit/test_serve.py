@@ -1,0 +1,93 @@
+"""`stagemesh serve` planning, without starting a stage: free ports, one launch per address,
+models prepared by child processes, and a serve process that never imports a model library."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
+from stagemesh.serve import plan_launches, prepare_models, with_free_ports
+
+FORBIDDEN = ("torch", "diffusers", "transformers", "stagemesh.models")
+
+#: Imports what `stagemesh serve` runs in its own process and builds the parser; prints the
+#: forbidden modules that got loaded.
+PROBE = """
+import json, sys
+import stagemesh.cli, stagemesh.gateway.app, stagemesh.serve
+stagemesh.cli.build_parser().parse_args(["serve"])
+forbidden = json.loads(sys.argv[1])
+print(json.dumps(sorted(m for m in sys.modules
+                        if any(m == f or m.startswith(f + ".") for f in forbidden))))
+"""
+
+
+def _image_recipe(name: str, model: str, port: int) -> Recipe:
+    stages = {
+        "tokenizer": StageEndpoint("tokenizer", f"127.0.0.1:{port}", 9161,
+                                   {"max_prompt_chars": 100}),
+        "dit": StageEndpoint("dit", f"127.0.0.1:{port + 1}", None, {"step_execution": False}),
+        "vae": StageEndpoint("vae", f"127.0.0.1:{port + 2}"),
+    }
+    return Recipe(name=name, task=Task.TEXT_TO_IMAGE, model=model, stages=stages)
+
+
+def test_the_serve_process_imports_no_model_library() -> None:
+    result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(FORBIDDEN)],
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_with_free_ports_moves_every_stage_and_keeps_shared_stages_shared() -> None:
+    recipes = {"a": _image_recipe("a", "builtin:tiny-shapes", 50061),
+               "b": _image_recipe("b", "builtin:tiny-shapes", 50061)}
+    moved = with_free_ports(recipes)
+    assert list(moved) == ["a", "b"]
+    for name in ("tokenizer", "dit", "vae"):
+        before, after = recipes["a"].stages[name], moved["a"].stages[name]
+        assert after.address != before.address and after.host == "127.0.0.1"
+        assert (after.name, after.options) == (before.name, before.options)
+        assert (after.metrics_port is None) == (before.metrics_port is None)
+        assert moved["b"].stages[name] == after  # one stage serving both recipes stays one
+    addresses = {endpoint.address for endpoint in moved["a"].stages.values()}
+    assert len(addresses) == 3
+
+
+def test_plan_launches_starts_each_address_once_with_its_recipes_model(tmp_path: Path) -> None:
+    shapes, other = tmp_path / "shapes", tmp_path / "other"
+    recipes = {"a": _image_recipe("a", "builtin:tiny-shapes", 50061),
+               "b": _image_recipe("b", "builtin:tiny-shapes", 50061),
+               "c": _image_recipe("c", str(other), 50071)}
+    launches = plan_launches(recipes, {"builtin:tiny-shapes": shapes, str(other): other})
+    assert [(launch.endpoint.address, launch.model_dir) for launch in launches] == [
+        ("127.0.0.1:50061", shapes), ("127.0.0.1:50062", shapes), ("127.0.0.1:50063", shapes),
+        ("127.0.0.1:50071", other), ("127.0.0.1:50072", other), ("127.0.0.1:50073", other)]
+    assert launches[1].endpoint.options == {"step_execution": False}
+
+
+def test_prepare_models_resolves_each_distinct_spec_in_a_child(tmp_path: Path) -> None:
+    folders = prepare_models([str(tmp_path), "builtin:tiny-shapes", str(tmp_path)])
+    assert list(folders) == [str(tmp_path), "builtin:tiny-shapes"]
+    assert folders[str(tmp_path)] == tmp_path
+    assert (folders["builtin:tiny-shapes"] / "model_index.json").is_file()
+
+
+def test_prepare_models_names_the_spec_that_failed(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="'builtin:no-such-model'"):
+        prepare_models([str(tmp_path), "builtin:no-such-model"])
+
+
+def test_model_prepare_command_prints_only_the_folder_and_refuses_a_bad_spec(
+        tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "stagemesh", "model", "prepare"]
+    ok = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert (ok.returncode, ok.stdout) == (0, f"{tmp_path}\n")
+    missing = tmp_path / "missing"
+    bad = subprocess.run([*command, str(missing)], capture_output=True, text=True, timeout=60)
+    assert (bad.returncode, bad.stdout) == (1, "")
+    assert bad.stderr.strip() == f"stagemesh model prepare: model folder {missing} does not exist"
