@@ -3,7 +3,8 @@
     stagemesh serve                       every stage of the recipes + the gateway
     stagemesh gateway                     only the gateway (stages run elsewhere, e.g. Kubernetes)
     stagemesh stage NAME --port P --model DIR   one stage (the Kubernetes entry point)
-    stagemesh bench abort|tts             benchmarks (JSON + PNG)
+    stagemesh model prepare SPEC          a model's folder (a built-in one is built on first use)
+    stagemesh bench abort|tts|throughput  benchmarks (JSON + PNG)
     stagemesh train tiny-shapes           retrain the shipped default image model
     stagemesh eval tiny-shapes            measure it through a running mesh
 """
@@ -64,11 +65,25 @@ def _cmd_stage(args: argparse.Namespace) -> None:
                             metrics_port=args.metrics_port))
 
 
+def _cmd_model_prepare(args: argparse.Namespace) -> None:
+    """Print the folder of a model spec on stdout (its only output there; logs go to stderr).
+
+    `stagemesh serve` runs this in a child process, so that building a model never loads torch
+    into the gateway's process.
+    """
+    from stagemesh.models.registry import resolve_model
+
+    try:
+        folder = resolve_model(args.spec)
+    except (ValueError, FileNotFoundError) as error:  # a wrong spec: say so, no traceback
+        raise SystemExit(f"stagemesh model prepare: {error}") from error
+    sys.stdout.write(f"{folder}\n")
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
-    if args.which == "abort":
-        from stagemesh.bench.abort import main as bench_main
-    else:
-        from stagemesh.bench.tts import main as bench_main
+    import importlib
+
+    bench_main = importlib.import_module(f"stagemesh.bench.{args.which}").main
     bench_main(args.rest)
 
 
@@ -123,8 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch CPU threads (default 1: stages share the machine)")
     stage.set_defaults(func=_cmd_stage)
 
+    model = sub.add_parser("model", help="model folders")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    prepare = model_commands.add_parser(
+        "prepare", help="resolve a model spec (building a built-in model on first use) and "
+                        "print its folder")
+    prepare.add_argument("spec", help="model folder, or builtin:<name>")
+    prepare.set_defaults(func=_cmd_model_prepare)
+
     bench = sub.add_parser("bench", help="benchmarks (not tests)")
-    bench.add_argument("which", choices=["abort", "tts"])
+    bench.add_argument("which", choices=["abort", "tts", "throughput"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(func=_cmd_bench)
 
