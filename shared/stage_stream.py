@@ -1,8 +1,9 @@
 """The one bidi-stream handler every stage servicer delegates to.
 
 A stage stream is: first client message `start` -> engine.submit; later client messages `input`
-(engine.add_input) or `cancel` (engine.abort); server messages mirror the engine's events. What
-differs per stage (message classes, how payloads are built and encoded) is a `StageWire`.
+(engine.add_input) or `cancel` (engine.abort); server messages mirror the engine's events
+(`progress` and `preempted` only where the stage's response has that event). What differs per
+stage (message classes, how payloads are built and encoded) is a `StageWire`.
 
 The handler has four jobs, one function each: check the start message (`_check_start`), submit
 it (`_submit`), forward the messages that follow (`_ClientReader`), and turn engine events into
@@ -44,6 +45,7 @@ from stagemesh.shared.engine.events import (
     Event,
     Failed,
     Partial,
+    Preempted,
     Progress,
     Queued,
     Terminal,
@@ -267,6 +269,10 @@ def _to_response(
         return wire.respond("progress", common_pb2.Progress(
             step_index=event.step_index, total_steps=event.total_steps or 0,
             step_seconds=event.step_seconds, elapsed_seconds=event.elapsed_seconds))
+    if isinstance(event, Preempted):
+        if not wire.has_field("preempted"):
+            return None
+        return wire.respond("preempted", common_pb2.Preempted(step_index=event.step_index))
     if isinstance(event, Partial):
         return None if wire.encode_partial is None else wire.encode_partial(event.payload)
     return _end_of_stream(wire, event, bad_input)

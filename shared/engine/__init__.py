@@ -16,14 +16,17 @@ from stagemesh.shared.engine.events import (
     Event,
     Failed,
     Partial,
+    Preempted,
     Progress,
     Queued,
     Terminal,
     is_terminal,
 )
+from stagemesh.shared.engine.interrupt import Interruptible, StepInterrupt, StepInterrupted
 from stagemesh.shared.engine.metrics import EngineMetrics
 from stagemesh.shared.engine.request import AbortReason, RequestRecord, RequestState
 from stagemesh.shared.engine.scheduler import (
+    PRIORITY_AGING_SECONDS,
     Scheduler,
     TickPlan,
     resolve_total_steps,
@@ -31,6 +34,7 @@ from stagemesh.shared.engine.scheduler import (
 )
 
 __all__ = [
+    "PRIORITY_AGING_SECONDS",
     "AbortReason",
     "Aborted",
     "Completed",
@@ -39,9 +43,11 @@ __all__ = [
     "Event",
     "ExecutionMode",
     "Failed",
+    "Interruptible",
     "InvalidInputError",
     "NoStream",
     "Partial",
+    "Preempted",
     "Progress",
     "QueueFullError",
     "Queued",
@@ -52,6 +58,8 @@ __all__ = [
     "StageAdapter",
     "StepBudget",
     "StepEngine",
+    "StepInterrupt",
+    "StepInterrupted",
     "StepOutput",
     "Terminal",
     "TickPlan",

@@ -18,6 +18,25 @@ Life of a request, as the engine sees it::
     result = finish(state)          once, after a StepOutput with finished=True
     release(state)                  always, exactly once, when the request leaves the engine
                                     (completed, aborted or failed), in the same tick
+
+Between steps a request may be preempted (paused for a more urgent one) and later resumed: its
+state is kept as it is and simply not stepped meanwhile; it is never prepared twice.
+
+What `step` must guarantee:
+
+- A batch holds at most the engine's `max_batch` states, all with equal `batch_key`; which
+  states share a call changes from step to step (requests join, leave, pause), so a state's
+  result must not depend on its batch mates.
+- All or nothing: if `step` raises, it has advanced none of its states (each is as it was
+  before the call). The engine relies on this to isolate a failure: it steps the states of a
+  batch that raised again, one per call, so only the state that makes it raise fails. Do the
+  fallible work (the forward) first and mutate states only once nothing can raise; a per-state
+  problem found on the way is that state's `StepOutput.error`, not an exception.
+- Stopping part-way: an adapter that implements `interrupt.Interruptible` gets the engine's
+  `StepInterrupt` once (`bind_interrupt`); `step` may call its `check()` between layers, which
+  raises `StepInterrupted` once every request of the batch is cancelled. Let it propagate; it
+  too must leave the states unadvanced. The engine aborts those requests at once; it is never
+  a failure.
 """
 
 from __future__ import annotations
@@ -127,7 +146,9 @@ class StageAdapter(Protocol[InputT_contra, StreamT_contra, StateT, PartialT_co, 
         ...
 
     def step(self, states: Sequence[StateT]) -> Sequence[StepOutput[PartialT_co]]:
-        """Advance every state by one step; return one StepOutput per state, in order."""
+        """Advance every state by one step; return one StepOutput per state, in order.
+
+        All or nothing: if it raises, no state has advanced (see the module docstring)."""
         ...
 
     def finish(self, state: StateT) -> ResultT_co:

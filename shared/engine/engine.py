@@ -4,13 +4,26 @@ One tick of the compute thread, in vLLM's order (see `StepEngine._tick`):
 
 1. drain the control queue (submit, add_input, abort, shutdown); block there when idle;
 2. abort requests whose deadline has passed;
-3. schedule; prepare the newly admitted (a failing prepare fails that request only);
-4. step each batch (a failing step fails that batch only);
-5. drain the control queue again, so a cancel that arrived during the step wins over its output;
-6. apply the outputs, publish events for the requests still live, and release every request
-   that finished (completed, aborted or failed) in this same tick, exactly once.
+3. schedule (admit, preempt: see `scheduler`); tell the preempted; prepare the newly admitted
+   (a failing prepare fails that request only);
+4. for each batch of the plan (one batch key, at most `max_batch` requests), in order:
+   a. drain the control queue, so requests cancelled since the tick began are not stepped;
+   b. step the batch (one `adapter.step` call; see `_step` for interrupts and failures);
+   c. drain the control queue again, so a cancel that arrived during the step wins over its
+      output;
+   d. apply the outputs, publish events for the requests still live, and release every
+      request that finished (completed, aborted or failed) right there, exactly once.
 
-REQUEST mode runs each batch to its end in step 4 and skips step 5: a running request cannot be
+Mid-step abort: `abort` also tells the engine's StepInterrupt at once, on the caller's thread.
+When every request of the step in flight is cancelled, an Interruptible adapter stops the step
+part-way (raises StepInterrupted); the engine then releases those requests at once as aborted
+(`stagemesh_forward_interrupts_total` counts it). An interrupted step is never a failure.
+
+Failure isolation: a step call of several requests that raises is rerun one request at a time,
+so only the request that makes it raise fails. This relies on the adapter contract that a step
+which raises has advanced none of its states (see `adapter`).
+
+REQUEST mode runs each batch to its end in step 4b and skips 4c: a running request cannot be
 aborted. It calls the same `adapter.step`, so results are identical; it exists for benchmarks.
 """
 
@@ -44,11 +57,13 @@ from stagemesh.shared.engine.events import (
     Event,
     Failed,
     Partial,
+    Preempted,
     Progress,
     Queued,
     Terminal,
     is_terminal,
 )
+from stagemesh.shared.engine.interrupt import Interruptible, StepInterrupt, StepInterrupted
 from stagemesh.shared.engine.metrics import EngineMetrics
 from stagemesh.shared.engine.request import AbortReason, RequestRecord, RequestState
 from stagemesh.shared.engine.scheduler import Scheduler, validate_budget
@@ -148,6 +163,12 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
 
     Its type parameters are the adapter's (see `stagemesh.shared.engine.adapter`); they are
     inferred from the adapter it is built with.
+
+    max_running: requests that hold adapter state at once (running + preempted); a new request
+      is prepared only below it.
+    max_batch: requests that run at once, and so the most states one `step` call gets; None
+      (or a value above max_running) means max_running, and then nobody is ever preempted.
+    max_pending: requests in flight (queued + holding state) before submit refuses more.
     """
 
     def __init__(
@@ -156,10 +177,16 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         *,
         mode: ExecutionMode = ExecutionMode.STEP,
         max_running: int = 1,
+        max_batch: int | None = None,
         max_pending: int = DEFAULT_MAX_PENDING,
         metrics: EngineMetrics | None = None,
     ) -> None:
         self._adapter = adapter
+        # The one channel from abort() into a step in flight; bound once to an adapter that
+        # can stop part-way.
+        self._interrupt = StepInterrupt()
+        if isinstance(adapter, Interruptible):
+            adapter.bind_interrupt(self._interrupt)
         self._mode = mode
         self._max_pending = max_pending
         self._metrics = EngineMetrics(adapter.stage) if metrics is None else metrics
@@ -173,7 +200,7 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         # Event-loop side only.
         self._streams: dict[str, RequestStream[PartialT, ResultT]] = {}
         # Compute thread only.
-        self._scheduler = Scheduler(max_running)
+        self._scheduler = Scheduler(max_running, max_batch)
         self._slots: dict[str, _Slot[InputT, StreamT, StateT, PartialT, ResultT]] = {}
         self._tombstones: OrderedDict[str, tuple[float, AbortReason]] = OrderedDict()
         self._stopping = False
@@ -204,8 +231,14 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         self._control.put(_Input(request_id, payload))
 
     def abort(self, request_id: str, reason: AbortReason = AbortReason.CANCELLED) -> None:
-        """Thread-safe, fire-and-forget. Wins even when it arrives before the submit."""
+        """Thread-safe, fire-and-forget. Wins even when it arrives before the submit.
+
+        A step in flight whose every request is now cancelled stops part-way, if the adapter
+        can (Interruptible); otherwise the request leaves at the next step boundary.
+        """
         self._control.put(_Abort(request_id, reason, time.monotonic()))
+        # After the message: a step stopped by this cancel finds the abort queued.
+        self._interrupt.cancel(request_id)
 
     def shutdown(self, abort_running: bool = True, timeout: float | None = 5.0) -> bool:
         """Refuse new work, abort in-flight work (or let it finish), wait for the thread.
@@ -215,6 +248,8 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         """
         self._closing = True
         self._control.put(_Shutdown(abort_running))
+        if abort_running:  # after the message, as in abort()
+            self._interrupt.cancel_all()
         if self._thread.ident is None:  # never started
             return True
         self._thread.join(timeout)
@@ -227,16 +262,26 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
 
     @property
     def max_running(self) -> int:
-        """Requests that hold adapter state at once."""
+        """Requests that hold adapter state at once (running + preempted)."""
         return self._scheduler.max_running
 
     @property
+    def max_batch(self) -> int:
+        """Requests that run at once: the most states one `step` call gets."""
+        return self._scheduler.max_batch
+
+    @property
     def num_waiting(self) -> int:
+        """Requests queued for a run slot (preempted ones included)."""
         return self._scheduler.num_waiting
 
     @property
     def num_running(self) -> int:
         return self._scheduler.num_running
+
+    @property
+    def num_preempted(self) -> int:
+        return self._scheduler.num_preempted
 
     @property
     def is_alive(self) -> bool:
@@ -284,15 +329,29 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         self._drain_control(block=idle)
         self._expire_deadlines()
         plan = self._scheduler.schedule()
+        self._announce_preempted(plan.preempted)
         self._prepare(plan.to_prepare)
-        outputs, stepwise = self._execute(plan.batches)
-        if stepwise:
+        for batch in plan.batches:
+            self._run_batch(batch)
+        self._metrics.observe_queues(
+            self._scheduler.num_waiting, self._scheduler.num_running, self._scheduler.num_preempted
+        )
+        return plan.is_empty
+
+    def _run_batch(self, batch: list[str]) -> None:
+        """Step 4 of the tick for one batch: step it, apply its outputs, retire the finished."""
+        self._drain_control(block=False)  # requests cancelled since the tick began leave now
+        live = [rid for rid in batch if self._is_running(rid)]
+        if not live:
+            return
+        if self._mode_of(live) is ExecutionMode.STEP:
+            outputs = self._step(live, interruptible=True)
             self._drain_control(block=False)  # cancels during the step win over its outputs
-        finished = self._scheduler.update_from_output(plan, outputs)
+        else:
+            outputs = self._run_to_end(live)
+        finished = self._scheduler.apply_outputs(outputs.keys(), outputs)
         self._publish_steps(outputs)
         self._retire(finished)
-        self._metrics.observe_queues(self._scheduler.num_waiting, self._scheduler.num_running)
-        return plan.is_empty
 
     def _drain_control(self, block: bool) -> None:
         """Handle every queued message; when `block`, first wait for one (or the next deadline)."""
@@ -415,17 +474,14 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         )
         self._retire(finished)
 
-    def _execute(self, batches: list[list[str]]) -> tuple[dict[str, StepOutput[PartialT]], bool]:
-        """Run every batch; also say whether any ran step-wise (then aborts are drained)."""
-        outputs: dict[str, StepOutput[PartialT]] = {}
-        stepwise = False
-        for batch in batches:
-            if self._mode_of(batch) is ExecutionMode.STEP:
-                stepwise = True
-                outputs.update(self._step(batch))
-            else:
-                outputs.update(self._run_to_end(batch))
-        return outputs, stepwise
+    def _is_running(self, request_id: str) -> bool:
+        record = self._scheduler.get(request_id)
+        return record is not None and record.state is RequestState.RUNNING
+
+    def _announce_preempted(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._metrics.observe_preemption()
+            self._slots[rid].sink(Preempted(self._record(rid).step_index))
 
     def _mode_of(self, batch: list[str]) -> ExecutionMode:
         """A batch runs to its end if the engine or any of its requests asks for REQUEST mode."""
@@ -435,34 +491,89 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
                 return ExecutionMode.REQUEST
         return ExecutionMode.STEP
 
-    def _step(self, request_ids: list[str]) -> dict[str, StepOutput[PartialT]]:
-        """One `adapter.step` call; an exception becomes an error output for the whole batch."""
-        states = [self._slots[rid].prepared_state() for rid in request_ids]
+    def _step(
+        self, request_ids: list[str], *, interruptible: bool
+    ) -> dict[str, StepOutput[PartialT]]:
+        """One `adapter.step` call; returns an output for every request it stepped.
+
+        - StepInterrupted (only when `interruptible`): every request of the batch was
+          cancelled; they are released now as aborted and get no output.
+        - Any other exception: a batch of one fails with it; a larger batch is stepped again
+          one request at a time, so only the culprit fails and the others get the output they
+          would have had alone (a step that raised advanced none of its states: see adapter).
+        - A result of the wrong length fails the whole batch: the states did advance, so
+          stepping them again would apply the step twice.
+        """
         started = time.monotonic()
-        results: Sequence[StepOutput[PartialT]]
         try:
-            results = self._adapter.step(states)
-            if len(results) != len(states):
-                raise RuntimeError(f"step returned {len(results)} outputs for {len(states)} states")
+            results = self._call_step(request_ids, interruptible)
+        except StepInterrupted:
+            self._on_interrupted(request_ids)
+            return {}
         except Exception as exc:
-            logger.exception("%s step failed for %s", self._adapter.stage, request_ids)
-            results = [StepOutput(step_index=None, finished=True, error=_describe(exc))] * len(
-                states
-            )
+            self._observe_step(request_ids, started)
+            if len(request_ids) > 1:
+                return self._step_one_by_one(request_ids, exc, interruptible)
+            logger.error("%s step failed for %s", self._adapter.stage, request_ids[0],
+                         exc_info=exc)
+            return {request_ids[0]: _error_output(exc)}
+        self._observe_step(request_ids, started)
+        if len(results) != len(request_ids):
+            error = RuntimeError(f"step returned {len(results)} outputs for "
+                                 f"{len(request_ids)} states")
+            logger.error("%s step failed for %s: %s", self._adapter.stage, request_ids, error)
+            return dict.fromkeys(request_ids, _error_output(error))
+        return dict(zip(request_ids, results, strict=True))
+
+    def _call_step(
+        self, request_ids: list[str], interruptible: bool
+    ) -> Sequence[StepOutput[PartialT]]:
+        """`adapter.step`, armed for a mid-step abort when `interruptible`."""
+        states = [self._slots[rid].prepared_state() for rid in request_ids]
+        if interruptible:
+            self._interrupt.arm(request_ids)
+        try:
+            return self._adapter.step(states)
+        finally:
+            self._interrupt.disarm()
+
+    def _observe_step(self, request_ids: list[str], started: float) -> None:
         seconds = time.monotonic() - started
-        self._metrics.observe_step(seconds, len(states))
+        self._metrics.observe_step(seconds, len(request_ids))
         for rid in request_ids:
             self._slots[rid].step_seconds = seconds
-        return dict(zip(request_ids, results, strict=True))
+
+    def _step_one_by_one(
+        self, request_ids: list[str], exc: Exception, interruptible: bool
+    ) -> dict[str, StepOutput[PartialT]]:
+        """Failure isolation: the batched step raised; step each request alone."""
+        self._metrics.observe_isolated_step_failure()
+        logger.warning("%s step of %d requests failed (%s); stepping each alone",
+                       self._adapter.stage, len(request_ids), _describe(exc))
+        outputs: dict[str, StepOutput[PartialT]] = {}
+        for rid in request_ids:
+            if self._is_running(rid):  # an interrupted retry drains aborts of later ones
+                outputs.update(self._step([rid], interruptible=interruptible))
+        return outputs
+
+    def _on_interrupted(self, request_ids: list[str]) -> None:
+        """A step stopped part-way: its requests' aborts are queued already (abort() queues
+        before it cancels), so drain them now; they are released in this call."""
+        self._metrics.observe_forward_interrupt()
+        self._drain_control(block=False)
+        left = [rid for rid in request_ids if self._is_running(rid)]
+        if left:  # the adapter stopped without being asked: they step again next tick
+            logger.warning("%s step stopped part-way but %s were not cancelled",
+                           self._adapter.stage, left)
 
     def _run_to_end(self, request_ids: list[str]) -> dict[str, StepOutput[PartialT]]:
         """REQUEST mode: step until each request stops, publishing progress, seeing no aborts."""
         outputs: dict[str, StepOutput[PartialT]] = {}
         live = request_ids
         while live:
-            step_outputs = self._step(live)
+            step_outputs = self._step(live, interruptible=False)
             outputs.update(step_outputs)
-            live = [rid for rid in live if _steps_on(step_outputs[rid])]
+            live = [rid for rid in live if rid in step_outputs and _steps_on(step_outputs[rid])]
             self._publish_steps({rid: step_outputs[rid] for rid in live})
         return outputs
 
@@ -543,3 +654,7 @@ def _steps_on(output: StepOutput[object]) -> bool:
 
 def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
+
+
+def _error_output(exc: BaseException) -> StepOutput[PartialT]:
+    return StepOutput(step_index=None, finished=True, error=_describe(exc))

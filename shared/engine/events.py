@@ -27,6 +27,17 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Preempted:
+    """Paused at a step boundary for a more urgent request, after `step_index` steps.
+
+    Not terminal: the request keeps its state and resumes later; its next Progress says it is
+    running again.
+    """
+
+    step_index: int
+
+
+@dataclass(frozen=True)
 class Partial(Generic[PartialT_co]):
     """A piece of output to stream now (codec frames, an audio chunk)."""
 
@@ -59,7 +70,9 @@ class Failed:
 
 
 #: Everything a request's stream yields; generic in the adapter's partial and result types.
-Event: TypeAlias = Queued | Progress | Partial[PartialT] | Completed[ResultT] | Aborted | Failed
+Event: TypeAlias = (
+    Queued | Progress | Preempted | Partial[PartialT] | Completed[ResultT] | Aborted | Failed
+)
 #: The events that end a stream.
 Terminal: TypeAlias = Completed[ResultT] | Aborted | Failed
 TERMINAL_EVENTS = (Completed, Aborted, Failed)

@@ -32,11 +32,15 @@ LATENCY_BUCKETS = (
 class _Families:
     waiting: Gauge
     running: Gauge
+    preempted: Gauge
     finished: Counter
     steps: Counter
     step_seconds: Histogram
     queue_seconds: Histogram
     abort_latency: Histogram
+    preemptions: Counter
+    forward_interrupts: Counter
+    isolated_step_failures: Counter
 
     @classmethod
     def register(cls, registry: CollectorRegistry) -> _Families:
@@ -47,11 +51,17 @@ class _Families:
 
         return cls(
             waiting=Gauge(
-                "stagemesh_requests_waiting", "Requests queued, not yet running", stage,
+                "stagemesh_requests_waiting",
+                "Requests queued for a run slot, not running (preempted ones included)", stage,
                 registry=registry,
             ),
             running=Gauge(
                 "stagemesh_requests_running", "Requests admitted to run", stage, registry=registry
+            ),
+            preempted=Gauge(
+                "stagemesh_requests_preempted",
+                "Requests paused for more urgent ones, holding their state", stage,
+                registry=registry,
             ),
             finished=Counter(
                 "stagemesh_requests_finished_total", "Requests that left the engine",
@@ -67,6 +77,21 @@ class _Families:
             ),
             abort_latency=histogram(
                 "stagemesh_abort_latency_seconds", "From the abort signal to the state's release"
+            ),
+            preemptions=Counter(
+                "stagemesh_preemptions_total",
+                "Running requests paused at a step boundary for a more urgent one", stage,
+                registry=registry,
+            ),
+            forward_interrupts=Counter(
+                "stagemesh_forward_interrupts_total",
+                "Step calls stopped part-way because every request in them was cancelled",
+                stage, registry=registry,
+            ),
+            isolated_step_failures=Counter(
+                "stagemesh_isolated_step_failures_total",
+                "Batched step calls that raised and were rerun one request at a time",
+                stage, registry=registry,
             ),
         )  # fmt: skip
 
@@ -99,10 +124,24 @@ class EngineMetrics:
         self._step_seconds = families.step_seconds.labels(stage=stage)
         self._queue_seconds = families.queue_seconds.labels(stage=stage)
         self._abort_latency = families.abort_latency.labels(stage=stage)
+        self._preempted = families.preempted.labels(stage=stage)
+        self._preemptions = families.preemptions.labels(stage=stage)
+        self._forward_interrupts = families.forward_interrupts.labels(stage=stage)
+        self._isolated_step_failures = families.isolated_step_failures.labels(stage=stage)
 
-    def observe_queues(self, num_waiting: int, num_running: int) -> None:
+    def observe_queues(self, num_waiting: int, num_running: int, num_preempted: int = 0) -> None:
         self._waiting.set(num_waiting)
         self._running.set(num_running)
+        self._preempted.set(num_preempted)
+
+    def observe_preemption(self) -> None:
+        self._preemptions.inc()
+
+    def observe_forward_interrupt(self) -> None:
+        self._forward_interrupts.inc()
+
+    def observe_isolated_step_failure(self) -> None:
+        self._isolated_step_failures.inc()
 
     def observe_step(self, seconds: float, num_requests: int) -> None:
         self._step_seconds.observe(seconds)

@@ -3,17 +3,39 @@
 The engine calls, on its compute thread only:
 
 - `add_request` when a submit is drained from the control queue;
-- `schedule` once per tick, to learn whom to prepare and which batches to step;
+- `schedule` once per tick, to learn whom to prepare, whom it preempted and which batches to
+  step (in order);
 - `mark_prepared` after `adapter.prepare`, so the request is stepped from the next tick on;
-- `update_from_output` after the tick's steps, once cancels have been drained again;
+- `apply_outputs` after each batch's step, once cancels have been drained again;
 - `finish_requests` for every abort (cancel, deadline, shutdown) and every engine-side failure;
 - `pop` when the engine has released a finished request and published its terminal event.
+
+Capacity. `max_running` requests hold adapter state at once (running + preempted); a new request
+is admitted (prepared) only below it. At most `max_batch` of them run, that is take a step every
+tick; the rest of the holders are PREEMPTED. A tick steps every running request once: running
+requests are grouped by batch key, each group is cut into batches of at most `max_batch`, and
+the groups take turns at going first (the key that went first goes last next tick), so no key
+always waits for the others.
+
+Order. Requests run in order of urgency: lower `priority` first, FIFO among equals, and every
+request gains one priority level per `PRIORITY_AGING_SECONDS` since it was submitted, so a
+request of any priority eventually runs before every newer one (no starvation). Urgency is
+therefore a fixed number per request (`priority * aging + submitted_at`): the order between two
+requests never changes while they wait, so nobody is preempted back and forth.
+
+Preemption, at the step boundary (in `schedule`): while a waiting request is more urgent than
+the least urgent running one and may run (it already holds state, or there is room for one
+more holder), that running request is PREEMPTED: it keeps its state and step index and goes
+back into the queue at its own urgency; it resumes (never prepared again) once it is among the
+most urgent that may run. With `max_batch == max_running` (the default) nobody is ever
+preempted: preempting would need a holder over `max_running`.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Collection, Hashable, Mapping, Sized
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepOutput
@@ -21,6 +43,12 @@ from stagemesh.shared.engine.request import AbortReason, RequestRecord, RequestS
 
 MISSING_STEP_INDEX = "Missing step_index in step output"
 MISSING_OUTPUT = "No output for request"
+
+#: A request gains one priority level (runs as if its `priority` were one lower) per this many
+#: seconds since it was submitted: a priority-5 request submitted 50 s ago ranks with a
+#: priority-0 request submitted now. Large enough that priorities mean something under load,
+#: small enough that a low-priority request waits minutes, not forever.
+PRIORITY_AGING_SECONDS = 10.0
 
 
 @dataclass
@@ -30,10 +58,11 @@ class TickPlan:
     step_id: int  # increments with every `schedule()` call, from 0
     to_prepare: list[str] = field(default_factory=list)  # admitted from WAITING: prepare them
     resumed: list[str] = field(default_factory=list)  # admitted from PREEMPTED: state kept
-    batches: list[list[str]] = field(default_factory=list)  # prepared running ids, one per key
+    preempted: list[str] = field(default_factory=list)  # RUNNING -> PREEMPTED in this schedule
+    batches: list[list[str]] = field(default_factory=list)  # one `step` call each, in order
     finished: set[str] = field(default_factory=set)  # finished since the last tick, told once
     num_running: int = 0
-    num_waiting: int = 0
+    num_waiting: int = 0  # queued for a run slot, preempted ones included
 
     @property
     def scheduled_ids(self) -> list[str]:
@@ -85,17 +114,34 @@ def validate_budget(request: EngineRequest[object]) -> None:
 
 
 class Scheduler:
-    """FIFO by (priority, arrival), at most `max_running` running, batches by batch key.
+    """Urgency order with aging, `max_running` holders, `max_batch` running, preemption,
+    batches by batch key taking turns. See the module docstring.
 
     It never reads a payload: requests of any input type are EngineRequest[object] here.
+    `max_batch` None (or above `max_running`) means `max_running`. `clock` is injectable for
+    tests; it must be the clock of `EngineRequest.deadline` (time.monotonic).
     """
 
-    def __init__(self, max_running: int = 1) -> None:
+    def __init__(
+        self,
+        max_running: int = 1,
+        max_batch: int | None = None,
+        *,
+        aging_seconds: float = PRIORITY_AGING_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         assert max_running >= 1, f"max_running must be >= 1, got {max_running}"
+        assert max_batch is None or max_batch >= 1, f"max_batch must be >= 1, got {max_batch}"
+        assert aging_seconds > 0, f"aging_seconds must be > 0, got {aging_seconds}"
         self.max_running = max_running
+        self.max_batch = max_running if max_batch is None else min(max_batch, max_running)
+        self._aging_seconds = aging_seconds
+        self._clock = clock
         self._records: dict[str, RequestRecord] = {}
-        self._waiting: list[str] = []  # front runs first; preempted requests go to the front
-        self._running: list[str] = []  # admission order
+        self._queue: list[str] = []  # WAITING and PREEMPTED, most urgent first
+        self._preempted: set[str] = set()  # the PREEMPTED part of the queue (they hold state)
+        self._running: list[str] = []  # RUNNING, admission order
+        self._turns: dict[Hashable, None] = {}  # batch keys, the one to go first next at the front
         self._finished_since_tick: set[str] = set()
         self._next_step_id = 0
         self._next_arrival = 0
@@ -109,25 +155,32 @@ class Scheduler:
         if rid in self._records:
             raise InvalidInputError("request_id", f"Request {rid} is already in the engine")
         record = RequestRecord(
-            request=request, arrival=self._next_arrival, step_index=request.budget.start_step
+            request=request,
+            arrival=self._next_arrival,
+            step_index=request.budget.start_step,
+            submitted_at=self._clock(),
         )
         self._next_arrival += 1
         self._records[rid] = record
-        self._insert_waiting(record)
+        self._enqueue(record)
         return record
 
-    def _insert_waiting(self, record: RequestRecord) -> None:
-        """After every waiting request of equal or higher priority (lower number)."""
-        priority = record.request.priority
-        index = len(self._waiting)
-        while index > 0 and self._records[self._waiting[index - 1]].request.priority > priority:
-            index -= 1
-        self._waiting.insert(index, record.request_id)
+    def urgency(self, record: RequestRecord) -> tuple[float, int]:
+        """Sort key, lower runs sooner: priority aged by the time since submit, then arrival."""
+        aged = record.request.priority * self._aging_seconds + record.submitted_at
+        return (aged, record.arrival)
+
+    def _enqueue(self, record: RequestRecord) -> None:
+        """Into the queue at the record's urgency (after its equals: FIFO)."""
+        bisect.insort(self._queue, record.request_id, key=self._urgency_of)
+
+    def _urgency_of(self, request_id: str) -> tuple[float, int]:
+        return self.urgency(self._records[request_id])
 
     # -- planning --------------------------------------------------------------------------
 
     def schedule(self) -> TickPlan:
-        """Admit waiting requests up to `max_running`, then group the steppable running ones.
+        """Admit and preempt at this step boundary, then plan the tick's batches.
 
         A request admitted from WAITING is only listed in `to_prepare`: its batch key is known
         once prepared, so it is stepped from the next tick on.
@@ -135,25 +188,87 @@ class Scheduler:
         plan = TickPlan(step_id=self._next_step_id, finished=self._finished_since_tick)
         self._next_step_id += 1
         self._finished_since_tick = set()
-        while self._waiting and len(self._running) < self.max_running:
-            record = self._records[self._waiting.pop(0)]
-            (plan.resumed if record.prepared else plan.to_prepare).append(record.request_id)
-            record.state = RequestState.RUNNING
-            if record.first_scheduled_at is None:
-                record.first_scheduled_at = time.monotonic()
-            self._running.append(record.request_id)
-        plan.batches = self._group_batches()
-        plan.num_running, plan.num_waiting = len(self._running), len(self._waiting)
+        self._fill_free_slots(plan)
+        self._preempt_for_more_urgent(plan)
+        plan.batches = self._plan_batches()
+        plan.num_running, plan.num_waiting = len(self._running), len(self._queue)
         return plan
 
-    def _group_batches(self) -> list[list[str]]:
+    def _fill_free_slots(self, plan: TickPlan) -> None:
+        """Most urgent first; a request that needs new state is skipped while holders are full
+        (a preempted one behind it may still resume: it needs no new state)."""
+        for rid in list(self._queue):
+            if len(self._running) >= self.max_batch:
+                return
+            if self._may_run(rid):
+                self._start_running(rid, plan)
+
+    def _preempt_for_more_urgent(self, plan: TickPlan) -> None:
+        while (candidate := self._most_urgent_that_may_run()) is not None:
+            victim = self._least_urgent_preemptible()
+            if victim is None or self._urgency_of(candidate) >= self._urgency_of(victim):
+                return
+            self.preempt_request(victim)
+            plan.preempted.append(victim)
+            self._start_running(candidate, plan)
+
+    def _may_run(self, request_id: str) -> bool:
+        """Whether a queued request could run now, were there a run slot for it."""
+        return request_id in self._preempted or self.num_holding < self.max_running
+
+    def _most_urgent_that_may_run(self) -> str | None:
+        return next((rid for rid in self._queue if self._may_run(rid)), None)
+
+    def _least_urgent_preemptible(self) -> str | None:
+        """The least urgent running request that holds state (one admitted in this schedule
+        is not prepared yet, and is more urgent than anyone left in the queue)."""
+        prepared = [rid for rid in self._running if self._records[rid].prepared]
+        return max(prepared, key=self._urgency_of, default=None)
+
+    def _start_running(self, request_id: str, plan: TickPlan) -> None:
+        record = self._records[request_id]
+        self._queue.remove(request_id)
+        if request_id in self._preempted:
+            self._preempted.discard(request_id)
+            plan.resumed.append(request_id)
+        else:
+            plan.to_prepare.append(request_id)
+        record.state = RequestState.RUNNING
+        if record.first_scheduled_at is None:
+            record.first_scheduled_at = self._clock()
+        self._running.append(request_id)
+
+    def _plan_batches(self) -> list[list[str]]:
+        """The steppable running requests, by batch key, in batches of at most `max_batch`."""
         groups: dict[Hashable, list[str]] = {}
-        for rid in self._running:
+        for rid in sorted(self._running, key=self._urgency_of):
             record = self._records[rid]
             if record.prepared and not record.waiting_for_input:
                 record.input_since_schedule = False
                 groups.setdefault(record.batch_key, []).append(rid)
-        return list(groups.values())
+        batches: list[list[str]] = []
+        for key in self._take_turns(groups):
+            group = groups[key]
+            batches.extend(
+                group[start : start + self.max_batch]
+                for start in range(0, len(group), self.max_batch)
+            )
+        return batches
+
+    def _take_turns(self, keys: Collection[Hashable]) -> list[Hashable]:
+        """This tick's order of batch keys; the key that goes first now goes last next time.
+
+        Keys seen for the first time join at the back; keys with nothing to step are forgotten.
+        """
+        for gone in [key for key in self._turns if key not in keys]:
+            del self._turns[gone]
+        for key in keys:
+            self._turns.setdefault(key, None)
+        order = list(self._turns)
+        if order:
+            del self._turns[order[0]]
+            self._turns[order[0]] = None
+        return order
 
     def mark_prepared(self, request_id: str, batch_key: Hashable) -> None:
         """The adapter now holds a state for the request; it is stepped from the next tick."""
@@ -173,13 +288,20 @@ class Scheduler:
     def update_from_output(
         self, plan: TickPlan, outputs: Mapping[str, StepOutput[object]]
     ) -> set[str]:
-        """Apply the tick's step outputs; return the ids of `plan` that are now finished.
+        """Apply the outputs of every batch of `plan`; see `apply_outputs`."""
+        return self.apply_outputs(plan.scheduled_ids, outputs)
 
-        A request that was aborted after `schedule()` is returned as finished and its output is
-        ignored, so the engine observes the terminal state instead of stepping it again.
+    def apply_outputs(
+        self, request_ids: Iterable[str], outputs: Mapping[str, StepOutput[object]]
+    ) -> set[str]:
+        """Apply the step outputs of `request_ids`; return those of them now finished.
+
+        A stepped request without an output fails (MISSING_OUTPUT). A request that was aborted
+        after `schedule()` is returned as finished and its output is ignored, so the engine
+        observes the terminal state instead of stepping it again.
         """
         finished: set[str] = set()
-        for rid in plan.scheduled_ids:
+        for rid in request_ids:
             record = self._records.get(rid)
             if record is None:
                 continue
@@ -217,13 +339,13 @@ class Scheduler:
         `reason` (default CANCELLED) and `signal_at` (default now) are kept for aborts;
         `error` and `error_field` for FINISHED_ERROR.
 
-        Waiting requests leave the queue at once, so they are never prepared; running ones are
-        marked and leave the running set. Unknown or already finished ids are skipped, so a
-        repeated call is harmless. Returns the ids this call finished.
+        Waiting requests leave the queue at once, so they are never prepared; running and
+        preempted ones are marked and leave the engine's sets. Unknown or already finished ids
+        are skipped, so a repeated call is harmless. Returns the ids this call finished.
         """
         assert state.is_finished, f"finish_requests needs a finished state, got {state.name}"
         if request_ids is None:
-            request_ids = [*self._running, *self._waiting]
+            request_ids = [*self._running, *self._queue]
         elif isinstance(request_ids, str):
             request_ids = [request_ids]
         finished: set[str] = set()
@@ -234,7 +356,7 @@ class Scheduler:
             self._finish(record, state, error=error, error_field=error_field)
             if state is RequestState.FINISHED_ABORTED:
                 record.abort_reason = AbortReason.CANCELLED if reason is None else reason
-                record.abort_signal_at = time.monotonic() if signal_at is None else signal_at
+                record.abort_signal_at = self._clock() if signal_at is None else signal_at
             finished.add(rid)
         return finished
 
@@ -246,51 +368,59 @@ class Scheduler:
         error: str | None = None,
         error_field: str | None = None,
     ) -> None:
-        rid = record.request_id
-        if rid in self._running:
-            self._running.remove(rid)
-        elif rid in self._waiting:
-            self._waiting.remove(rid)
+        self._forget(record.request_id)
         record.state = state
         if state is RequestState.FINISHED_ERROR:
             record.error, record.error_field = error, error_field
-        self._finished_since_tick.add(rid)
+        self._finished_since_tick.add(record.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Out of the running list and the queue (whichever holds it)."""
+        if request_id in self._running:
+            self._running.remove(request_id)
+        elif request_id in self._queue:
+            self._queue.remove(request_id)
+            self._preempted.discard(request_id)
 
     def preempt_request(self, request_id: str) -> bool:
-        """Move a running request to the front of the queue, keeping its step and state."""
+        """RUNNING -> PREEMPTED: back into the queue at its urgency, keeping its step and state.
+
+        Only a prepared running request can be preempted (False otherwise).
+        """
         record = self._records.get(request_id)
-        if record is None or record.state is not RequestState.RUNNING:
+        if record is None or record.state is not RequestState.RUNNING or not record.prepared:
             return False
         self._running.remove(request_id)
-        self._waiting.insert(0, request_id)
         record.state = RequestState.PREEMPTED
+        self._preempted.add(request_id)
+        self._enqueue(record)
         return True
 
     # -- queries ---------------------------------------------------------------------------
 
     def has_requests(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._queue or self._running)
 
     def get(self, request_id: str) -> RequestRecord | None:
         return self._records.get(request_id)
 
     def pop(self, request_id: str) -> RequestRecord | None:
         """Forget a request (normally a finished one); None if it is unknown."""
-        record = self._records.pop(request_id, None)
-        for queue in (self._running, self._waiting):
-            if request_id in queue:
-                queue.remove(request_id)
+        record = self._records.get(request_id)
+        if record is not None:
+            self._forget(request_id)
+            del self._records[request_id]
         return record
 
     def position(self, request_id: str) -> int:
-        """How many requests are ahead of a waiting one (0 = next to run)."""
-        return self._waiting.index(request_id)
+        """How many queued requests are ahead of a queued one (0 = next to run)."""
+        return self._queue.index(request_id)
 
     def expired(self, now: float) -> list[str]:
         """Live requests whose deadline is at or before `now`."""
         return [
             rid
-            for rid in [*self._running, *self._waiting]
+            for rid in [*self._running, *self._queue]
             if (deadline := self._records[rid].request.deadline) is not None and deadline <= now
         ]
 
@@ -298,15 +428,26 @@ class Scheduler:
         """The earliest deadline among live requests, for the engine's idle wait."""
         deadlines = [
             deadline
-            for rid in [*self._running, *self._waiting]
+            for rid in [*self._running, *self._queue]
             if (deadline := self._records[rid].request.deadline) is not None
         ]
         return min(deadlines, default=None)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests queued for a run slot: waiting ones and preempted ones."""
+        return len(self._queue)
+
+    @property
+    def num_preempted(self) -> int:
+        """Queued requests that hold state (PREEMPTED)."""
+        return len(self._preempted)
 
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_holding(self) -> int:
+        """Requests that hold adapter state or are about to: running + preempted."""
+        return len(self._running) + len(self._preempted)

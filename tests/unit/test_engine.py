@@ -28,15 +28,18 @@ from stagemesh.shared.engine.events import (
     Event,
     Failed,
     Partial,
+    Preempted,
     Progress,
     Queued,
 )
+from stagemesh.shared.engine.interrupt import StepInterrupt, StepInterrupted
 from stagemesh.shared.engine.metrics import EngineMetrics
 from stagemesh.shared.engine.request import AbortReason
 
 pytestmark = pytest.mark.timeout(10)
 
 WAIT = 3.0  # seconds any single wait may take before the test fails instead of hanging
+BLOCK_SECONDS = 0.005  # a held step polls its gate (and an interrupt) this often
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class FakeAdapter:
     """A StageAdapter that records every call. Gated: each step waits for a permit.
 
     `open_after(moment)` also holds every step until time.monotonic() has passed `moment`.
+    Its step is all-or-nothing, as the adapter contract asks: it raises before advancing any
+    state. `most_held` is the most states it held at once (prepared, not yet released).
     """
 
     stage = "fake"
@@ -76,6 +81,8 @@ class FakeAdapter:
     def __init__(self, *, gated: bool = False) -> None:
         self.prepared: list[str] = []
         self.released: list[str] = []
+        self.most_held = 0
+        self.short_results = False  # a buggy step: one output, whatever the batch
         self.finished: list[str] = []
         self.step_calls: list[list[str]] = []
         self.step_entered = threading.Semaphore(0)
@@ -109,6 +116,7 @@ class FakeAdapter:
     def prepare(self, request: EngineRequest[FakeInput]) -> FakeState:
         self._maybe_fail("prepare", request.request_id)
         self.prepared.append(request.request_id)
+        self.most_held = max(self.most_held, len(self.prepared) - len(self.released))
         return FakeState(
             request_id=request.request_id,
             total=request.budget.total_steps,
@@ -124,7 +132,11 @@ class FakeAdapter:
         self.step_calls.append([s.request_id for s in states])
         self.step_entered.release()
         with self._gate:
-            assert self._gate.wait_for(lambda: self._open or self._permits > 0, WAIT)
+            gave_up = time.monotonic() + WAIT
+            while not (self._open or self._permits > 0):
+                self.between_blocks()
+                assert time.monotonic() < gave_up, "the gate never opened"
+                self._gate.wait(BLOCK_SECONDS)
             self._permits -= not self._open
             deadline = time.monotonic() + WAIT
             while (left := self._not_before - time.monotonic()) > 0:
@@ -132,7 +144,11 @@ class FakeAdapter:
                 self._gate.wait(left)
         for state in states:
             self._maybe_fail("step", state.request_id)
-        return [self._advance(s) for s in states]
+        outputs = [self._advance(s) for s in states]
+        return outputs[:1] if self.short_results else outputs
+
+    def between_blocks(self) -> None:
+        """Where a model would run its next block while the step is held open."""
 
     def _advance(self, state: FakeState) -> StepOutput[int]:
         if not state.streamed:
@@ -168,6 +184,27 @@ class FakeAdapter:
         assert sorted(self.released) == sorted(self.prepared)
 
 
+class InterruptibleAdapter(FakeAdapter):
+    """A FakeAdapter whose held step stops between blocks once the engine's interrupt asks."""
+
+    def __init__(self, *, gated: bool = False) -> None:
+        super().__init__(gated=gated)
+        self.interrupt: StepInterrupt | None = None
+        self.interrupted = 0  # steps stopped part-way
+
+    def bind_interrupt(self, interrupt: StepInterrupt) -> None:
+        assert self.interrupt is None, "bound twice"
+        self.interrupt = interrupt
+
+    def between_blocks(self) -> None:
+        assert self.interrupt is not None, "never bound"
+        try:
+            self.interrupt.check()
+        except StepInterrupted:
+            self.interrupted += 1
+            raise
+
+
 def make_request(
     rid: str,
     total_steps: int | None = 3,
@@ -177,12 +214,14 @@ def make_request(
     prompt: str = "a prompt",
     key: str = "k",
     streamed: bool = False,
+    priority: int = 0,
 ) -> EngineRequest[FakeInput]:
     return EngineRequest(
         request_id=rid,
         payload=FakeInput(prompt, key, streamed),
         budget=StepBudget(total_steps=total_steps),
         deadline=deadline,
+        priority=priority,
         mode=mode,
     )
 
@@ -199,6 +238,7 @@ class EngineFactory(Protocol):
         *,
         mode: ExecutionMode = ...,
         max_running: int = ...,
+        max_batch: int | None = ...,
         max_pending: int = ...,
     ) -> FakeEngine: ...
 
@@ -212,12 +252,14 @@ def make_engine(registry: CollectorRegistry) -> Iterator[EngineFactory]:
         *,
         mode: ExecutionMode = ExecutionMode.STEP,
         max_running: int = 1,
+        max_batch: int | None = None,
         max_pending: int = 256,
     ) -> FakeEngine:
         engine = StepEngine(
             adapter,
             mode=mode,
             max_running=max_running,
+            max_batch=max_batch,
             max_pending=max_pending,
             metrics=EngineMetrics("fake", registry),
         )
@@ -378,7 +420,16 @@ async def test_an_adapter_exception_fails_only_that_request(
     adapter.assert_released_once()
 
 
-async def test_a_failing_step_fails_its_batch_only(make_engine: EngineFactory) -> None:
+async def test_a_failing_step_fails_only_the_request_that_makes_it_fail(
+    make_engine: EngineFactory, registry: CollectorRegistry
+) -> None:
+    """Failure isolation: the batch that raised is stepped again one request at a time; the
+    innocent get exactly the result they get alone (no step applied twice)."""
+    solo = make_engine(FakeAdapter())
+    solo.start()
+    solo_ends = [(await collect(solo.submit(make_request(rid, key=key))))[-1]
+                 for rid, key in [("b", "512"), ("c", "256")]]
+
     adapter = FakeAdapter()
     adapter.fail["a"] = ("step", RuntimeError("gpu on fire"))
     engine = make_engine(adapter, max_running=3)
@@ -387,9 +438,53 @@ async def test_a_failing_step_fails_its_batch_only(make_engine: EngineFactory) -
         for rid, key in [("a", "512"), ("b", "512"), ("c", "256")]
     ]
     engine.start()
+    events = [await collect(stream) for stream in streams]
+    assert events[0][-1] == Failed("gpu on fire")
+    assert [e[-1] for e in events[1:]] == solo_ends == [
+        Completed(result=("b", 3, ()), step_index=3), Completed(result=("c", 3, ()), step_index=3)
+    ]
+    assert [e.step_index for e in events[1] if isinstance(e, Progress)] == [1, 2, 3]
+    # The batch of a and b raised and was stepped again one by one, before c's turn; then b
+    # and c stepped on (their keys taking turns at going first).
+    assert adapter.step_calls == [
+        ["a", "b"], ["a"], ["b"], ["c"], ["c"], ["b"], ["b"], ["c"]
+    ]
+    assert sample(registry, "stagemesh_isolated_step_failures_total") == 1
+    assert sample(registry, "stagemesh_requests_finished_total", status="failed") == 1
+    adapter.assert_released_once()
+
+
+async def test_a_batch_of_innocents_survives_several_culprits(
+    make_engine: EngineFactory,
+) -> None:
+    adapter = FakeAdapter()
+    for rid in ("a", "c"):
+        adapter.fail[rid] = ("step", RuntimeError(f"{rid} is cursed"))
+    engine = make_engine(adapter, max_running=4)
+    streams = [engine.submit(make_request(rid, total_steps=2)) for rid in "abcd"]
+    engine.start()
     ends = [(await collect(stream))[-1] for stream in streams]
-    assert ends[:2] == [Failed("gpu on fire"), Failed("gpu on fire")]
-    assert isinstance(ends[2], Completed)
+    assert ends == [
+        Failed("a is cursed"), Completed(result=("b", 2, ()), step_index=2),
+        Failed("c is cursed"), Completed(result=("d", 2, ()), step_index=2),
+    ]
+    assert adapter.step_calls == [["a", "b", "c", "d"], ["a"], ["b"], ["c"], ["d"], ["b", "d"]]
+    adapter.assert_released_once()
+
+
+async def test_a_step_with_the_wrong_number_of_outputs_fails_the_batch_without_a_rerun(
+    make_engine: EngineFactory, registry: CollectorRegistry
+) -> None:
+    """Its states did advance, so stepping them again would apply the step twice."""
+    adapter = FakeAdapter()
+    adapter.short_results = True
+    engine = make_engine(adapter, max_running=2)
+    streams = [engine.submit(make_request(rid)) for rid in "ab"]
+    engine.start()
+    ends = [(await collect(stream))[-1] for stream in streams]
+    assert ends == [Failed("step returned 1 outputs for 2 states")] * 2
+    assert adapter.step_calls == [["a", "b"]]
+    assert sample(registry, "stagemesh_isolated_step_failures_total") == 0
     adapter.assert_released_once()
 
 
@@ -476,26 +571,29 @@ async def test_streamed_input_before_and_after_prepare(make_engine: EngineFactor
     adapter.assert_released_once()
 
 
+@pytest.mark.parametrize("adapter_cls", [FakeAdapter, InterruptibleAdapter])
 async def test_request_mode_ignores_aborts_and_gives_the_same_result(
-    make_engine: EngineFactory,
+    make_engine: EngineFactory, adapter_cls: type[FakeAdapter]
 ) -> None:
     step_adapter = FakeAdapter()
     step_engine = make_engine(step_adapter)
     step_engine.start()
     step_events = await collect(step_engine.submit(make_request("a", total_steps=3)))
 
-    adapter = FakeAdapter(gated=True)
+    adapter = adapter_cls(gated=True)
     engine = make_engine(adapter, mode=ExecutionMode.REQUEST)
     engine.start()
     stream = engine.submit(make_request("a", total_steps=3))
     await entered_step(adapter)
     engine.abort("a")
+    await asyncio.sleep(20 * BLOCK_SECONDS)  # an interruptible step sees many blocks pass
     adapter.open()
     events = await collect(stream)
 
     assert kinds(events) == kinds(step_events)
     assert events[-1] == step_events[-1] == Completed(result=("a", 3, ()), step_index=3)
     assert len(adapter.step_calls) == len(step_adapter.step_calls) == 3
+    assert not isinstance(adapter, InterruptibleAdapter) or adapter.interrupted == 0
     adapter.assert_released_once()
 
 
@@ -518,7 +616,8 @@ async def test_a_request_can_ask_for_request_mode_in_a_step_engine(
 
 @pytest.mark.parametrize(
     ("keys", "expected_calls"),
-    [(("k", "k"), [["a", "b"]] * 2), (("k", "other"), [["a"], ["b"]] * 2)],
+    # Different keys take turns at going first: none is always last.
+    [(("k", "k"), [["a", "b"]] * 2), (("k", "other"), [["a"], ["b"], ["b"], ["a"]])],
 )
 async def test_requests_with_the_same_batch_key_share_a_step(
     make_engine: EngineFactory, keys: tuple[str, str], expected_calls: list[list[str]]
@@ -598,3 +697,248 @@ async def test_a_full_engine_refuses_new_requests(make_engine: EngineFactory) ->
     await collect(first)
     await collect(second)
     assert isinstance((await collect(engine.submit(make_request("c"))))[-1], Completed)
+
+
+# -- batches, priorities, preemption ------------------------------------------------------------
+
+
+def progress_steps(events: list[FakeEvent]) -> list[int]:
+    return [e.step_index for e in events if isinstance(e, Progress)]
+
+
+async def first_step_held(
+    make_engine: EngineFactory,
+    first: EngineRequest[FakeInput],
+    *,
+    max_running: int,
+    max_batch: int | None = None,
+) -> tuple[FakeAdapter, FakeEngine, FakeStream]:
+    """A gated engine whose first request is in its first step, held there."""
+    adapter = FakeAdapter(gated=True)
+    engine = make_engine(adapter, max_running=max_running, max_batch=max_batch)
+    stream = engine.submit(first)
+    engine.start()
+    await entered_step(adapter)
+    return adapter, engine, stream
+
+
+async def test_at_most_max_batch_requests_run_and_share_a_step_by_key(
+    make_engine: EngineFactory,
+) -> None:
+    adapter = FakeAdapter()
+    engine = make_engine(adapter, max_running=4, max_batch=2)
+    assert (engine.max_running, engine.max_batch) == (4, 2)
+    keys = dict(zip("abcde", "xxyxy", strict=True))
+    streams = [engine.submit(make_request(rid, 2, key=key)) for rid, key in keys.items()]
+    engine.start()
+    ends = [(await collect(stream))[-1] for stream in streams]
+
+    assert ends == [Completed(result=(rid, 2, ()), step_index=2) for rid in keys]
+    assert adapter.step_calls[:2] == [["a", "b"], ["a", "b"]]  # one step for both, each tick
+    assert all(len(call) <= 2 for call in adapter.step_calls)
+    assert all(len({keys[rid] for rid in call}) == 1 for call in adapter.step_calls)
+    assert sum(map(len, adapter.step_calls)) == 2 * len(keys)  # every step ran exactly once
+    assert adapter.most_held == 2  # equal priorities: nobody preempted, nobody over max_batch
+    adapter.assert_released_once()
+
+
+def test_max_batch_never_exceeds_max_running(make_engine: EngineFactory) -> None:
+    engine = make_engine(FakeAdapter(), max_running=2, max_batch=8)
+    assert (engine.max_running, engine.max_batch) == (2, 2)
+    assert make_engine(FakeAdapter(), max_running=3).max_batch == 3
+
+
+async def test_lower_priority_value_runs_first(make_engine: EngineFactory) -> None:
+    # first holds the only slot; the rest queue behind it
+    adapter, engine, first = await first_step_held(make_engine, make_request("first", 1),
+                                                   max_running=1)
+    streams = [engine.submit(make_request(rid, 1, priority=priority))
+               for rid, priority in [("low", 5), ("mid", 1), ("high", 0), ("mid2", 1)]]
+    adapter.open()
+    for stream in [first, *streams]:
+        assert isinstance((await collect(stream))[-1], Completed)
+    assert adapter.prepared == ["first", "high", "mid", "mid2", "low"]
+
+
+async def test_a_more_urgent_request_preempts_and_the_preempted_one_resumes_unchanged(
+    make_engine: EngineFactory, registry: CollectorRegistry
+) -> None:
+    solo = make_engine(FakeAdapter())
+    solo.start()
+    solo_events = await collect(solo.submit(make_request("low", 4, priority=5)))
+
+    # low's first step is in flight when high arrives
+    adapter, engine, low = await first_step_held(
+        make_engine, make_request("low", 4, priority=5), max_running=2, max_batch=1)
+    high = engine.submit(make_request("high", 2, priority=0))
+    adapter.open()
+    low_events, high_events = await collect(low), await collect(high)
+
+    assert kinds(low_events) == [Queued, Progress, Preempted, Progress, Progress, Progress,
+                                 Completed]
+    assert low_events[2] == Preempted(step_index=1)
+    assert progress_steps(low_events) == progress_steps(solo_events) == [1, 2, 3, 4]
+    assert low_events[-1] == solo_events[-1] == Completed(result=("low", 4, ()), step_index=4)
+    assert kinds(high_events) == [Queued, Progress, Progress, Completed]
+    assert adapter.prepared == ["low", "high"]  # low kept its state: prepared once
+    assert adapter.step_calls == [["low"], ["high"], ["high"], ["low"], ["low"], ["low"]]
+    assert sample(registry, "stagemesh_preemptions_total") == 1
+    assert sample(registry, "stagemesh_requests_preempted") == 0
+    adapter.assert_released_once()
+
+
+async def test_preemption_never_holds_more_than_max_running_states(
+    make_engine: EngineFactory,
+) -> None:
+    adapter, engine, low = await first_step_held(
+        make_engine, make_request("low", 3, priority=5), max_running=2, max_batch=1)
+    mid = engine.submit(make_request("mid", 2, priority=1))
+    high = engine.submit(make_request("high", 2, priority=0))
+    adapter.open()
+    low_events, mid_events, high_events = [await collect(s) for s in (low, mid, high)]
+
+    # high preempts low; mid, more urgent than low too, waits unprepared: a third holder would
+    # be over max_running. It runs when high is done; low resumes last.
+    assert adapter.most_held == 2
+    assert adapter.prepared == ["low", "high", "mid"]
+    assert adapter.step_calls == [["low"], ["high"], ["high"], ["mid"], ["mid"], ["low"],
+                                  ["low"]]
+    assert [e for e in low_events if isinstance(e, Preempted)] == [Preempted(step_index=1)]
+    assert Preempted not in kinds(mid_events) + kinds(high_events)
+    assert all(isinstance(events[-1], Completed)
+               for events in (low_events, mid_events, high_events))
+    adapter.assert_released_once()
+
+
+async def test_equal_priorities_never_preempt(make_engine: EngineFactory) -> None:
+    adapter, engine, first = await first_step_held(make_engine, make_request("first", 2),
+                                                   max_running=4, max_batch=1)
+    later = engine.submit(make_request("later", 2))
+    adapter.open()
+    assert Preempted not in kinds(await collect(first))
+    assert Preempted not in kinds(await collect(later))
+    assert adapter.step_calls == [["first"], ["first"], ["later"], ["later"]]
+
+
+async def test_a_preempted_request_can_be_aborted_and_is_never_stepped_again(
+    make_engine: EngineFactory,
+) -> None:
+    adapter, engine, low = await first_step_held(  # low's step 1 is held
+        make_engine, make_request("low", 4, priority=5), max_running=2, max_batch=1)
+    high = engine.submit(make_request("high", 3, priority=0))
+    adapter.allow(2)  # low's step 1, then high's step 1
+    await entered_step(adapter)
+    await entered_step(adapter)  # high's step 2 is held: low waits, preempted
+    assert kinds([await next_event(low) for _ in range(3)]) == [Queued, Progress, Preempted]
+
+    engine.abort("low")
+    adapter.open()
+    end = as_aborted(await next_event(low))
+    assert (end.step_index, end.reason) == (1, AbortReason.CANCELLED)
+    assert isinstance((await collect(high))[-1], Completed)
+    assert adapter.step_calls == [["low"], ["high"], ["high"], ["high"]]
+    assert adapter.prepared == ["low", "high"] and adapter.finished == ["high"]
+    adapter.assert_released_once()
+
+
+# -- mid-step abort -------------------------------------------------------------------------------
+
+
+async def test_a_step_whose_requests_are_all_cancelled_stops_part_way(
+    make_engine: EngineFactory, registry: CollectorRegistry
+) -> None:
+    adapter = InterruptibleAdapter(gated=True)
+    engine = make_engine(adapter, max_running=2)
+    assert adapter.interrupt is not None  # bound once, at construction
+    streams = [engine.submit(make_request(rid, total_steps=5)) for rid in "ab"]
+    engine.start()
+    adapter.allow(1)
+    await entered_step(adapter)
+    await entered_step(adapter)  # step 2 is held open: without an interrupt it never ends
+
+    signalled = time.monotonic()
+    engine.abort("a")
+    engine.abort("b", AbortReason.RPC_CANCELLED)
+    ends = [(await collect(stream))[-1] for stream in streams]
+    observed = time.monotonic() - signalled
+
+    assert [(as_aborted(end).step_index, as_aborted(end).reason) for end in ends] == [
+        (1, AbortReason.CANCELLED), (1, AbortReason.RPC_CANCELLED)
+    ]
+    assert observed < WAIT / 3  # well before the held step could have ended
+    assert all(0 < as_aborted(end).abort_latency_seconds <= observed for end in ends)
+    assert adapter.interrupted == 1 and adapter.step_calls == [["a", "b"], ["a", "b"]]
+    assert adapter.finished == []
+    assert sample(registry, "stagemesh_forward_interrupts_total") == 1
+    assert sample(registry, "stagemesh_abort_latency_seconds_count") == 2
+    assert sample(registry, "stagemesh_steps_total") == 2  # the stopped step is not counted
+    assert sample(registry, "stagemesh_requests_finished_total", status="failed") == 0
+    adapter.assert_released_once()
+
+    # The engine serves on.
+    adapter.open()
+    assert isinstance((await collect(engine.submit(make_request("c", 1))))[-1], Completed)
+
+
+async def test_a_step_that_still_serves_someone_runs_to_its_end(
+    make_engine: EngineFactory, registry: CollectorRegistry
+) -> None:
+    adapter = InterruptibleAdapter(gated=True)
+    engine = make_engine(adapter, max_running=2)
+    cancelled, kept = [engine.submit(make_request(rid, total_steps=3)) for rid in "ab"]
+    engine.start()
+    adapter.allow(1)
+    await entered_step(adapter)
+    await entered_step(adapter)
+
+    engine.abort("a")
+    await asyncio.sleep(20 * BLOCK_SECONDS)  # many blocks pass: b still wants this step
+    assert adapter.interrupted == 0
+    adapter.open()
+    cancelled_events, kept_events = await collect(cancelled), await collect(kept)
+
+    assert as_aborted(cancelled_events[-1]).step_index == 1  # its step-2 output is dropped
+    assert kept_events[-1] == Completed(result=("b", 3, ()), step_index=3)
+    assert progress_steps(kept_events) == [1, 2, 3]
+    assert adapter.step_calls == [["a", "b"], ["a", "b"], ["b"]]
+    assert sample(registry, "stagemesh_forward_interrupts_total") == 0
+    adapter.assert_released_once()
+
+
+async def test_a_cancel_between_steps_stops_the_next_step_at_once(
+    make_engine: EngineFactory, registry: CollectorRegistry
+) -> None:
+    """The cancel lands while no step is armed; the next step of that request stops at its
+    first block instead of running (or the request leaves before it)."""
+    adapter = InterruptibleAdapter(gated=True)
+    engine = make_engine(adapter)
+    stream = engine.submit(make_request("a", total_steps=5))
+    engine.start()
+    adapter.allow(1)
+    await entered_step(adapter)
+    await entered_step(adapter)
+    assert adapter.interrupt is not None
+    adapter.interrupt.disarm()  # as if step 2 had just ended: the cancel lands in the gap
+    engine.abort("a")
+    adapter.interrupt.arm(["a"])  # and the next step starts
+    events = await collect(stream)
+    assert as_aborted(events[-1]).step_index == 1
+    assert adapter.interrupted == 1
+    assert sample(registry, "stagemesh_forward_interrupts_total") == 1
+    adapter.assert_released_once()
+
+
+async def test_shutdown_stops_a_step_part_way(make_engine: EngineFactory) -> None:
+    adapter = InterruptibleAdapter(gated=True)
+    engine = make_engine(adapter)
+    stream = engine.submit(make_request("a", total_steps=5))
+    engine.start()
+    await entered_step(adapter)  # held open
+
+    started = time.monotonic()
+    assert await asyncio.to_thread(engine.shutdown, True, WAIT)
+    assert time.monotonic() - started < WAIT / 3
+    end = as_aborted((await collect(stream))[-1])
+    assert (end.step_index, end.reason) == (0, AbortReason.SHUTDOWN)
+    assert adapter.interrupted == 1
+    adapter.assert_released_once()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import pytest
 
 from stagemesh.shared.engine.adapter import (
@@ -13,6 +15,7 @@ from stagemesh.shared.engine.adapter import (
 from stagemesh.shared.engine.request import AbortReason, RequestState
 from stagemesh.shared.engine.scheduler import (
     MISSING_STEP_INDEX,
+    PRIORITY_AGING_SECONDS,
     Scheduler,
     TickPlan,
     resolve_total_steps,
@@ -350,3 +353,222 @@ def test_waiting_for_input_sleeps_until_input_arrives() -> None:
     assert scheduler.schedule().batches == []
     scheduler.mark_input_ready("codec")
     assert scheduler.schedule().batches == [["codec"]]
+
+
+# -- run slots, batches, turns -----------------------------------------------------------------
+
+
+class Clock:
+    """A time.monotonic stand-in the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def finish_step(
+    scheduler: Scheduler, plan: TickPlan, done: AbstractSet[str] = frozenset()
+) -> set[str]:
+    """Every batch of `plan` takes one step; the ids in `done` finish with it."""
+    outputs: dict[str, StepOutput[None]] = {}
+    for rid in plan.scheduled_ids:
+        record = scheduler.get(rid)
+        assert record is not None
+        outputs[rid] = StepOutput(step_index=record.step_index + 1, finished=rid in done)
+    return scheduler.update_from_output(plan, outputs)
+
+
+def test_max_batch_caps_the_running_and_batches_split_by_key() -> None:
+    scheduler = Scheduler(max_running=8, max_batch=3)
+    assert (scheduler.max_running, scheduler.max_batch) == (8, 3)
+    for rid in "abcdef":
+        scheduler.add_request(make_request(rid))
+    plan = scheduler.schedule()
+    assert plan.to_prepare == ["a", "b", "c"] and (plan.num_running, plan.num_waiting) == (3, 3)
+    for rid, key in zip(plan.to_prepare, ["x", "y", "x"], strict=True):
+        scheduler.mark_prepared(rid, key)
+    plan = scheduler.schedule()
+    assert plan.batches == [["a", "c"], ["b"]] and plan.to_prepare == []
+
+    finish_step(scheduler, plan, done={"a"})
+    plan = scheduler.schedule()  # a's run slot goes to d, the next in line
+    assert plan.to_prepare == ["d"] and plan.preempted == []
+    assert plan.batches == [["b"], ["c"]]  # y's turn to go first
+    assert all(len(batch) <= scheduler.max_batch for batch in plan.batches)
+
+
+def test_max_batch_above_max_running_is_max_running() -> None:
+    assert Scheduler(max_running=2, max_batch=5).max_batch == 2
+    assert Scheduler(max_running=4).max_batch == 4
+
+
+def test_batch_keys_take_turns_at_going_first() -> None:
+    scheduler = Scheduler(max_running=3)
+    for rid in "abc":
+        scheduler.add_request(make_request(rid, total_steps=None))
+    plan = scheduler.schedule()
+    for rid, key in zip(plan.to_prepare, ["x", "y", "z"], strict=True):
+        scheduler.mark_prepared(rid, key)
+    orders = []
+    for _ in range(6):
+        plan = scheduler.schedule()
+        orders.append([rid for [rid] in plan.batches])
+        finish_step(scheduler, plan)
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] * 2
+
+
+def test_a_new_key_joins_the_turns_at_the_back_and_a_gone_key_leaves() -> None:
+    scheduler = Scheduler(max_running=3)
+    start_running(scheduler, "a")
+    scheduler.add_request(make_request("b"))
+    plan = scheduler.schedule()
+    assert plan.to_prepare == ["b"] and plan.batches == [["a"]]
+    scheduler.mark_prepared("b", "other")
+    finish_step(scheduler, plan)
+    plan = scheduler.schedule()
+    assert plan.batches == [["a"], ["b"]]
+    finish_step(scheduler, plan, done={"a"})
+    assert scheduler.schedule().batches == [["b"]]
+
+
+# -- priorities and aging ----------------------------------------------------------------------
+
+
+def test_aging_one_level_per_aging_period() -> None:
+    clock = Clock()
+    scheduler = Scheduler(max_running=1, clock=clock)
+    start_running(scheduler, "running")
+    scheduler.add_request(make_request("old", priority=3))
+    clock.now += 3 * PRIORITY_AGING_SECONDS - 1  # not quite three levels older
+    scheduler.add_request(make_request("fresh", priority=0))
+    clock.now += 2  # three levels and a second older than "newest"
+    scheduler.add_request(make_request("newest", priority=0))
+    assert [scheduler.position(rid) for rid in ("fresh", "old", "newest")] == [0, 1, 2]
+
+
+def test_aging_keeps_a_low_priority_request_from_starving() -> None:
+    """Urgent requests arrive faster than they finish: the low-priority one still runs, right
+    after the urgent ones submitted less than 5 aging periods (its 5 levels) after it."""
+    clock = Clock()
+    scheduler = Scheduler(max_running=1, clock=clock)
+    start_running(scheduler, "urgent-0")
+    scheduler.add_request(make_request("low", priority=5))
+    admitted: list[str] = []
+    for tick in range(1, 1000):
+        clock.now += 1.0
+        scheduler.add_request(make_request(f"urgent-{tick}", priority=0))
+        plan = schedule_and_prepare(scheduler)
+        admitted += plan.to_prepare
+        if "low" in admitted:
+            break
+        finish_step(scheduler, plan, done=set(plan.scheduled_ids))
+    levels_behind = int(5 * PRIORITY_AGING_SECONDS)  # seconds = ticks
+    assert admitted == [*(f"urgent-{i}" for i in range(1, levels_behind)), "low"]
+    assert scheduler.num_waiting > levels_behind  # later urgent ones wait behind it
+
+
+def test_without_aging_pressure_priority_is_strict() -> None:
+    scheduler = Scheduler(max_running=1)
+    start_running(scheduler, "running")
+    scheduler.add_request(make_request("low", priority=1))
+    scheduler.add_request(make_request("high", priority=0))
+    assert scheduler.position("high") == 0
+
+
+# -- preemption --------------------------------------------------------------------------------
+
+
+def test_a_more_urgent_arrival_preempts_the_least_urgent_running_one() -> None:
+    scheduler = Scheduler(max_running=3, max_batch=2)
+    for rid, priority in [("mid", 2), ("low", 5)]:
+        scheduler.add_request(make_request(rid, priority=priority))
+    schedule_and_prepare(scheduler)
+    finish_step(scheduler, scheduler.schedule())
+
+    scheduler.add_request(make_request("high", priority=0))
+    plan = schedule_and_prepare(scheduler)
+    assert plan.preempted == ["low"] and plan.to_prepare == ["high"]
+    assert plan.batches == [["mid"]]  # high is stepped once prepared, from the next tick
+    low = scheduler.get("low")
+    assert low is not None and (low.state, low.step_index) == (RequestState.PREEMPTED, 1)
+    assert (scheduler.num_running, scheduler.num_preempted, scheduler.num_holding) == (2, 1, 3)
+    assert scheduler.num_waiting == 1 and scheduler.position("low") == 0
+
+    plan = scheduler.schedule()
+    assert plan.batches == [["high", "mid"]] and plan.preempted == [] and plan.resumed == []
+    finish_step(scheduler, plan, done={"high"})
+    plan = scheduler.schedule()  # high's slot frees: low resumes, with its state
+    assert plan.resumed == ["low"] and plan.to_prepare == []
+    assert plan.batches == [["mid", "low"]]
+    assert (low.state, low.step_index) == (RequestState.RUNNING, 1)
+
+
+def test_preemption_never_goes_over_max_running() -> None:
+    scheduler = Scheduler(max_running=2, max_batch=1)
+    start_running(scheduler, "low")
+    scheduler.add_request(make_request("mid", priority=-1))
+    assert schedule_and_prepare(scheduler).preempted == ["low"]
+    scheduler.add_request(make_request("high", priority=-2))
+    plan = schedule_and_prepare(scheduler)
+    # high beats mid, but preempting mid would make three holders: high waits unprepared.
+    assert plan.preempted == [] and plan.to_prepare == [] and plan.batches == [["mid"]]
+    assert scheduler.num_holding == 2
+    finish_step(scheduler, plan, done={"mid"})
+    plan = schedule_and_prepare(scheduler)
+    assert plan.to_prepare == ["high"] and plan.resumed == []  # high before low
+    finish_step(scheduler, scheduler.schedule(), done={"high"})
+    assert scheduler.schedule().resumed == ["low"]
+
+
+def test_a_preempted_request_takes_a_free_run_slot_a_newcomer_cannot_take() -> None:
+    """A more urgent newcomer that cannot get state (holders full) does not keep a preempted
+    request, which already has state, from a free run slot."""
+    scheduler = Scheduler(max_running=2, max_batch=2)
+    start_running(scheduler, "a", "b")
+    assert scheduler.preempt_request("b")
+    scheduler.add_request(make_request("urgent", priority=-5))
+    assert scheduler.position("urgent") == 0
+    plan = scheduler.schedule()
+    assert plan.resumed == ["b"] and plan.to_prepare == [] and plan.preempted == []
+    assert plan.batches == [["a", "b"]] and scheduler.num_holding == 2
+
+
+def test_equal_priorities_never_preempt_each_other() -> None:
+    clock = Clock()
+    scheduler = Scheduler(max_running=4, max_batch=1, clock=clock)
+    start_running(scheduler, "first")
+    clock.now += 100 * PRIORITY_AGING_SECONDS
+    scheduler.add_request(make_request("later"))
+    plan = scheduler.schedule()
+    assert plan.preempted == [] and plan.batches == [["first"]]
+
+
+def test_an_aged_request_is_not_preempted_by_a_newer_more_urgent_one() -> None:
+    clock = Clock()
+    scheduler = Scheduler(max_running=2, max_batch=1, clock=clock)
+    start_running(scheduler, "old")  # priority 0
+    clock.now += 2 * PRIORITY_AGING_SECONDS + 1
+    scheduler.add_request(make_request("new", priority=-2))  # two levels better, but younger
+    assert schedule_and_prepare(scheduler).preempted == []
+
+
+def test_only_a_prepared_running_request_can_be_preempted() -> None:
+    scheduler = Scheduler(max_running=2)
+    scheduler.add_request(make_request("a"))
+    scheduler.schedule()  # a is admitted but not prepared yet
+    assert not scheduler.preempt_request("a")
+
+
+def test_aborting_a_preempted_request_frees_its_holder_slot() -> None:
+    scheduler = Scheduler(max_running=2, max_batch=1)
+    start_running(scheduler, "low")
+    scheduler.add_request(make_request("high", priority=-1))
+    assert schedule_and_prepare(scheduler).preempted == ["low"]
+    assert scheduler.finish_requests("low", RequestState.FINISHED_ABORTED) == {"low"}
+    assert (scheduler.num_preempted, scheduler.num_waiting, scheduler.num_holding) == (0, 0, 1)
+    assert state_of(scheduler, "low") is RequestState.FINISHED_ABORTED
+    scheduler.add_request(make_request("next"))
+    assert scheduler.schedule().to_prepare == []  # high still runs: one run slot
+    assert scheduler.num_holding == 1

@@ -240,6 +240,30 @@ class Progress(_message.Message):
 Global___Progress: _TypeAlias = Progress  # noqa: Y015
 
 @_typing.final
+class Preempted(_message.Message):
+    """The request was paused at a step boundary so that a more urgent one could run; it keeps
+    its state and resumes later (the next `progress` event says it is running again).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_INDEX_FIELD_NUMBER: _builtins.int
+    step_index: _builtins.int
+    """Steps completed when it was paused."""
+    def __init__(
+        self,
+        *,
+        step_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step_index", b"step_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Preempted: _TypeAlias = Preempted  # noqa: Y015
+
+@_typing.final
 class Aborted(_message.Message):
     """Terminal event of a request that was stopped before it finished."""
 
@@ -279,6 +303,8 @@ class StageDescription(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     MAX_PENDING_FIELD_NUMBER: _builtins.int
     MAX_RUNNING_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     stage: _builtins.str
     """The stage role: "tokenizer", "dit", "vae", "talker" or "codec"."""
     model: _builtins.str
@@ -289,6 +315,10 @@ class StageDescription(_message.Message):
     """
     max_running: _builtins.int
     """Requests the stage holds state for at once (its running set)."""
+    device: _builtins.str
+    """Where the stage computes, as torch names it: "cpu", "cuda:0", ..."""
+    dtype: _builtins.str
+    """The dtype its model computes in: "float32", "bfloat16" or "float16"."""
     def __init__(
         self,
         *,
@@ -296,10 +326,12 @@ class StageDescription(_message.Message):
         model: _builtins.str = ...,
         max_pending: _builtins.int = ...,
         max_running: _builtins.int = ...,
+        device: _builtins.str = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_pending", b"max_pending", "max_running", b"max_running", "model", b"model", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "max_pending", b"max_pending", "max_running", b"max_running", "model", b"model", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

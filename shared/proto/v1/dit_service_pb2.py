@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estagemesh/v1/dit_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"m\n\x0e\x44\x65noiseRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.stagemesh.v1.DenoiseStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\x99\x03\n\x0c\x44\x65noiseStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\rprompt_embeds\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x30\n\x12prompt_embeds_mask\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x34\n\x16negative_prompt_embeds\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x39\n\x1bnegative_prompt_embeds_mask\x18\x05 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12\r\n\x05width\x18\x07 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x08 \x01(\x05\x12\x0e\n\x06sigmas\x18\t \x03(\x02\x12\x16\n\x0etrue_cfg_scale\x18\n \x01(\x02\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x33\n\x0e\x65xecution_mode\x18\x0c \x01(\x0e\x32\x1b.stagemesh.v1.ExecutionMode\"\xc7\x01\n\x0f\x44\x65noiseResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12*\n\x08progress\x18\x02 \x01(\x0b\x32\x16.stagemesh.v1.ProgressH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.stagemesh.v1.DenoiseResultH\x00\x12(\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"d\n\rDenoiseResult\x12%\n\x07latents\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\"\x14\n\x12\x44\x65scribeDitRequest\"\x86\x02\n\x13\x44\x65scribeDitResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x15\n\rsize_multiple\x18\x02 \x01(\x05\x12\x10\n\x08max_side\x18\x03 \x01(\x05\x12\x12\n\nmax_pixels\x18\x04 \x01(\x03\x12\x11\n\tmax_steps\x18\x05 \x01(\x05\x12\x1a\n\x12max_true_cfg_scale\x18\x06 \x01(\x02\x12\x1e\n\x16max_images_per_request\x18\x07 \x01(\x05\x12\x34\n\x0f\x65xecution_modes\x18\x08 \x03(\x0e\x32\x1b.stagemesh.v1.ExecutionMode2\xac\x01\n\nDitService\x12J\n\x07\x44\x65noise\x12\x1c.stagemesh.v1.DenoiseRequest\x1a\x1d.stagemesh.v1.DenoiseResponse(\x01\x30\x01\x12R\n\x0b\x44\x65scribeDit\x12 .stagemesh.v1.DescribeDitRequest\x1a!.stagemesh.v1.DescribeDitResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estagemesh/v1/dit_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"m\n\x0e\x44\x65noiseRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.stagemesh.v1.DenoiseStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\xab\x03\n\x0c\x44\x65noiseStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\rprompt_embeds\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x30\n\x12prompt_embeds_mask\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x34\n\x16negative_prompt_embeds\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x39\n\x1bnegative_prompt_embeds_mask\x18\x05 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12\r\n\x05width\x18\x07 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x08 \x01(\x05\x12\x0e\n\x06sigmas\x18\t \x03(\x02\x12\x16\n\x0etrue_cfg_scale\x18\n \x01(\x02\x12\x0c\n\x04seed\x18\x0b \x01(\x03\x12\x33\n\x0e\x65xecution_mode\x18\x0c \x01(\x0e\x32\x1b.stagemesh.v1.ExecutionMode\x12\x10\n\x08priority\x18\r \x01(\x05\"\xf5\x01\n\x0f\x44\x65noiseResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12*\n\x08progress\x18\x02 \x01(\x0b\x32\x16.stagemesh.v1.ProgressH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.stagemesh.v1.DenoiseResultH\x00\x12(\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x12,\n\tpreempted\x18\x05 \x01(\x0b\x32\x17.stagemesh.v1.PreemptedH\x00\x42\x07\n\x05\x65vent\"d\n\rDenoiseResult\x12%\n\x07latents\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x05\"\x14\n\x12\x44\x65scribeDitRequest\"\x86\x02\n\x13\x44\x65scribeDitResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x15\n\rsize_multiple\x18\x02 \x01(\x05\x12\x10\n\x08max_side\x18\x03 \x01(\x05\x12\x12\n\nmax_pixels\x18\x04 \x01(\x03\x12\x11\n\tmax_steps\x18\x05 \x01(\x05\x12\x1a\n\x12max_true_cfg_scale\x18\x06 \x01(\x02\x12\x1e\n\x16max_images_per_request\x18\x07 \x01(\x05\x12\x34\n\x0f\x65xecution_modes\x18\x08 \x03(\x0e\x32\x1b.stagemesh.v1.ExecutionMode2\xac\x01\n\nDitService\x12J\n\x07\x44\x65noise\x12\x1c.stagemesh.v1.DenoiseRequest\x1a\x1d.stagemesh.v1.DenoiseResponse(\x01\x30\x01\x12R\n\x0b\x44\x65scribeDit\x12 .stagemesh.v1.DescribeDitRequest\x1a!.stagemesh.v1.DescribeDitResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DENOISEREQUEST']._serialized_start=75
   _globals['_DENOISEREQUEST']._serialized_end=184
   _globals['_DENOISESTART']._serialized_start=187
-  _globals['_DENOISESTART']._serialized_end=596
-  _globals['_DENOISERESPONSE']._serialized_start=599
-  _globals['_DENOISERESPONSE']._serialized_end=798
-  _globals['_DENOISERESULT']._serialized_start=800
-  _globals['_DENOISERESULT']._serialized_end=900
-  _globals['_DESCRIBEDITREQUEST']._serialized_start=902
-  _globals['_DESCRIBEDITREQUEST']._serialized_end=922
-  _globals['_DESCRIBEDITRESPONSE']._serialized_start=925
-  _globals['_DESCRIBEDITRESPONSE']._serialized_end=1187
-  _globals['_DITSERVICE']._serialized_start=1190
-  _globals['_DITSERVICE']._serialized_end=1362
+  _globals['_DENOISESTART']._serialized_end=614
+  _globals['_DENOISERESPONSE']._serialized_start=617
+  _globals['_DENOISERESPONSE']._serialized_end=862
+  _globals['_DENOISERESULT']._serialized_start=864
+  _globals['_DENOISERESULT']._serialized_end=964
+  _globals['_DESCRIBEDITREQUEST']._serialized_start=966
+  _globals['_DESCRIBEDITREQUEST']._serialized_end=986
+  _globals['_DESCRIBEDITRESPONSE']._serialized_start=989
+  _globals['_DESCRIBEDITRESPONSE']._serialized_end=1251
+  _globals['_DITSERVICE']._serialized_start=1254
+  _globals['_DITSERVICE']._serialized_end=1426
 # @@protoc_insertion_point(module_scope)

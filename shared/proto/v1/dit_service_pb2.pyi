@@ -65,6 +65,7 @@ class DenoiseStart(_message.Message):
     TRUE_CFG_SCALE_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     EXECUTION_MODE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     height: _builtins.int
@@ -78,6 +79,8 @@ class DenoiseStart(_message.Message):
     """Seed of the initial noise."""
     execution_mode: _common_pb2.ExecutionMode.ValueType
     """Step or request execution; unspecified = the stage's default."""
+    priority: _builtins.int
+    """Scheduling priority: lower runs sooner (as in vLLM); 0 is the default."""
     @_builtins.property
     def prompt_embeds(self) -> _common_pb2.Tensor:
         """Prompt embeddings from the Tokenizer stage [batch, tokens, dim]."""
@@ -113,10 +116,11 @@ class DenoiseStart(_message.Message):
         true_cfg_scale: _builtins.float = ...,
         seed: _builtins.int = ...,
         execution_mode: _common_pb2.ExecutionMode.ValueType = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_mode", b"execution_mode", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_inference_steps", b"num_inference_steps", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_mode", b"execution_mode", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -132,6 +136,7 @@ class DenoiseResponse(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     ABORTED_FIELD_NUMBER: _builtins.int
+    PREEMPTED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def queued(self) -> _common_pb2.Queued: ...
     @_builtins.property
@@ -140,6 +145,8 @@ class DenoiseResponse(_message.Message):
     def result(self) -> Global___DenoiseResult: ...
     @_builtins.property
     def aborted(self) -> _common_pb2.Aborted: ...
+    @_builtins.property
+    def preempted(self) -> _common_pb2.Preempted: ...
     def __init__(
         self,
         *,
@@ -147,12 +154,13 @@ class DenoiseResponse(_message.Message):
         progress: _common_pb2.Progress | None = ...,
         result: Global___DenoiseResult | None = ...,
         aborted: _common_pb2.Aborted | None = ...,
+        preempted: _common_pb2.Preempted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "preempted", b"preempted", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "preempted", b"preempted", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "progress", "result", "aborted"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "progress", "result", "aborted", "preempted"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

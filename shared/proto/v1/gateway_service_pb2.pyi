@@ -38,6 +38,7 @@ class GenerateImageRequest(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     EXECUTION_MODE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default image recipe."""
     prompt: _builtins.str
@@ -59,6 +60,8 @@ class GenerateImageRequest(_message.Message):
     """Client-chosen id for cancel-by-id and logs; empty = the gateway assigns one."""
     execution_mode: _common_pb2.ExecutionMode.ValueType
     """Step or request execution in the DiT stage."""
+    priority: _builtins.int
+    """Scheduling priority in the DiT stage: lower runs sooner; 0 is the default."""
     def __init__(
         self,
         *,
@@ -73,10 +76,11 @@ class GenerateImageRequest(_message.Message):
         seed: _builtins.int | None = ...,
         request_id: _builtins.str = ...,
         execution_mode: _common_pb2.ExecutionMode.ValueType = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
@@ -104,6 +108,7 @@ class GenerateImageResponse(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
+    PREEMPTED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (client-chosen or assigned)."""
     stage: _builtins.str
@@ -114,6 +119,8 @@ class GenerateImageResponse(_message.Message):
     def progress(self) -> _common_pb2.Progress: ...
     @_builtins.property
     def result(self) -> Global___GeneratedImages: ...
+    @_builtins.property
+    def preempted(self) -> _common_pb2.Preempted: ...
     def __init__(
         self,
         *,
@@ -122,12 +129,13 @@ class GenerateImageResponse(_message.Message):
         queued: _common_pb2.Queued | None = ...,
         progress: _common_pb2.Progress | None = ...,
         result: Global___GeneratedImages | None = ...,
+        preempted: _common_pb2.Preempted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "preempted", b"preempted", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "progress", b"progress", "queued", b"queued", "request_id", b"request_id", "result", b"result", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "preempted", b"preempted", "progress", b"progress", "queued", b"queued", "request_id", b"request_id", "result", b"result", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "progress", "result"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "progress", "result", "preempted"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -403,6 +411,8 @@ class StageInfo(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     HEALTH_FIELD_NUMBER: _builtins.int
     METRICS_URL_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Stage name within its recipe, e.g. "dit"."""
     recipe: _builtins.str
@@ -413,6 +423,10 @@ class StageInfo(_message.Message):
     """Health as reported by grpc.health.v1: "SERVING", "NOT_SERVING" or "UNREACHABLE"."""
     metrics_url: _builtins.str
     """Prometheus metrics URL of the stage."""
+    device: _builtins.str
+    """Where the stage computes ("cpu", "cuda:0", ...), as it reports; empty if unreachable."""
+    dtype: _builtins.str
+    """The dtype its model computes in ("float32", "bfloat16", "float16"); empty if unreachable."""
     def __init__(
         self,
         *,
@@ -421,10 +435,12 @@ class StageInfo(_message.Message):
         address: _builtins.str = ...,
         health: _builtins.str = ...,
         metrics_url: _builtins.str = ...,
+        device: _builtins.str = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "health", b"health", "metrics_url", b"metrics_url", "name", b"name", "recipe", b"recipe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "dtype", b"dtype", "health", b"health", "metrics_url", b"metrics_url", "name", b"name", "recipe", b"recipe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
