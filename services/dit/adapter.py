@@ -4,11 +4,25 @@ Loads the `transformer` and `scheduler` components of a diffusers Qwen-Image fol
 `QwenImagePipeline.__call__` phases 4-6 (latents, timesteps, denoising loop) as a step machine:
 `prepare` seeds the latents and the schedule, each `step` is one iteration of the pipeline's loop
 body, and `finish` returns the latents exactly as the pipeline holds them before decoding.
+
+Step batching: one `step` call advances every state it is given with ONE transformer forward.
+Its rows are the conditional rows of all states, then the unconditional rows of the states
+that run true CFG (so a guided request also halves its forwards). Each row keeps its own
+timestep (requests sit at different steps of different schedules), text embeddings (prompts of
+different token lengths are right-padded, `encoder_hidden_states_mask` hides the padding) and
+scheduler; rows of different image sizes cannot share a forward (diffusers' rotary embedding
+takes the first row's image shape for all rows), so the batch key is the image size. A row's
+result matches the same request stepped alone within float rounding (< 1e-6 measured).
+
+Mid-step abort: once bound to a `StepInterrupt`, a pre-hook on every transformer block asks it
+whether the whole batch has been cancelled and raises `StepInterrupted` there; no state has
+been touched before the forward ends, so an interrupted step leaves every state as it was.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -17,6 +31,7 @@ from typing import assert_never
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
     QwenImagePipeline,
@@ -42,7 +57,10 @@ from stagemesh.shared.engine.adapter import (
     StageAdapter,
     StepOutput,
 )
+from stagemesh.shared.engine.interrupt import Interruptible, StepInterrupt
 from stagemesh.shared.limits import MAX_SEED
+
+logger = logging.getLogger(__name__)
 
 # The model's own caps: no option can raise a limit above these.
 MAX_STEPS = 1000
@@ -88,7 +106,7 @@ class _Plan:
     """What a request fixes in `prepare` and every step reads."""
 
     timesteps: torch.Tensor
-    img_shapes: list[list[tuple[int, int, int]]]
+    img_shape: tuple[int, int, int]  # (frames, latent rows, latent columns) for the rotary code
     do_true_cfg: bool
     true_cfg_scale: float
     height: int
@@ -143,6 +161,7 @@ class DenoiseAdapter:
         self.vae_scale_factor = self.latent_factor // 2
         self._device = self.transformer.device
         self._text_dim: int = self.transformer.config.joint_attention_dim
+        self._interrupt_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.limits = _limits(
             self.latent_factor,
             max_steps=max_steps,
@@ -214,7 +233,7 @@ class DenoiseAdapter:
         patches = (payload.height // self.latent_factor, payload.width // self.latent_factor)
         plan = _Plan(
             timesteps=timesteps,
-            img_shapes=[[(1, *patches)]],
+            img_shape=(1, *patches),
             do_true_cfg=payload.true_cfg_scale > 1 and has_negative,
             true_cfg_scale=payload.true_cfg_scale,
             height=payload.height,
@@ -225,8 +244,19 @@ class DenoiseAdapter:
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:
         assert_never(payload)  # the DiT stage takes no streamed input
 
+    @torch.inference_mode()
     def step(self, states: Sequence[DenoiseState]) -> list[StepOutput[NoStream]]:
-        return [self.denoise_step(state) for state in states]
+        """One denoising step for every state, all in one transformer forward.
+
+        Nothing is written to a state until the forward and every guidance combination are
+        done: a forward that raises (StepInterrupted included) leaves all states as they were,
+        so the engine may retry them one by one.
+        """
+        if not states:
+            return []
+        self._check_batch(states)
+        predictions = self._predict(states)
+        return [self._advance(state, pred) for state, pred in zip(states, predictions, strict=True)]
 
     def finish(self, state: DenoiseState) -> DenoisedLatents:
         return DenoisedLatents(state.live().latents, state.plan.height, state.plan.width)
@@ -235,7 +265,22 @@ class DenoiseAdapter:
         state.work = None
 
     def batch_key(self, state: DenoiseState) -> Hashable:
-        return (state.plan.height, state.plan.width, state.plan.do_true_cfg)
+        """The image size: rows of one forward must share it (guided or not does not matter)."""
+        return (state.plan.height, state.plan.width)
+
+    # -- mid-step abort -----------------------------------------------------------------------
+
+    def bind_interrupt(self, interrupt: StepInterrupt) -> None:
+        """Check `interrupt` before every transformer block (replaces an earlier binding)."""
+        for handle in self._interrupt_hooks:
+            handle.remove()
+
+        def check(module: torch.nn.Module, args: tuple[object, ...]) -> None:
+            interrupt.check()
+
+        self._interrupt_hooks = [
+            block.register_forward_pre_hook(check) for block in self.transformer.transformer_blocks
+        ]
 
     # -- phases (QwenImagePipeline.__call__ steps 4-6) ----------------------------------------
 
@@ -274,50 +319,112 @@ class DenoiseAdapter:
         scheduler.set_begin_index(0)
         return timesteps
 
-    @torch.inference_mode()
-    def denoise_step(self, state: DenoiseState) -> StepOutput[NoStream]:
-        """One iteration of the pipeline's denoising loop for one request."""
-        work, plan = state.live(), state.plan
-        t = plan.timesteps[state.step_index]
-        timestep = t.expand(work.latents.shape[0]).to(work.latents.dtype)
-        emb = work.embeddings
-        with self.transformer.cache_context("cond"):
-            noise_pred = self._predict(state, timestep, emb.prompt_embeds, emb.prompt_embeds_mask)
-        if plan.do_true_cfg:
-            neg, neg_mask = emb.negative_prompt_embeds, emb.negative_prompt_embeds_mask
-            with self.transformer.cache_context("uncond"):
-                neg_pred = self._predict(state, timestep, neg, neg_mask)
-            noise_pred = _true_cfg(noise_pred, neg_pred, plan.true_cfg_scale)
-        # diffusers annotates the legacy torch.FloatTensor; any float tensor is what it takes.
-        stepped: torch.Tensor = work.scheduler.step(
-            noise_pred,  # type: ignore[arg-type]
-            t,  # type: ignore[arg-type]
-            work.latents,  # type: ignore[arg-type]
+    @staticmethod
+    def _check_batch(states: Sequence[DenoiseState]) -> None:
+        sizes = {(state.plan.height, state.plan.width) for state in states}
+        if len(sizes) > 1:
+            raise ValueError(f"one step takes states of one image size, got {sorted(sizes)}")
+
+    def _predict(self, states: Sequence[DenoiseState]) -> list[torch.Tensor]:
+        """Each state's noise prediction (true CFG applied), from one transformer forward."""
+        guided = [state for state in states if state.plan.do_true_cfg]
+        rows = [_row(state, negative=False) for state in states]
+        rows += [_row(state, negative=True) for state in guided]
+        output = self._forward(rows)
+        predictions = [output[i : i + 1] for i in range(len(states))]
+        unconditional = iter(range(len(states), len(rows)))
+        for i, state in enumerate(states):
+            if state.plan.do_true_cfg:
+                row = next(unconditional)
+                uncond = output[row : row + 1]
+                predictions[i] = _true_cfg(predictions[i], uncond, state.plan.true_cfg_scale)
+        return predictions
+
+    def _forward(self, rows: Sequence[_Row]) -> torch.Tensor:
+        """One transformer forward over `rows` (all of one image size): [rows, tokens, C]."""
+        latents = torch.cat([row.latents for row in rows])
+        timestep = torch.stack([row.timestep for row in rows]).to(latents.dtype)
+        embeds, mask = _padded_text(rows, self._device)
+        prediction: torch.Tensor = self.transformer(
+            hidden_states=latents,
+            timestep=timestep / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds,
+            img_shapes=[[rows[0].img_shape]] * len(rows),
             return_dict=False,
         )[0]
+        return prediction
+
+    def _advance(self, state: DenoiseState, noise_pred: torch.Tensor) -> StepOutput[NoStream]:
+        """The scheduler step for one state (its own scheduler copy, its own timestep).
+
+        Runs after the shared forward, so a failure here is this state's error output: raising
+        would leave its batch mates half advanced."""
+        work, plan = state.live(), state.plan
+        t = plan.timesteps[state.step_index]
+        try:
+            # diffusers annotates the legacy torch.FloatTensor; any float tensor is what it takes.
+            stepped: torch.Tensor = work.scheduler.step(
+                noise_pred,  # type: ignore[arg-type]
+                t,  # type: ignore[arg-type]
+                work.latents,  # type: ignore[arg-type]
+                return_dict=False,
+            )[0]
+        except Exception as exc:
+            logger.exception("scheduler step %d failed", state.step_index)
+            return StepOutput(step_index=state.step_index, error=f"scheduler step failed: {exc}")
         work.latents = stepped
         state.step_index += 1
         return StepOutput(
             step_index=state.step_index, finished=state.step_index == len(plan.timesteps)
         )
 
-    def _predict(
-        self,
-        state: DenoiseState,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor | None,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        prediction: torch.Tensor = self.transformer(
-            hidden_states=state.live().latents,
-            timestep=timestep / 1000,
-            guidance=None,
-            encoder_hidden_states_mask=mask,
-            encoder_hidden_states=embeds,
-            img_shapes=state.plan.img_shapes,
-            return_dict=False,
-        )[0]
-        return prediction
+
+@dataclass(frozen=True)
+class _Row:
+    """One row of a batched forward: a state's latents under one of its prompts."""
+
+    latents: torch.Tensor  # [1, tokens, C]
+    timestep: torch.Tensor  # scalar: the state's current timestep
+    embeds: torch.Tensor  # [1, seq, hidden]
+    mask: torch.Tensor | None  # [1, seq]; None = every token is valid
+    img_shape: tuple[int, int, int]
+
+
+def _row(state: DenoiseState, *, negative: bool) -> _Row:
+    """A state's conditional row, or (negative=True) its unconditional row for true CFG."""
+    work, plan = state.live(), state.plan
+    emb = work.embeddings
+    embeds, mask = (
+        (emb.negative_prompt_embeds, emb.negative_prompt_embeds_mask)
+        if negative
+        else (emb.prompt_embeds, emb.prompt_embeds_mask)
+    )
+    if embeds is None:
+        raise RuntimeError("true CFG planned without negative embeddings")
+    return _Row(work.latents, plan.timesteps[state.step_index], embeds, mask, plan.img_shape)
+
+
+def _padded_text(
+    rows: Sequence[_Row], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows' text embeddings right-padded to the longest, and the mask that hides the
+    padding. The mask is None when no row needs one, exactly as the pipeline passes it."""
+    lengths = [row.embeds.shape[1] for row in rows]
+    longest = max(lengths)
+    if all(row.mask is None for row in rows) and min(lengths) == longest:
+        return torch.cat([row.embeds for row in rows]), None
+    embeds = torch.cat(
+        [
+            F.pad(row.embeds, (0, 0, 0, longest - length))
+            for row, length in zip(rows, lengths, strict=True)
+        ]
+    )
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool, device=device)
+    for i, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        mask[i, :length] = True if row.mask is None else row.mask[0].to(torch.bool)
+    return embeds, mask
 
 
 def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -382,3 +489,4 @@ def _check_embeds(name: str, embeds: torch.Tensor, mask: torch.Tensor | None, di
 _: type[StageAdapter[DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents]] = (
     DenoiseAdapter
 )
+_interruptible: type[Interruptible] = DenoiseAdapter

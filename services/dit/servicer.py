@@ -1,4 +1,9 @@
-"""DiT stage servicer: Denoise over the DenoiseAdapter, one engine step per denoise step."""
+"""DiT stage servicer: Denoise over the DenoiseAdapter, one engine step per denoise step.
+
+Continuous batching: up to `max_batch` requests of one image size advance together, one
+transformer forward per tick; up to `max_running` hold state (the batch plus requests preempted
+by more urgent ones, lower `priority` first).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import TypeAlias, TypedDict
 import grpc
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.models.options import capped_option
 from stagemesh.services.dit.adapter import (
     DenoiseAdapter,
     DenoisedLatents,
@@ -36,11 +42,23 @@ DitEngine: TypeAlias = StepEngine[
     DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents
 ]
 
+#: Requests that run at once (the most one forward advances) unless the recipe sets `max_batch`.
+DEFAULT_MAX_BATCH = 8
+#: Requests holding state (running plus preempted) unless the recipe sets `max_running`.
+DEFAULT_MAX_RUNNING = 16
+
 
 class DitModeOptions(TypedDict, total=False):
     """How the stage runs a request by default (step execution unless set false)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
+
+
+class DitEngineOptions(EngineOptions, total=False):
+    """The engine's options, plus `max_batch`: requests that run at once, and so the most one
+    transformer forward advances (those of one image size share it)."""
+
+    max_batch: int
 
 
 class DitLimitOptions(TypedDict, total=False):
@@ -64,7 +82,7 @@ def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineReques
     total = resolve_total_steps(None, sigmas, start.num_inference_steps)
     return EngineRequest(
         request_id=start.request_id, deadline=deadline, mode=MODES.get(start.execution_mode),
-        budget=StepBudget(total_steps=total if total is not None else 0),
+        budget=StepBudget(total_steps=total if total is not None else 0), priority=start.priority,
         payload=DenoiseInput(embeddings=embeddings, height=start.height, width=start.width,
                              num_inference_steps=start.num_inference_steps,
                              true_cfg_scale=start.true_cfg_scale, seed=start.seed,
@@ -117,17 +135,22 @@ def _describe(
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: DitModeOptions, EngineOptions and DitLimitOptions."""
+    """options: DitModeOptions, DitEngineOptions (max_batch 8, max_running 16 by default) and
+    DitLimitOptions."""
     mode_options, engine_options, limit_options = parse_options(
-        "dit", options, DitModeOptions, EngineOptions, DitLimitOptions)
+        "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions)
     step_execution = mode_options.get("step_execution", True)
     mode = ExecutionMode.STEP if step_execution else ExecutionMode.REQUEST
     adapter = DenoiseAdapter(model_dir, **limit_options)
-    engine = StepEngine(adapter, mode=mode, **engine_options)
+    engine = StepEngine(
+        adapter, mode=mode,
+        max_running=capped_option(
+            "max_running", engine_options.get("max_running", DEFAULT_MAX_RUNNING)),
+        max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)))
     servicer = DitServicer(engine, _describe(model_dir, engine, adapter.limits, mode))
     return StageBundle(
         name="dit", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(
             servicer, server),
         info={"model": str(model_dir), "mode": mode.value,
-              "max_running": str(engine.max_running)})
+              "max_running": str(engine.max_running), "max_batch": str(engine.max_batch)})

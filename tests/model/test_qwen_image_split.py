@@ -193,16 +193,18 @@ def test_release_frees_the_state(encoder: PromptEncoderAdapter, dit: DenoiseAdap
         dit.step([state])
 
 
-def test_batch_key_separates_size_and_guidance(
-    encoder: PromptEncoderAdapter, dit: DenoiseAdapter
-) -> None:
+def test_batch_key_is_the_image_size(encoder: PromptEncoderAdapter, dit: DenoiseAdapter) -> None:
+    """Guided and unguided requests share a forward; different sizes cannot."""
     embeddings = _run_single_step(encoder, PromptInput(PROMPT, ""))
     guided = _start(dit, _denoise_input(embeddings, seed=0, cfg=4.0))
     plain = _start(dit, _denoise_input(embeddings, seed=0, cfg=1.0))
     wide = _start(dit, replace(_denoise_input(embeddings, seed=0, cfg=4.0), width=2 * SIZE))
-    assert dit.batch_key(guided) == (SIZE, SIZE, True)
-    assert dit.batch_key(plain) == (SIZE, SIZE, False)
-    assert dit.batch_key(wide) == (SIZE, 2 * SIZE, True)
+    assert dit.batch_key(guided) == (SIZE, SIZE)
+    assert dit.batch_key(plain) == (SIZE, SIZE)
+    assert dit.batch_key(wide) == (SIZE, 2 * SIZE)
+    with pytest.raises(ValueError, match="one image size"):
+        dit.step([guided, wide])
+    assert (guided.step_index, wide.step_index) == (0, 0)
 
 
 # -- validation ---------------------------------------------------------------------------------

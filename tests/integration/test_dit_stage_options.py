@@ -1,0 +1,64 @@
+"""The DiT stage's batching options: defaults that batch, recipe overrides, truthful Describe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from stagemesh.services.dit.servicer import WIRE
+from stagemesh.services.registry import build_stage
+from stagemesh.shared.proto.v1 import dit_service_pb2, dit_service_pb2_grpc
+from stagemesh.shared.stage_runtime import start_stage, stop_stage
+from stagemesh.shared.torch_tensors import to_proto
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _describe(options: dict[str, object], model_dir: Path) -> tuple[int, int, int]:
+    """(engine max_running, engine max_batch, Describe's max_running) of a stage built with
+    `options` and served on loopback."""
+    bundle = build_stage("dit", model_dir, options)
+    (engine,) = bundle.engines
+    server = await start_stage(bundle)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = dit_service_pb2_grpc.DitServiceStub(channel)
+            described = await stub.DescribeDit(dit_service_pb2.DescribeDitRequest())
+    finally:
+        await stop_stage(bundle, server, grace=0.5)
+    return engine.max_running, engine.max_batch, described.stage.max_running
+
+
+async def test_the_dit_batches_out_of_the_box(tiny_model_dir: Path) -> None:
+    assert await _describe({}, tiny_model_dir) == (16, 8, 16)
+
+
+async def test_recipe_options_set_the_batch(tiny_model_dir: Path) -> None:
+    assert await _describe({"max_batch": 2, "max_running": 3}, tiny_model_dir) == (3, 2, 3)
+    # a batch larger than the holders is capped by them
+    assert await _describe({"max_batch": 8, "max_running": 1}, tiny_model_dir) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_batch": 0}, {"max_batch": 2.5}, {"max_batch": True}, {"max_running": 0}],
+)
+def test_bad_batch_options_are_refused_at_start_up(
+    tiny_model_dir: Path, options: dict[str, object]
+) -> None:
+    with pytest.raises(ValueError, match=next(iter(options))):
+        build_stage("dit", tiny_model_dir, options)
+
+
+def test_priority_reaches_the_engine_request() -> None:
+    start = dit_service_pb2.DenoiseStart(
+        request_id="r", prompt_embeds=to_proto(torch.zeros(1, 3, 8)), height=32, width=32,
+        num_inference_steps=2, seed=0, priority=-3,
+    )
+    request = WIRE.make_request(dit_service_pb2.DenoiseRequest(start=start), None)
+    assert request.priority == -3
+    unset = dit_service_pb2.DenoiseStart(request_id="r", prompt_embeds=start.prompt_embeds)
+    assert WIRE.make_request(dit_service_pb2.DenoiseRequest(start=unset), None).priority == 0
