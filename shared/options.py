@@ -17,6 +17,7 @@ from typing import TypedDict, TypeVar, Union, get_args, get_origin, get_type_hin
 GroupA = TypeVar("GroupA", bound=Mapping[str, object])
 GroupB = TypeVar("GroupB", bound=Mapping[str, object])
 GroupC = TypeVar("GroupC", bound=Mapping[str, object])
+GroupD = TypeVar("GroupD", bound=Mapping[str, object])
 
 
 class EngineOptions(TypedDict, total=False):
@@ -46,6 +47,16 @@ def parse_options(
     third: type[GroupC],
     /,
 ) -> tuple[GroupA, GroupB, GroupC]: ...
+@overload
+def parse_options(
+    stage: str,
+    options: Mapping[str, object],
+    group: type[GroupA],
+    other: type[GroupB],
+    third: type[GroupC],
+    fourth: type[GroupD],
+    /,
+) -> tuple[GroupA, GroupB, GroupC, GroupD]: ...
 def parse_options(
     stage: str, options: Mapping[str, object], *groups: type[Mapping[str, object]]
 ) -> Mapping[str, object] | tuple[Mapping[str, object], ...]:

@@ -7,13 +7,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from prometheus_client import start_http_server
 
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.server import RunningServer, start_server, wait_for_shutdown_signal
+
+if TYPE_CHECKING:  # torch stays out of processes that only import the runtime's constants
+    from stagemesh.shared.devices import Placement
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +39,14 @@ class StageEngine(Protocol):
 
 
 def stage_description(
-    stage: str, model_dir: Path, engine: StageEngine
+    stage: str, model_dir: Path, engine: StageEngine, placement: Placement
 ) -> common_pb2.StageDescription:
-    """The part of every Describe response that is the same for all stages."""
-    return common_pb2.StageDescription(stage=stage, model=str(model_dir),
-                                       max_pending=engine.max_pending,
-                                       max_running=engine.max_running)
+    """The part of every Describe response that is the same for all stages: its model, its
+    capacity and where it computes."""
+    return common_pb2.StageDescription(
+        stage=stage, model=str(model_dir), max_pending=engine.max_pending,
+        max_running=engine.max_running, device=placement.device_name,
+        dtype=placement.dtype_name)
 
 
 @dataclass

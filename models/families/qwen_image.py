@@ -31,6 +31,20 @@ class PromptEmbeddings:
     negative_prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds_mask: torch.Tensor | None = None
 
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> PromptEmbeddings:
+        """The same embeddings on `device`, in `dtype` if given (masks keep theirs); tensors
+        already there are not copied."""
+
+        def move(tensor: torch.Tensor | None, cast: torch.dtype | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device=device, dtype=cast)
+
+        return PromptEmbeddings(
+            self.prompt_embeds.to(device=device, dtype=dtype),
+            move(self.prompt_embeds_mask, None),
+            move(self.negative_prompt_embeds, dtype),
+            move(self.negative_prompt_embeds_mask, None),
+        )
+
 
 def latent_factor(model_dir: str | Path) -> int:
     """What image height and width must be a multiple of: the VAE's spatial factor x 2 (packing).

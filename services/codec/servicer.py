@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from stagemesh.services.codec.adapter import (
+    CPU_DTYPE,
     CodecDecoderAdapter,
     CodecEncoderAdapter,
     CodecLimits,
@@ -26,6 +27,7 @@ from stagemesh.services.codec.adapter import (
     EncodeState,
     FramesInput,
 )
+from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
@@ -159,34 +161,37 @@ class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
 
 
 def _describe(
-    model_dir: Path, decoder: DecoderEngine, limits: CodecLimits
+    model_dir: Path, decoder: DecoderEngine, limits: CodecLimits, placement: Placement
 ) -> pb.DescribeCodecResponse:
     """The decoder's capacity (DecodeAudio is the stage's main work) and the codec's facts."""
     return pb.DescribeCodecResponse(
-        stage=stage_description("codec", model_dir, decoder),
+        stage=stage_description("codec", model_dir, decoder, placement),
         sample_rate=limits.sample_rate, frame_rate=limits.frame_rate,
         num_codebooks=limits.num_codebooks, max_reference_seconds=limits.max_reference_seconds,
         reference_sample_rates=limits.reference_sample_rates)
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: EngineOptions (max_running, default 8) and ChunkOptions."""
-    engine_options, chunk_options = parse_options("codec", options, EngineOptions,
-                                                  ChunkOptions)
+    """options: EngineOptions (max_running, default 8), ChunkOptions and DeviceOptions (one
+    placement for both engines)."""
+    engine_options, chunk_options, device_options = parse_options(
+        "codec", options, EngineOptions, ChunkOptions, DeviceOptions)
+    placement = resolve_placement("codec", device_options, CPU_DTYPE)
     defaults = DecodeInput(**chunk_options)
-    decoder_adapter = CodecDecoderAdapter(model_dir)
+    decoder_adapter = CodecDecoderAdapter(model_dir, placement=placement)
     decoder_adapter.check_inputs(defaults)  # bad options fail at start-up, not per request
     decoder = StepEngine(decoder_adapter,
                          max_running=engine_options.get("max_running", DEFAULT_MAX_RUNNING))
-    encoder_adapter = CodecEncoderAdapter(model_dir)
+    encoder_adapter = CodecEncoderAdapter(model_dir, placement=placement)
     encoder = StepEngine(encoder_adapter)
     servicer = CodecServicer(decoder, _DecodeWire(decoder_adapter, defaults).wire, encoder,
-                             _describe(model_dir, decoder, encoder_adapter.limits))
+                             _describe(model_dir, decoder, encoder_adapter.limits, placement))
     return StageBundle(
         name="codec", engines=[decoder, encoder], service_names=[SERVICE_NAME],
         register=lambda server: codec_service_pb2_grpc.add_CodecServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir), "max_running": str(decoder.max_running),
+        info={"model": str(model_dir), **placement.facts(),
+              "max_running": str(decoder.max_running),
               "chunk_frames": str(defaults.chunk_frames),
               "initial_chunk_frames": str(defaults.initial_chunk_frames),
               "left_context_frames": str(defaults.left_context_frames)})

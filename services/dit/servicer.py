@@ -16,12 +16,14 @@ import grpc
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
 from stagemesh.services.dit.adapter import (
+    CPU_DTYPE,
     DenoiseAdapter,
     DenoisedLatents,
     DenoiseInput,
     DenoiseState,
     DitLimits,
 )
+from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, ExecutionMode, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.engine.scheduler import resolve_total_steps
@@ -121,12 +123,13 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer):
 
 
 def _describe(
-    model_dir: Path, engine: DitEngine, limits: DitLimits, mode: ExecutionMode
+    model_dir: Path, engine: DitEngine, limits: DitLimits, mode: ExecutionMode,
+    placement: Placement,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first."""
     modes = sorted(ExecutionMode, key=lambda other: other is not mode)
     return pb.DescribeDitResponse(
-        stage=stage_description("dit", model_dir, engine),
+        stage=stage_description("dit", model_dir, engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side,
         max_pixels=limits.max_pixels, max_steps=limits.max_steps,
         max_true_cfg_scale=limits.max_true_cfg_scale,
@@ -135,22 +138,24 @@ def _describe(
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: DitModeOptions, DitEngineOptions (max_batch 8, max_running 16 by default) and
-    DitLimitOptions."""
-    mode_options, engine_options, limit_options = parse_options(
-        "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions)
+    """options: DitModeOptions, DitEngineOptions (max_batch 8, max_running 16 by default),
+    DitLimitOptions and DeviceOptions."""
+    mode_options, engine_options, limit_options, device_options = parse_options(
+        "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
+    placement = resolve_placement("dit", device_options, CPU_DTYPE)
     step_execution = mode_options.get("step_execution", True)
     mode = ExecutionMode.STEP if step_execution else ExecutionMode.REQUEST
-    adapter = DenoiseAdapter(model_dir, **limit_options)
+    adapter = DenoiseAdapter(model_dir, **limit_options, placement=placement)
     engine = StepEngine(
         adapter, mode=mode,
         max_running=capped_option(
             "max_running", engine_options.get("max_running", DEFAULT_MAX_RUNNING)),
         max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)))
-    servicer = DitServicer(engine, _describe(model_dir, engine, adapter.limits, mode))
+    servicer = DitServicer(engine, _describe(model_dir, engine, adapter.limits, mode,
+                                             placement))
     return StageBundle(
         name="dit", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir), "mode": mode.value,
+        info={"model": str(model_dir), **placement.facts(), "mode": mode.value,
               "max_running": str(engine.max_running), "max_batch": str(engine.max_batch)})

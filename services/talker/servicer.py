@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from stagemesh.services.talker.adapter import (
+    CPU_DTYPE,
     SamplingParams,
     TalkerAdapter,
     TalkerInput,
@@ -25,6 +26,7 @@ from stagemesh.services.talker.adapter import (
     TalkerState,
     VoiceContext,
 )
+from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
@@ -124,10 +126,10 @@ class TalkerServicer(talker_service_pb2_grpc.TalkerServiceServicer):
 
 
 def _describe(
-    model_dir: Path, engine: TalkerEngine, limits: TalkerLimits
+    model_dir: Path, engine: TalkerEngine, limits: TalkerLimits, placement: Placement
 ) -> pb.DescribeTalkerResponse:
     return pb.DescribeTalkerResponse(
-        stage=stage_description("talker", model_dir, engine),
+        stage=stage_description("talker", model_dir, engine, placement),
         voices=limits.voices, default_voice=limits.default_voice,
         supports_voice_clone=limits.supports_voice_clone,
         max_input_chars=limits.max_input_chars,
@@ -138,16 +140,18 @@ def _describe(
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: EngineOptions (max_running, default 8) and TalkerLimitOptions."""
-    engine_options, limit_options = parse_options("talker", options, EngineOptions,
-                                                  TalkerLimitOptions)
-    adapter = TalkerAdapter(model_dir, **limit_options)
+    """options: EngineOptions (max_running, default 8), TalkerLimitOptions, DeviceOptions."""
+    engine_options, limit_options, device_options = parse_options(
+        "talker", options, EngineOptions, TalkerLimitOptions, DeviceOptions)
+    placement = resolve_placement("talker", device_options, CPU_DTYPE)
+    adapter = TalkerAdapter(model_dir, **limit_options, placement=placement)
     engine = StepEngine(adapter,
                         max_running=engine_options.get("max_running", DEFAULT_MAX_RUNNING))
-    servicer = TalkerServicer(engine, _describe(model_dir, engine, adapter.limits))
+    servicer = TalkerServicer(engine, _describe(model_dir, engine, adapter.limits, placement))
     return StageBundle(
         name="talker", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: talker_service_pb2_grpc.add_TalkerServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir), "max_running": str(engine.max_running),
+        info={"model": str(model_dir), **placement.facts(),
+              "max_running": str(engine.max_running),
               "default_voice": adapter.limits.default_voice})

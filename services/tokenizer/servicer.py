@@ -9,7 +9,13 @@ from typing import TypeAlias, TypedDict
 import grpc
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
-from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput, PromptState
+from stagemesh.services.tokenizer.adapter import (
+    CPU_DTYPE,
+    PromptEncoderAdapter,
+    PromptInput,
+    PromptState,
+)
+from stagemesh.shared.devices import DeviceOptions, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, NoStream
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import parse_options
@@ -80,18 +86,21 @@ class TokenizerServicer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: TokenizerOptions (each capped by the model)."""
-    adapter = PromptEncoderAdapter(model_dir, **parse_options("tokenizer", options,
-                                                              TokenizerOptions))
+    """options: TokenizerOptions (each capped by the model) and DeviceOptions."""
+    limit_options, device_options = parse_options("tokenizer", options, TokenizerOptions,
+                                                  DeviceOptions)
+    placement = resolve_placement("tokenizer", device_options, CPU_DTYPE)
+    adapter = PromptEncoderAdapter(model_dir, **limit_options, placement=placement)
     engine = StepEngine(adapter)
     limits = adapter.limits
     description = pb.DescribeTokenizerResponse(
-        stage=stage_description("tokenizer", model_dir, engine),
+        stage=stage_description("tokenizer", model_dir, engine, placement),
         max_prompt_chars=limits.max_prompt_chars, max_sequence_length=limits.max_sequence_length)
     servicer = TokenizerServicer(engine, description)
     return StageBundle(
         name="tokenizer", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir), "max_prompt_chars": str(limits.max_prompt_chars),
+        info={"model": str(model_dir), **placement.facts(),
+              "max_prompt_chars": str(limits.max_prompt_chars),
               "max_sequence_length": str(limits.max_sequence_length)})

@@ -10,14 +10,16 @@ import grpc
 import torch
 
 from stagemesh.services.vae.adapter import (
+    CPU_DTYPE,
     DecodedImages,
     DecodeState,
     LatentDecoderAdapter,
     LatentsInput,
 )
+from stagemesh.shared.devices import DeviceOptions, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, NoStream
 from stagemesh.shared.engine.engine import StepEngine
-from stagemesh.shared.options import NoOptions, parse_options
+from stagemesh.shared.options import parse_options
 from stagemesh.shared.proto.v1 import vae_service_pb2 as pb
 from stagemesh.shared.proto.v1 import vae_service_pb2_grpc
 from stagemesh.shared.stage_runtime import StageBundle, stage_description
@@ -70,17 +72,17 @@ class VaeServicer(vae_service_pb2_grpc.VaeServiceServicer):
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """The VAE takes no options (any key is refused)."""
-    parse_options("vae", options, NoOptions)
-    adapter = LatentDecoderAdapter(model_dir)
+    """options: DeviceOptions only (any other key is refused)."""
+    placement = resolve_placement("vae", parse_options("vae", options, DeviceOptions), CPU_DTYPE)
+    adapter = LatentDecoderAdapter(model_dir, placement=placement)
     engine = StepEngine(adapter)
     limits = adapter.limits
     description = pb.DescribeVaeResponse(
-        stage=stage_description("vae", model_dir, engine),
+        stage=stage_description("vae", model_dir, engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side)
     servicer = VaeServicer(engine, description)
     return StageBundle(
         name="vae", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: vae_service_pb2_grpc.add_VaeServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir)})
+        info={"model": str(model_dir), **placement.facts()})

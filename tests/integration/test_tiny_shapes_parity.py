@@ -73,7 +73,9 @@ def test_stage_adapters_match_the_pipeline_to_1e5(pipe: QwenImagePipeline) -> No
 async def test_the_mesh_over_grpc_returns_the_pipelines_pixels(
     pipe: QwenImagePipeline, make_image_recipe: Any
 ) -> None:
-    bundles = {name: build_stage(name, SHIPPED_TINY_SHAPES) for name in ("tokenizer", "dit", "vae")}
+    # float32 on every stage, the pipeline's dtype (a stage's CPU default may be bfloat16)
+    bundles = {name: build_stage(name, SHIPPED_TINY_SHAPES, {"dtype": "float32"})
+               for name in ("tokenizer", "dit", "vae")}
     servers = {name: await start_stage(bundle) for name, bundle in bundles.items()}
     recipe = make_image_recipe({n: f"127.0.0.1:{s.port}" for n, s in servers.items()},
                                SHIPPED_TINY_SHAPES)

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.skipif(KUBECTL is None,
                                 reason="kubectl is not on PATH (needed for `kubectl kustomize`)")
 
 STAGES = ("tokenizer", "dit", "vae", "talker", "codec")
-GPU_STAGES = {"dit", "vae", "talker"}
+#: The stages that compute on a GPU in the gpu overlay (the real Qwen-Image text encoder is a
+#: 7B-parameter Qwen2.5-VL, so the tokenizer needs one too; the codec stays on CPU).
+GPU_STAGES = {"tokenizer", "dit", "vae", "talker"}
 QUEUE_METRIC = "stagemesh_requests_waiting"
 #: The gateway's own shutdown: up to 10 s for HTTP requests, then 5 s for gRPC (gateway/app.py).
 GATEWAY_DRAIN_S = 15
@@ -203,3 +205,35 @@ def test_gpu_overlay_gives_gpus_to_the_heavy_stages_only() -> None:
                 if "nvidia.com/gpu" in d["spec"]["template"]["spec"]["containers"][0]
                 ["resources"]["limits"]}
     assert with_gpu == GPU_STAGES
+
+
+def _stage_options(deployment: Doc) -> dict[str, object]:
+    """A stage's --options (none given: {})."""
+    args = container(deployment, "stage")["args"]
+    if "--options" not in args:
+        return {}
+    options: dict[str, object] = yaml.safe_load(flag(args, "--options"))
+    return options
+
+
+def test_gpu_overlay_stages_compute_where_their_hardware_is() -> None:
+    """A stage with a GPU computes on it in bfloat16; one without is told to use the CPU (so it
+    never picks up a GPU a node's runtime exposes without a request)."""
+    for name, deployment in of_kind("overlays/gpu", "Deployment").items():
+        if name == "gateway":
+            continue
+        options = _stage_options(deployment)
+        if name in GPU_STAGES:
+            assert (options["device"], options["dtype"]) == ("cuda", "bfloat16"), name
+        else:
+            assert options["device"] == "cpu", name
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/cpu-tiny"])
+def test_cpu_overlays_neither_reserve_nor_name_a_gpu(overlay: str) -> None:
+    for name, deployment in of_kind(overlay, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        for each in pod["containers"]:
+            assert "nvidia.com/gpu" not in each["resources"].get("limits", {}), name
+        if name != "gateway":
+            assert _stage_options(deployment).get("device", "cpu") == "cpu", name
