@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,64 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from stagemesh.shared.logs import configure_logging
 
 log = logging.getLogger("stagemesh")
+
+#: The stages whose compute is most of a request's time: each gets every core this process may
+#: use. The others (tokenizer, vae, codec) run short, light work on one thread, so that they
+#: never take cores from a heavy stage that shares the machine.
+HEAVY_STAGES = frozenset({"dit", "talker"})
+THREADS_ENV = "STAGEMESH_THREADS"
+
+
+#: cgroup v2: a container's CPU limit, as "<quota> <period>" microseconds, or "max <period>".
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cores(cpu_max: Path | None = None) -> int:
+    """The CPUs this process may use: those it may run on (its affinity mask: taskset,
+    cpusets), at most its cgroup's CPU quota (a container's CPU limit), rounded up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    cores = cores or os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cpu_max or CGROUP_CPU_MAX)
+    return cores if quota is None else min(cores, quota)
+
+
+def cgroup_cpu_quota(cpu_max: Path) -> int | None:
+    """The CPU limit of this process's cgroup in whole CPUs (rounded up); None when unlimited
+    or unknown."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def stage_threads(stage: str, given: int | None = None) -> int:
+    """A stage's torch threads: `given` (--threads), else $STAGEMESH_THREADS, else by role
+    (HEAVY_STAGES get every usable core, the others one)."""
+    if given is None and os.environ.get(THREADS_ENV):
+        try:
+            given = int(os.environ[THREADS_ENV])
+        except ValueError:
+            raise SystemExit(f"{THREADS_ENV} must be a whole number of threads, "
+                             f"got {os.environ[THREADS_ENV]!r}") from None
+    if given is not None:
+        if given < 1:
+            raise SystemExit(f"torch threads must be at least 1, got {given}")
+        return given
+    return usable_cores() if stage in HEAVY_STAGES else 1
+
+
+def quiet_openmp_waits() -> None:
+    """Idle OpenMP threads sleep at once instead of spinning (call before torch is imported).
+
+    libgomp, torch's OpenMP here, lets a thread that finished its part of a parallel region
+    spin for a while before it sleeps. Stage processes share cores, so that spinning burns the
+    cores another stage (or this stage's gRPC and event-loop threads) is waiting for. An
+    operator's own OMP_WAIT_POLICY wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -51,6 +110,8 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
 
 
 def _cmd_stage(args: argparse.Namespace) -> None:
+    threads = stage_threads(args.name, args.threads)
+    quiet_openmp_waits()
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -58,7 +119,9 @@ def _cmd_stage(args: argparse.Namespace) -> None:
     from stagemesh.services.registry import build_stage
     from stagemesh.shared.stage_runtime import serve_stage
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
+    log.info("stage %s: torch threads: %d; usable cores: %d; OMP_WAIT_POLICY=%s", args.name,
+             threads, usable_cores(), os.environ.get("OMP_WAIT_POLICY"))
     hf_logging.disable_progress_bar()
     bundle = build_stage(args.name, resolve_model(args.model), json.loads(args.options))
     asyncio.run(serve_stage(bundle, host=args.host, port=args.port,
@@ -134,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--port", type=int, required=True)
     stage.add_argument("--metrics-port", type=int, default=None)
     stage.add_argument("--options", default="{}", help="stage options as JSON")
-    stage.add_argument("--threads", type=int, default=int(os.environ.get("STAGEMESH_THREADS", 1)),
-                       help="torch CPU threads (default 1: stages share the machine)")
+    stage.add_argument("--threads", type=int, default=None,
+                       help=f"torch CPU threads (default: ${THREADS_ENV}, else every usable "
+                            "core for dit and talker, 1 for the light stages)")
     stage.set_defaults(func=_cmd_stage)
 
     model = sub.add_parser("model", help="model folders")

@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from stagemesh.cli import stage_threads, usable_cores
 from stagemesh.gateway.app import GatewayConfig, run_gateway
 from stagemesh.gateway.recipes import Recipe, StageEndpoint
 
@@ -124,15 +125,24 @@ def _prepared_folder(spec: str, child: subprocess.Popen[bytes], deadline: float,
     return Path(lines[-1])
 
 
-def spawn_stage(launch: StageLaunch) -> subprocess.Popen[bytes]:
+def stage_command(launch: StageLaunch) -> list[str]:
+    """`stagemesh stage ...` for a launch, with its torch threads chosen here (see
+    `stagemesh.cli.stage_threads`), so that the log says what each stage runs with."""
     endpoint = launch.endpoint
     command = _stagemesh_command(
         "stage", endpoint.name, "--host", endpoint.host, "--port", str(endpoint.port),
-        "--model", str(launch.model_dir), "--options", json.dumps(endpoint.options))
+        "--model", str(launch.model_dir), "--options", json.dumps(endpoint.options),
+        "--threads", str(stage_threads(endpoint.name)))
     if endpoint.metrics_port:
         command += ["--metrics-port", str(endpoint.metrics_port)]
-    log.info("starting stage %s on %s", endpoint.name, endpoint.address)
-    return subprocess.Popen(command, env=_child_env())
+    return command
+
+
+def spawn_stage(launch: StageLaunch) -> subprocess.Popen[bytes]:
+    endpoint = launch.endpoint
+    log.info("starting stage %s on %s (torch threads: %d; usable cores: %d)", endpoint.name,
+             endpoint.address, stage_threads(endpoint.name), usable_cores())
+    return subprocess.Popen(stage_command(launch), env=_child_env())
 
 
 def wait_serving(launch: StageLaunch, process: subprocess.Popen[bytes],

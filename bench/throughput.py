@@ -7,14 +7,18 @@ other's cores):
    a user runs instead of the mesh), on the same model folder, prompt, seed, steps and guidance:
    the latency of one image per size. Serving c requests one after another takes c times that;
 2. **ceiling** — the raw batching gain of the model itself: one transformer forward of
-   2c rows (c requests x cond/uncond) against 2c forwards of one row, same threads, best of 3;
+   2c rows (c requests x cond/uncond) against 2c forwards of one row, best of 3, for every
+   size and concurrency c > 1, in a child process that runs as the DiT stage does (its thread
+   count and OpenMP wait policy, see `stagemesh.cli`);
 3. **mesh** — `stagemesh serve` at its defaults on the benchmark recipe: bursts of c
    simultaneous requests per size (and mixed sizes), then staggered arrivals (Poisson) at a few
    offered loads, as fractions of the mesh's measured burst throughput.
 
 Reported: images/s, p50/p99 latency, the mesh's speed-up over the peer serving the same burst
-serially, and that speed-up as a share of the ceiling. JSON + PNG; the README table comes from
-the JSON's `table` field.
+serially, that speed-up as a share of the ceiling, and for mixed sizes each size's p99 against
+its p99 under same-size load at the same concurrency (starvation shows there). The machine's
+load average is recorded around every phase: other work on the machine skews every number.
+JSON + PNG; the README table comes from the JSON's `table` field.
 """
 
 from __future__ import annotations
@@ -22,13 +26,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
+import os
 import random
 import statistics
 import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -43,6 +52,11 @@ from stagemesh.bench.common import (
     write_bar_chart,
     write_json,
 )
+
+if TYPE_CHECKING:  # torch and diffusers load only in the phases that need them
+    from diffusers.models.transformers.transformer_qwenimage import (
+        QwenImageTransformer2DModel,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -122,18 +136,50 @@ def measure_peer(folder: Path, sizes: tuple[int, ...], steps: int, repeats: int 
     return result
 
 
-def measure_ceiling(folder: Path, size: int, rows: int, repeats: int = 3) -> dict[str, float]:
-    """One forward of `rows` rows against `rows` forwards of one row (best of `repeats`)."""
+def measure_ceilings(folder: Path, sizes: tuple[int, ...], concurrency: tuple[int, ...]
+                     ) -> dict[str, dict[str, float]]:
+    """The raw batching gain per `<size>px c=<c>` (c > 1), measured in a child process set up
+    like the DiT stage (see `_as_the_dit_stage`), so that this process's OpenMP state (the
+    peer's) does not skew it."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch loaded yet
+    with ProcessPoolExecutor(1, mp_context=context, initializer=_as_the_dit_stage) as child:
+        return child.submit(_ceilings, folder, sizes, concurrency).result()
+
+
+def _as_the_dit_stage() -> None:
+    """Before torch loads: the DiT stage's thread count and OpenMP wait policy."""
+    from stagemesh.cli import quiet_openmp_waits, stage_threads
+
+    quiet_openmp_waits()
     import torch
-    from diffusers import QwenImageTransformer2DModel
+
+    torch.set_num_threads(stage_threads("dit"))
+
+
+def _ceilings(folder: Path, sizes: tuple[int, ...], concurrency: tuple[int, ...]
+              ) -> dict[str, dict[str, float]]:
+    import torch
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
     transformer = QwenImageTransformer2DModel.from_pretrained(
         folder, subfolder="transformer", local_files_only=True).eval()
+    log.info("ceiling: %d torch threads, OMP_WAIT_POLICY=%s", torch.get_num_threads(),
+             os.environ.get("OMP_WAIT_POLICY"))
+    return {f"{size}px c={c}": measure_ceiling(transformer, size, 2 * c)
+            for size in sizes for c in concurrency if c > 1}
+
+
+def measure_ceiling(transformer: QwenImageTransformer2DModel, size: int, rows: int,
+                    repeats: int = 3) -> dict[str, float]:
+    """One forward of `rows` rows against `rows` forwards of one row (best of `repeats`)."""
+    import torch
+
     factor = 16  # the bench model: VAE x8, 2x2 patches
     tokens = (size // factor) ** 2
     generator = torch.Generator().manual_seed(0)
-    latents = torch.randn(rows, tokens, transformer.config.in_channels, generator=generator)
-    text = torch.randn(rows, 12, transformer.config.joint_attention_dim, generator=generator)
+    latents = torch.randn(rows, tokens, transformer.config["in_channels"], generator=generator)
+    text = torch.randn(rows, 12, transformer.config["joint_attention_dim"],
+                       generator=generator)
     shape = (1, size // factor, size // factor)
 
     @torch.inference_mode()
@@ -143,7 +189,7 @@ def measure_ceiling(folder: Path, size: int, rows: int, repeats: int = 3) -> dic
                     timestep=torch.full((count,), 0.5), img_shapes=[shape] * count,
                     return_dict=False)
 
-    def best(run: Any) -> float:
+    def best(run: Callable[[], object]) -> float:
         times = []
         for _ in range(repeats):
             watch = Stopwatch()
@@ -189,8 +235,9 @@ async def poisson(client: httpx.AsyncClient, size: int, rate: float, count: int,
     watch = Stopwatch()
     tasks = []
     for seed in range(count):
+        if seed:
+            await asyncio.sleep(rng.expovariate(rate))
         tasks.append(asyncio.create_task(generate(client, size, seed, steps)))
-        await asyncio.sleep(rng.expovariate(rate))
     result.latencies = list(await asyncio.gather(*tasks))
     result.wall = watch.elapsed()
     return result
@@ -224,8 +271,8 @@ async def measure_mesh(base_url: str, options: Options) -> dict[str, Any]:
 # -- report -------------------------------------------------------------------------------------
 
 
-def report(options: Options, peer: dict[int, float], ceilings: dict[int, dict[str, float]],
-           mesh: dict[str, Any]) -> dict[str, Any]:
+def report(options: Options, peer: dict[int, float], ceilings: dict[str, dict[str, float]],
+           mesh: dict[str, Any], loads: dict[str, list[float]]) -> dict[str, Any]:
     rows, summary = [], {}
     for key, runs in mesh["bursts"].items():
         sizes = runs[0].sizes
@@ -234,8 +281,8 @@ def report(options: Options, peer: dict[int, float], ceilings: dict[int, dict[st
         peer_serial = sum(peer.get(s, 0.0) for s in sizes)
         speedup = peer_serial / wall if peer_serial else float("nan")
         c = len(sizes)
-        ceiling = ceilings.get(sizes[0], {}).get("speedup") if len(set(sizes)) == 1 else None
-        share = speedup / ceiling if ceiling and c > 1 else None
+        ceiling = ceilings.get(key, {}).get("speedup")  # same-size bursts of c > 1 only
+        share = speedup / ceiling if ceiling else None
         stats = summarize(latencies)
         by_size = {str(s): summarize([lat for run in runs
                                       for lat, sz in zip(run.latencies, run.sizes, strict=True)
@@ -253,11 +300,35 @@ def report(options: Options, peer: dict[int, float], ceilings: dict[int, dict[st
                      f"{stats['p99']:.2f}", "", "", ""])
     table = markdown_table(["load", "images/s", "p50 s", "p99 s", "diffusers serial s",
                             "speed-up", "of ceiling"], rows)
-    return {"when": datetime.now(UTC).isoformat(), "machine": machine_info(),
+    mixed = mixed_sizes_p99(summary)
+    if mixed:
+        table += "\n\n" + markdown_table(
+            ["mixed sizes", "p99 s mixed", "p99 s same size", "ratio"],
+            [[key, f"{m['mixed_p99']:.2f}", f"{m['same_size_p99']:.2f}", f"{m['ratio']:.2f}x"]
+             for key, m in mixed.items()])
+    return {"when": datetime.now(UTC).isoformat(),
+            "machine": {**machine_info(), "load_average_by_phase": loads},
             "options": {k: str(v) for k, v in asdict(options).items()},
             "peer_seconds_per_image": peer, "ceiling": ceilings,
             "mesh_capacity_images_per_s": mesh["capacity_images_per_s"],
-            "results": summary, "table": table}
+            "results": summary, "mixed_sizes_p99": mixed, "table": table}
+
+
+def mixed_sizes_p99(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each size's p99 in the mixed burst against its p99 under same-size load at the same
+    concurrency: a size starved by the others shows a large ratio."""
+    result = {}
+    for key, entry in summary.items():
+        if not key.startswith("mixed "):
+            continue
+        for size, stats in entry["latency_by_size"].items():
+            same = summary.get(f"{size}px c={entry['c']}")
+            if same is None or not stats.get("n"):
+                continue
+            same_p99 = same["latency"]["p99"]
+            result[f"{size}px in {key}"] = {"mixed_p99": stats["p99"], "same_size_p99": same_p99,
+                                           "ratio": stats["p99"] / same_p99}
+    return result
 
 
 def chart(result: dict[str, Any], path: Path, options: Options) -> Path:
@@ -311,22 +382,33 @@ def prepare_model() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
+@contextmanager
+def phase(name: str, loads: dict[str, list[float]]) -> Iterator[None]:
+    """Record the machine's 1-minute load average before and after a phase."""
+    before = os.getloadavg()[0]
+    yield
+    loads[name] = [before, os.getloadavg()[0]]
+    log.info("%s: load average %.2f -> %.2f", name, *loads[name])
+
+
 def main(argv: list[str]) -> None:
     options = parse(argv)
     interrupt_on_sigterm()
     folder = prepare_model()
-    peer = measure_peer(folder, tuple(sorted({*options.sizes, *options.mixed_sizes})),
-                        options.steps)
-    rows = 2 * max(options.concurrency)
-    ceilings = {size: measure_ceiling(folder, size, rows) for size in options.sizes}
+    loads: dict[str, list[float]] = {}
+    with phase("ceiling", loads):
+        ceilings = measure_ceilings(folder, options.sizes, options.concurrency)
+    with phase("peer", loads):
+        peer = measure_peer(folder, tuple(sorted({*options.sizes, *options.mixed_sizes})),
+                            options.steps)
     with tempfile.TemporaryDirectory() as tmp:
         recipes = Path(tmp) / "recipes.yaml"
         recipes.write_text(RECIPE_TEMPLATE.format(name=RECIPE_NAME, model=MODEL,
                                                   steps=options.steps, cfg=GUIDANCE,
                                                   negative=NEGATIVE_PROMPT))
-        with serve_mesh(recipes, options.out / "serve.log") as served:
+        with serve_mesh(recipes, options.out / "serve.log") as served, phase("mesh", loads):
             mesh = asyncio.run(measure_mesh(served.base_url, options))
-    result = report(options, peer, ceilings, mesh)
+    result = report(options, peer, ceilings, mesh, loads)
     write_json(options.out / "throughput.json", result)
     chart(result, options.out / "throughput.png", options)
     log.info("results in %s\n%s", options.out, result["table"])

@@ -3,8 +3,10 @@
 Triggers and what they do:
 - client disconnect / gRPC cancel: the task running the request is cancelled; the open stage call
   is cancelled with it (the stage sees a cancelled RPC and aborts the request at once);
-- explicit cancel by id (`cancel`): a Cancel message goes down the open stage stream, and the
-  caller gets the stage's acknowledgement (step reached, abort latency);
+- explicit cancel by id (`cancel`): a Cancel message goes down every open stage stream (a
+  request may hold several: speech's talker and codec, or the n images of an image request,
+  each its own stage request under a sub-id), and the caller gets the first stage's
+  acknowledgement (step reached, abort latency);
 - deadline: every stage call gets `timeout = remaining budget`, so the stage drops the request
   itself when it passes (grpc-python does not propagate deadlines).
 Once cancelled, no later stage is started for the request.
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -54,19 +56,52 @@ class CancelOutcome:
 SendCancel = Callable[[str], Awaitable[None]]
 
 
+@dataclass(frozen=True, eq=False)
+class OpenCall:
+    """A stage call in progress for a request, and how to cancel it (compared by identity)."""
+
+    stage: str
+    send_cancel: SendCancel
+
+
 def new_request_id() -> str:
     """An id for a request whose client chose none."""
     return f"req-{uuid.uuid4().hex}"
 
 
+def sub_request_id(request_id: str, index: int, parts: int) -> str:
+    """The id the stages know part `index` of a request by: the request's own id when it has
+    one part, else `<request_id>.<index>` (each image of an n > 1 request runs as its own
+    stage request, so that the stages can run them side by side)."""
+    return request_id if parts <= 1 else f"{request_id}.{index}"
+
+
+def sub_request_ids(request_id: str, parts: int) -> list[str]:
+    return [sub_request_id(request_id, index, parts) for index in range(parts)]
+
+
+@contextlib.asynccontextmanager
+async def side_by_side() -> AsyncIterator[asyncio.TaskGroup]:
+    """A TaskGroup whose first failure cancels the other tasks (and so their open stage calls)
+    and is raised as itself, not wrapped in an ExceptionGroup: the caller handles a request's
+    failure the same way whether it ran one call or several."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            yield group
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+
+
 class CancelScope:
     """Deadline and cancellation of one gateway request (see the module docstring)."""
 
-    def __init__(self, request_id: str, timeout: float | None) -> None:
+    def __init__(self, request_id: str, timeout: float | None, parts: int = 1) -> None:
         self.request_id = request_id
+        #: The id each part (image) runs under in the stages; [request_id] for one part.
+        self.sub_request_ids = sub_request_ids(request_id, parts)
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.outcome: CancelOutcome | None = None
-        self._open: dict[str, SendCancel] = {}  # stage -> how to cancel its open call
+        self._open: list[OpenCall] = []  # every stage call in progress, oldest first
         self._cancel_requested = False
         self._settled = asyncio.Event()  # set once `outcome` is final
 
@@ -86,14 +121,23 @@ class CancelScope:
         if self._cancel_requested:
             raise RequestCancelled(self.acknowledge(stage, common_pb2.Aborted()))
 
-    def enter_stage(self, stage: str, send_cancel: SendCancel) -> None:
-        """Called once a stage call has started. Raises if a cancel came first: the caller then
-        cancels the call it just opened, and no later stage runs."""
+    def enter_stage(self, stage: str, send_cancel: SendCancel) -> OpenCall:
+        """Called once a stage call has started; returns the handle `leave_stage` takes. Raises
+        if a cancel came first: the caller then cancels the call it just opened, and no later
+        stage runs. Several calls may be open at once, to the same stage too."""
         self.check(stage)
-        self._open[stage] = send_cancel
+        call = OpenCall(stage, send_cancel)
+        self._open.append(call)
+        return call
 
-    def leave_stage(self, stage: str) -> None:
-        self._open.pop(stage, None)
+    def leave_stage(self, call: OpenCall) -> None:
+        with contextlib.suppress(ValueError):  # left twice: nothing to do
+            self._open.remove(call)
+
+    @property
+    def open_stages(self) -> list[str]:
+        """The stage of every call in progress, oldest first (a stage once per call)."""
+        return [call.stage for call in self._open]
 
     def acknowledge(self, stage: str, aborted: common_pb2.Aborted) -> CancelOutcome:
         """The request stopped in `stage` (the stage's own ack, or before it started)."""
@@ -114,43 +158,64 @@ class CancelScope:
     async def cancel(self, reason: str) -> CancelOutcome:
         """Cancel by id: stop the current stage call (or the next one) and await the outcome.
 
-        Every open stage call (a speech request has two at once) gets a Cancel message; the
-        first ack, with the step reached and the abort latency, is the answer. Between stages,
-        the next stage call is stopped as soon as it opens. A request that completes first
-        reports SUCCEEDED.
+        Every open stage call (a speech request has two at once, an image request one per
+        image in flight) gets a Cancel message; the first ack, with the step reached and the
+        abort latency, is the answer. Between stages, the next stage call is stopped as soon as
+        it opens. A request that completes first reports SUCCEEDED.
         """
         if self.outcome is None:
             self._cancel_requested = True
-            for send_cancel in list(self._open.values()):
-                with contextlib.suppress(Exception):  # a stream that just ended
-                    await send_cancel(reason)
+            # return_exceptions: a stream that just ended refuses the write; the others still
+            # get theirs.
+            await asyncio.gather(*(call.send_cancel(reason) for call in list(self._open)),
+                                 return_exceptions=True)
             try:
                 await asyncio.wait_for(self._settled.wait(), CANCEL_ACK_TIMEOUT_S)
             except TimeoutError:
-                self.acknowledge(next(iter(self._open), ""), common_pb2.Aborted())
+                self.acknowledge(self._open[0].stage if self._open else "", common_pb2.Aborted())
         assert self.outcome is not None
         return self.outcome
 
 
+def max_request_id_chars(parts: int) -> int:
+    """The longest request id whose sub-ids (see `sub_request_id`) the stages still accept."""
+    return MAX_REQUEST_ID_CHARS - (len(sub_request_id("", parts - 1, parts)) if parts > 1 else 0)
+
+
 class ScopeRegistry:
-    """The live scopes by request id, for cancel-by-id."""
+    """The live scopes by request id, for cancel-by-id.
+
+    A request of several parts also holds its parts' sub-ids, so that no other request can
+    take an id the stages already know (e.g. a client's "a.1" while request "a" has n=2).
+    """
 
     def __init__(self) -> None:
         self._scopes: dict[str, CancelScope] = {}
+        self._taken: set[str] = set()  # the ids the live requests give the stages
 
-    def open(self, request_id: str | None, timeout: float | None) -> CancelScope:
+    def open(self, request_id: str | None, timeout: float | None, parts: int = 1) -> CancelScope:
+        """A scope for a request of `parts` stage requests (the images of an image request).
+
+        Raises ValueError for an id too long for the stages (once suffixed, with parts > 1),
+        KeyError for an id (or one of its sub-ids) a live request uses.
+        """
         request_id = request_id or new_request_id()
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise ValueError(f"request id longer than {MAX_REQUEST_ID_CHARS} characters")
-        if request_id in self._scopes:
+        limit = max_request_id_chars(parts)
+        if len(request_id) > limit:
+            suffixed = f" (a request of {parts} images gives each a suffix)" if parts > 1 else ""
+            raise ValueError(f"request id longer than {limit} characters{suffixed}")
+        ids = {request_id, *sub_request_ids(request_id, parts)}
+        if request_id in self._scopes or not ids.isdisjoint(self._taken):
             raise KeyError(request_id)
-        scope = CancelScope(request_id, timeout)
+        scope = CancelScope(request_id, timeout, parts)
         self._scopes[request_id] = scope
+        self._taken |= ids
         return scope
 
     def close(self, scope: CancelScope) -> None:
         if self._scopes.get(scope.request_id) is scope:
             del self._scopes[scope.request_id]
+            self._taken -= {scope.request_id, *scope.sub_request_ids}
 
     def get(self, request_id: str) -> CancelScope | None:
         return self._scopes.get(request_id)

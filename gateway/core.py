@@ -101,7 +101,7 @@ class GatewayCore:
 
     async def generate_images(self, job: ImageJob, context: RequestContext,
                               emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
-        async with self.request_scope(job.recipe, context) as scope:
+        async with self.request_scope(job.recipe, context, parts=job.params.n) as scope:
             return await generate_images(job.params, scope, self.mesh.image_stubs(job.recipe),
                                          emit)
 
@@ -157,11 +157,13 @@ class GatewayCore:
         return await scope.cancel(reason)
 
     @contextlib.asynccontextmanager
-    async def request_scope(self, recipe: Recipe,
-                            context: RequestContext) -> AsyncIterator[CancelScope]:
-        """Open a CancelScope and turn every failure inside into a GatewayError."""
+    async def request_scope(self, recipe: Recipe, context: RequestContext,
+                            parts: int = 1) -> AsyncIterator[CancelScope]:
+        """Open a CancelScope (for a request of `parts` stage requests, e.g. n images) and turn
+        every failure inside into a GatewayError."""
         try:
-            scope = self.scopes.open(context.request_id, context.timeout or DEFAULT_TIMEOUT_S)
+            scope = self.scopes.open(context.request_id, context.timeout or DEFAULT_TIMEOUT_S,
+                                     parts)
         except KeyError:
             raise GatewayError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request id {context.request_id!r} is already in use",

@@ -15,11 +15,21 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
+class Part:
+    """Which output of a request an event is about: image `index` of n, drawn with `seed`."""
+
+    index: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class StageEvent:
-    """A stage's queue position or step progress, as it streamed it."""
+    """A stage's queue position, step progress or preemption, as it streamed it; `part` is
+    set when the stage call serves one output of several (an image of an n-image request)."""
 
     stage: str
-    event: common_pb2.Queued | common_pb2.Progress
+    event: common_pb2.Queued | common_pb2.Progress | common_pb2.Preempted
+    part: Part | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ from stagemesh.shared.proto.v1 import common_pb2
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 
+#: The priorities a client may ask for: lower runs sooner (as in vLLM); 0 when not given.
+PRIORITY_RANGE = range(-1000, 1001)
+
 #: Execution modes by their REST names.
 EXECUTION_MODES: dict[str, ExecutionMode] = {"step": common_pb2.EXECUTION_MODE_STEP,
                                              "request": common_pb2.EXECUTION_MODE_REQUEST}
@@ -38,6 +41,7 @@ class ImageRequest:
     true_cfg_scale: float | None = None
     seed: int | None = None
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
+    priority: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class ImageParams:
     true_cfg_scale: float
     seed: int
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
+    priority: int = 0  # in the DiT's queue: lower runs sooner
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -93,6 +98,15 @@ def _check_mode(mode: ExecutionMode, facts: ImageFacts) -> None:
         raise InvalidRequest("execution_mode", f"execution_mode must be one of {offered}")
 
 
+def _priority(priority: int | None) -> int:
+    if priority is None:
+        return 0
+    if priority not in PRIORITY_RANGE:
+        raise InvalidRequest("priority", f"priority must be between {PRIORITY_RANGE.start} and "
+                             f"{PRIORITY_RANGE.stop - 1} (lower runs sooner), got {priority}")
+    return priority
+
+
 def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
                           facts: ImageFacts) -> ImageParams:
     """Fill the recipe's defaults and check every field against the stages' published facts."""
@@ -120,4 +134,5 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
         else request.negative_prompt
     return ImageParams(prompt=request.prompt, negative_prompt=negative, n=n, width=width,
                        height=height, num_inference_steps=steps, true_cfg_scale=scale,
-                       seed=seed, execution_mode=request.execution_mode)
+                       seed=seed, execution_mode=request.execution_mode,
+                       priority=_priority(request.priority))

@@ -1,4 +1,4 @@
-"""Text-to-image: Tokenizer once, then DiT -> VAE for each image, then PNG."""
+"""Text-to-image: Tokenizer once, then DiT -> VAE for each image (side by side), then PNG."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from stagemesh.gateway.cancel import CancelScope
-from stagemesh.gateway.events import Emit, Output, StageEvent
+from stagemesh.gateway.cancel import CancelScope, side_by_side
+from stagemesh.gateway.events import Emit, Output, Part, StageEvent
 from stagemesh.gateway.image_params import ImageParams
 from stagemesh.gateway.stage_client import call_stage
 from stagemesh.gateway.stubs import ImageStubs
 from stagemesh.shared.proto.v1 import (
+    common_pb2,
     dit_service_pb2,
     tokenizer_service_pb2,
     vae_service_pb2,
@@ -29,6 +30,7 @@ class GeneratedImage:
     seed: int
     width: int
     height: int
+    index: int = 0  # of the request's n images (seed = the request's seed + index)
 
 
 def encode_png(pixels: npt.NDArray[np.generic]) -> bytes:
@@ -39,25 +41,39 @@ def encode_png(pixels: npt.NDArray[np.generic]) -> bytes:
 
 
 class _Progress:
-    """Forwards the queued/progress events of the image stages to `emit`."""
+    """Forwards the queued/progress/preempted events of the image stages to `emit`, tagged with
+    the image they are about (`part`; None for the prompt, which all images share)."""
 
-    def __init__(self, emit: Emit[GeneratedImage] | None) -> None:
+    def __init__(self, emit: Emit[GeneratedImage] | None, part: Part | None = None) -> None:
         self.emit = emit
+        self.part = part
+
+    def of(self, part: Part) -> _Progress:
+        return _Progress(self.emit, part)
+
+    async def _forward(self, stage: str,
+                       event: common_pb2.Queued | common_pb2.Progress | common_pb2.Preempted
+                       ) -> None:
+        if self.emit is not None:
+            await self.emit(StageEvent(stage, event, self.part))
 
     async def tokenizer(self, stage: str,
                         response: tokenizer_service_pb2.EncodePromptResponse) -> None:
-        if self.emit is not None and response.WhichOneof("event") == "queued":
-            await self.emit(StageEvent(stage, response.queued))
+        if response.WhichOneof("event") == "queued":
+            await self._forward(stage, response.queued)
 
     async def dit(self, stage: str, response: dit_service_pb2.DenoiseResponse) -> None:
-        kind = response.WhichOneof("event")
-        if self.emit is not None and kind in ("queued", "progress"):
-            await self.emit(StageEvent(stage, response.queued if kind == "queued"
-                                       else response.progress))
+        match response.WhichOneof("event"):
+            case "queued":
+                await self._forward(stage, response.queued)
+            case "progress":
+                await self._forward(stage, response.progress)
+            case "preempted":
+                await self._forward(stage, response.preempted)
 
     async def vae(self, stage: str, response: vae_service_pb2.DecodeLatentsResponse) -> None:
-        if self.emit is not None and response.WhichOneof("event") == "queued":
-            await self.emit(StageEvent(stage, response.queued))
+        if response.WhichOneof("event") == "queued":
+            await self._forward(stage, response.queued)
 
 
 async def _encode_prompt(params: ImageParams, scope: CancelScope, stubs: ImageStubs,
@@ -73,47 +89,57 @@ async def _encode_prompt(params: ImageParams, scope: CancelScope, stubs: ImageSt
     return encoded.result
 
 
-async def _draw(params: ImageParams, seed: int, encoded: tokenizer_service_pb2.EncodePromptResult,
+async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.EncodePromptResult,
                 scope: CancelScope, stubs: ImageStubs, progress: _Progress) -> GeneratedImage:
-    """DiT -> VAE -> PNG for one seed."""
+    """DiT -> VAE -> PNG for one image, as its own stage requests (its sub-id)."""
+    request_id = scope.sub_request_ids[part.index]
     denoised = await call_stage(
         scope, "dit", stubs.dit.Denoise, dit_service_pb2.DenoiseRequest(
             start=dit_service_pb2.DenoiseStart(
-                request_id=scope.request_id,
+                request_id=request_id,
                 prompt_embeds=encoded.prompt_embeds,
                 prompt_embeds_mask=encoded.prompt_embeds_mask,
                 negative_prompt_embeds=encoded.negative_prompt_embeds,
                 negative_prompt_embeds_mask=encoded.negative_prompt_embeds_mask,
                 height=params.height, width=params.width,
                 num_inference_steps=params.num_inference_steps,
-                true_cfg_scale=params.true_cfg_scale, seed=seed,
-                execution_mode=params.execution_mode)),
-        dit_service_pb2.DenoiseRequest, on_event=progress.dit)
+                true_cfg_scale=params.true_cfg_scale, seed=part.seed,
+                execution_mode=params.execution_mode, priority=params.priority)),
+        dit_service_pb2.DenoiseRequest, request_id=request_id, on_event=progress.dit)
     decoded = await call_stage(
         scope, "vae", stubs.vae.DecodeLatents, vae_service_pb2.DecodeLatentsRequest(
             start=vae_service_pb2.DecodeLatentsStart(
-                request_id=scope.request_id, latents=denoised.result.latents,
+                request_id=request_id, latents=denoised.result.latents,
                 height=params.height, width=params.width)),
-        vae_service_pb2.DecodeLatentsRequest, on_event=progress.vae)
+        vae_service_pb2.DecodeLatentsRequest, request_id=request_id, on_event=progress.vae)
     pixels = array_from_proto(decoded.result.pixels)
     png = await asyncio.to_thread(encode_png, pixels[0])  # off the event loop
-    return GeneratedImage(png=png, seed=seed, width=params.width, height=params.height)
+    return GeneratedImage(png=png, seed=part.seed, width=params.width, height=params.height,
+                          index=part.index)
 
 
 async def generate_images(params: ImageParams, scope: CancelScope, stubs: ImageStubs,
                           emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
-    """Tokenizer once, then DiT -> VAE per image (seeds seed, seed+1, ...).
+    """Tokenizer once, then DiT -> VAE for every image side by side (seeds seed, seed+1, ...).
 
-    emit, if given, receives a StageEvent for each queued/progress event and an Output for each
-    image as soon as it is decoded.
+    Each image is its own DiT request (`scope.sub_request_ids`), so the DiT batches them, and
+    is decoded as soon as its DiT finishes. The first failure cancels the other images. The
+    images come back in index order; `emit`, if given, receives a StageEvent for each
+    queued/progress/preempted event and an Output for each image as soon as it is decoded.
+    The scope must have been opened with `params.n` parts.
     """
+    if len(scope.sub_request_ids) != params.n:
+        raise ValueError(f"a request of {params.n} images needs a scope of {params.n} parts")
     progress = _Progress(emit)
     encoded = await _encode_prompt(params, scope, stubs, progress)
-    images = []
-    for index in range(params.n):
-        image = await _draw(params, params.seed + index, encoded, scope, stubs, progress)
-        images.append(image)
+
+    async def draw(part: Part) -> GeneratedImage:
+        image = await _draw(params, part, encoded, scope, stubs, progress.of(part))
         if emit is not None:
             await emit(Output(image))
-    return images
+        return image
 
+    async with side_by_side() as group:
+        drawing = [group.create_task(draw(Part(index, params.seed + index)))
+                   for index in range(params.n)]
+    return [task.result() for task in drawing]

@@ -31,7 +31,7 @@ def image_request(request: pb.GenerateImageRequest) -> ImageRequest:
         num_inference_steps=request.num_inference_steps or None,
         true_cfg_scale=request.true_cfg_scale if request.HasField("true_cfg_scale") else None,
         seed=request.seed if request.HasField("seed") else None,
-        execution_mode=request.execution_mode)
+        execution_mode=request.execution_mode, priority=request.priority)
 
 
 def speech_request(request: pb.SynthesizeSpeechRequest) -> SpeechRequest:
@@ -50,11 +50,15 @@ def _image_response(request_id: str,
                     item: StageEvent | Output[GeneratedImage] | Done[list[GeneratedImage]]
                     ) -> pb.GenerateImageResponse | None:
     if isinstance(item, StageEvent):
-        if isinstance(item.event, common_pb2.Queued):
-            return pb.GenerateImageResponse(request_id=request_id, stage=item.stage,
-                                            queued=item.event)
-        return pb.GenerateImageResponse(request_id=request_id, stage=item.stage,
-                                        progress=item.event)
+        response = pb.GenerateImageResponse(request_id=request_id, stage=item.stage)
+        match item.event:
+            case common_pb2.Queued():
+                response.queued.CopyFrom(item.event)
+            case common_pb2.Preempted():
+                response.preempted.CopyFrom(item.event)
+            case _:
+                response.progress.CopyFrom(item.event)
+        return response
     if isinstance(item, Output):
         image = item.value
         return pb.GenerateImageResponse(request_id=request_id, result=pb.GeneratedImages(

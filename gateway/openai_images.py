@@ -35,13 +35,22 @@ def b64_png(image: GeneratedImage) -> str:
 
 
 def progress_payload(item: StageEvent) -> dict[str, object]:
-    """A stage's queued/progress event as an SSE payload."""
-    if isinstance(item.event, common_pb2.Queued):
-        return {"type": "queued", "stage": item.stage, "position": item.event.position}
-    progress = item.event
-    return {"type": "progress", "stage": item.stage, "step": progress.step_index,
-            "total_steps": progress.total_steps, "step_seconds": progress.step_seconds,
-            "elapsed_seconds": progress.elapsed_seconds}
+    """A stage's queued/progress/preempted event as an SSE payload; an event about one image
+    says which (`index` and `seed`)."""
+    payload: dict[str, object]
+    match item.event:
+        case common_pb2.Queued(position=position):
+            payload = {"type": "queued", "stage": item.stage, "position": position}
+        case common_pb2.Preempted(step_index=step):
+            payload = {"type": "preempted", "stage": item.stage, "step": step}
+        case progress:
+            payload = {"type": "progress", "stage": item.stage, "step": progress.step_index,
+                       "total_steps": progress.total_steps,
+                       "step_seconds": progress.step_seconds,
+                       "elapsed_seconds": progress.elapsed_seconds}
+    if item.part is not None:
+        payload |= {"index": item.part.index, "seed": item.part.seed}
+    return payload
 
 
 class ImageRoutes:
@@ -88,5 +97,6 @@ def _image_event(item: StageEvent | Output[GeneratedImage] | Done[list[Generated
     if isinstance(item, StageEvent):
         return progress_payload(item)
     if isinstance(item, Output):
-        return {"type": "image", "b64_json": b64_png(item.value), "seed": item.value.seed}
+        return {"type": "image", "b64_json": b64_png(item.value), "index": item.value.index,
+                "seed": item.value.seed}
     return {"type": "done"}

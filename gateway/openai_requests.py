@@ -89,7 +89,8 @@ def image_request(body: Mapping[str, object]) -> ImageRequest:
         width=width, height=height,
         num_inference_steps=fields.integer("num_inference_steps"),
         true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
-        execution_mode=_execution_mode(fields.string("execution_mode")))
+        execution_mode=_execution_mode(fields.string("execution_mode")),
+        priority=fields.integer("priority"))
 
 
 def _cfg_scale(fields: JsonFields, name: str) -> float | None:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from stagemesh.gateway.audio import ReferenceAudio, Samples, encode_audio
-from stagemesh.gateway.cancel import CancelScope
+from stagemesh.gateway.cancel import CancelScope, side_by_side
 from stagemesh.gateway.events import Emit, Output, StageEvent
 from stagemesh.gateway.speech_params import SpeechParams
 from stagemesh.gateway.stage_client import call_stage
@@ -123,13 +123,9 @@ async def synthesize(params: SpeechParams, scope: CancelScope, stubs: SpeechStub
             pump_inputs=relay.pump_frames)
         return decoded.result
 
-    try:
-        async with asyncio.TaskGroup() as group:
-            talker_task = group.create_task(run_talker())
-            codec_task = group.create_task(run_codec())
-    except ExceptionGroup as failed:
-        # The first failure cancelled the other call; report that failure, not the group.
-        raise failed.exceptions[0] from None
+    async with side_by_side() as group:  # the first failure cancels the other call
+        talker_task = group.create_task(run_talker())
+        codec_task = group.create_task(run_codec())
     talked, decoded = talker_task.result(), codec_task.result()
     return SpeechSummary(frames=talked.total_frames, samples=decoded.total_samples,
                          sample_rate=decoded.sample_rate, finish_reason=talked.finish_reason)

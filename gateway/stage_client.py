@@ -8,7 +8,7 @@ from typing import Literal, Protocol, TypeVar
 
 import grpc
 
-from stagemesh.gateway.cancel import CancelScope, RequestCancelled
+from stagemesh.gateway.cancel import CancelScope, OpenCall, RequestCancelled
 from stagemesh.shared.errors import StageError, parse_rpc_error
 from stagemesh.shared.proto.v1 import common_pb2
 
@@ -56,26 +56,30 @@ async def call_stage(
     start: RequestT,
     cancel_message: CancelMessage[RequestT],
     *,
+    request_id: str | None = None,
     on_event: OnEvent[ResponseT] | None = None,
     pump_inputs: PumpInputs[RequestT, ResponseT] | None = None,
 ) -> ResponseT:
     """Run one stage stream to its result; return the response that carries it (`.result`).
 
     `start` is the stream's first message; `cancel_message` is the stream's client message
-    class (it builds the Cancel message). Raises RequestCancelled when the stage acknowledges
+    class (it builds the Cancel message); `request_id` is the id `start` gives the stage, when
+    it is not the scope's own (a sub-id). Raises RequestCancelled when the stage acknowledges
     a cancel, StageCallError on a gRPC error. If the surrounding task is cancelled (client
     gone), the call is cancelled too, and the stage aborts the request at once. pump_inputs,
     if given, runs alongside the reader.
     """
-    call = rpc(timeout=scope.remaining(), metadata=(("x-request-id", scope.request_id),))
+    call = rpc(timeout=scope.remaining(),
+               metadata=(("x-request-id", request_id or scope.request_id),))
 
     async def send_cancel(reason: str) -> None:
         await call.write(cancel_message(cancel=common_pb2.Cancel(reason=reason)))
 
     pump: asyncio.Task[None] | None = None
+    opened: OpenCall | None = None
     try:
         await call.write(start)
-        scope.enter_stage(stage, send_cancel)
+        opened = scope.enter_stage(stage, send_cancel)
         if pump_inputs is not None:
             pump = asyncio.create_task(pump_inputs(call))
         async for response in call:
@@ -91,7 +95,8 @@ async def call_stage(
     except grpc.aio.AioRpcError as error:
         raise StageCallError(stage, parse_rpc_error(error)) from None
     finally:
-        scope.leave_stage(stage)
+        if opened is not None:
+            scope.leave_stage(opened)
         if pump is not None:
             pump.cancel()
         call.cancel()

@@ -82,13 +82,15 @@ def timed_generation(served, steps: int) -> float:
 
 def test_stream_reports_queued_each_step_then_the_image(served) -> None:
     with httpx.stream("POST", f"{served.http_url}/v1/images/generations", timeout=60, json={
-            "prompt": "a blue square", "size": "64x64", "num_inference_steps": 5,
+            "prompt": "a blue square", "size": "64x64", "num_inference_steps": 5, "seed": 3,
             "stream": True}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(response))
     kinds = [e["type"] for e in events]
     assert kinds[0] == "request" and kinds[-1] == "done" and "image" in kinds
-    assert {"type": "queued", "stage": "dit", "position": 0} in events
+    # an event about one image says which (index and seed); the prompt's are the request's
+    assert {"type": "queued", "stage": "dit", "position": 0, "index": 0, "seed": 3} in events
+    assert {"type": "queued", "stage": "tokenizer", "position": 0} in events
     dit_steps = [e["step"] for e in events if e["type"] == "progress" and e["stage"] == "dit"]
     assert dit_steps == [1, 2, 3, 4, 5]
     assert all(e["total_steps"] == 5 for e in events if e.get("stage") == "dit"

@@ -8,6 +8,7 @@ REST error (OpenAI routes, native routes, SSE events, NDJSON lines) has one body
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -80,7 +81,14 @@ class FakeTokenizer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
 class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
     max_steps: int = 10
     fail_at_step: int | None = None  # INVALID_ARGUMENT naming `seed` after this step
+    fail_seed: int | None = None  # fail only the request of this seed (None: every request)
+    preempt_at_step: int | None = None  # a `preempted` event after this step
+    step_seconds: dict[int, float] = field(default_factory=dict)  # per seed; default 0
     describes: int = 0
+    starts: list[Any] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0  # requests denoising at once, at most
+    cancelled: list[str] = field(default_factory=list)  # request ids whose RPC was cancelled
 
     async def DescribeDit(self, request: Any, context: Any) -> Any:
         self.describes += 1
@@ -92,16 +100,29 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await _start_message(requests)
-        yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
-        for step in range(1, start.num_inference_steps + 1):
-            yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
-                step_index=step, total_steps=start.num_inference_steps))
-            if step == self.fail_at_step:
-                await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "bad seed",
-                                 reason="INVALID_ARGUMENT", field_name="seed")
-        yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
-            latents=array_to_proto(np.full((1, 1), start.seed, np.float32)),
-            height=start.height, width=start.width, steps=start.num_inference_steps))
+        self.starts.append(start)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
+            for step in range(1, start.num_inference_steps + 1):
+                await asyncio.sleep(self.step_seconds.get(start.seed, 0.0))
+                yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
+                    step_index=step, total_steps=start.num_inference_steps))
+                if step == self.preempt_at_step:
+                    yield dit_service_pb2.DenoiseResponse(
+                        preempted=common_pb2.Preempted(step_index=step))
+                if step == self.fail_at_step and self.fail_seed in (None, start.seed):
+                    await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "bad seed",
+                                     reason="INVALID_ARGUMENT", field_name="seed")
+            yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
+                latents=array_to_proto(np.full((1, 1), start.seed, np.float32)),
+                height=start.height, width=start.width, steps=start.num_inference_steps))
+        except asyncio.CancelledError:
+            self.cancelled.append(start.request_id)
+            raise
+        finally:
+            self.in_flight -= 1
 
 
 class FakeVae(vae_service_pb2_grpc.VaeServiceServicer):
@@ -237,6 +258,71 @@ async def test_an_image_over_the_fake_stages(mesh: Mesh) -> None:
     assert response.status_code == 200, response.text
     assert [d["seed"] for d in response.json()["data"]] == [4, 5]
     assert response.headers["x-request-id"]
+    assert [s.priority for s in mesh.servicers["dit"].starts] == [0, 0]  # the default
+
+
+async def test_n_images_run_side_by_side_each_its_own_dit_request(mesh: Mesh) -> None:
+    dit = mesh.servicers["dit"]
+    dit.step_seconds = {4: 0.05}  # the first image is the slower one: it finishes last
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "a cat", "n": 2, "seed": 4, "num_inference_steps": 4, "priority": -5},
+        headers={"x-request-id": "pair"})
+    assert response.status_code == 200, response.text
+    assert [d["seed"] for d in response.json()["data"]] == [4, 5]  # index order
+    assert dit.most_in_flight == 2
+    assert sorted((s.request_id, s.seed, s.priority) for s in dit.starts) == [
+        ("pair.0", 4, -5), ("pair.1", 5, -5)]
+
+
+async def test_sse_says_which_image_each_event_is_about(mesh: Mesh) -> None:
+    mesh.servicers["dit"].step_seconds = {4: 0.05}
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "stream": True, "n": 2, "seed": 4, "num_inference_steps": 2})
+    events = sse_events(response)
+    images = [e for e in events if e["type"] == "image"]
+    assert [(e["index"], e["seed"]) for e in images] == [(1, 5), (0, 4)]  # as each is done
+    for index, seed in ((0, 4), (1, 5)):
+        steps = [e["step"] for e in events
+                 if e["type"] == "progress" and (e["index"], e["seed"]) == (index, seed)]
+        assert steps == [1, 2]
+    assert events[-1] == {"type": "done"}
+
+
+async def test_one_failing_image_fails_the_request_and_cancels_the_others(
+    mesh: Mesh, wait_until: Any,
+) -> None:
+    dit = mesh.servicers["dit"]
+    dit.fail_at_step, dit.fail_seed = 2, 5
+    dit.step_seconds = {4: 0.5}  # image 0 is still denoising when image 1 fails
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "n": 2, "seed": 4, "num_inference_steps": 10},
+        headers={"x-request-id": "fails"})
+    assert response.status_code == 400 and error_of(response)["param"] == "seed"
+    await wait_until(lambda: dit.cancelled == ["fails.0"], timeout=5,
+                     what="the DiT seeing image 0's call cancelled")
+    assert dit.in_flight == 0
+
+
+async def test_a_preempted_image_is_reported_on_sse_and_grpc(mesh: Mesh) -> None:
+    mesh.servicers["dit"].preempt_at_step = 1
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "stream": True, "seed": 3, "num_inference_steps": 2, "priority": 9})
+    preempted = [e for e in sse_events(response) if e["type"] == "preempted"]
+    assert preempted == [{"type": "preempted", "stage": "dit", "step": 1, "index": 0,
+                          "seed": 3}]
+    assert mesh.servicers["dit"].starts[-1].priority == 9
+    native = await mesh.client.post("/v1/images:generate", json={
+        "prompt": "x", "seed": "3", "num_inference_steps": 2, "priority": 9})
+    lines = [json.loads(line) for line in native.text.splitlines()]
+    assert [line["preempted"] for line in lines if "preempted" in line] == [{"step_index": 1}]
+
+
+@pytest.mark.parametrize("priority", [1001, -1001, "soon"])
+async def test_a_priority_out_of_range_is_refused_naming_it(mesh: Mesh, priority: Any) -> None:
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "priority": priority})
+    assert response.status_code == 400 and error_of(response)["param"] == "priority"
+    assert mesh.servicers["dit"].starts == []
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
@@ -415,7 +501,8 @@ async def test_the_grpc_api_runs_the_same_core(mesh: Mesh) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
             replies = [r async for r in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
-                prompt="x", num_inference_steps=2, seed=9, request_id="g-1"), timeout=10)]
+                prompt="x", num_inference_steps=2, seed=9, request_id="g-1", priority=-7),
+                timeout=10)]
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 async for _ in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
                         prompt="x", num_inference_steps=11), timeout=10):
@@ -427,6 +514,7 @@ async def test_the_grpc_api_runs_the_same_core(mesh: Mesh) -> None:
         await running.stop(0)
     assert {r.request_id for r in replies} == {"g-1"}
     assert replies[-1].result.images[0].seed == 9
+    assert mesh.servicers["dit"].starts[0].priority == -7
     error = parse_rpc_error(refused.value)
     assert (error.code, error.field_name) == (grpc.StatusCode.INVALID_ARGUMENT,
                                               "num_inference_steps")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -19,7 +20,7 @@ from PIL import Image
 from prometheus_client import REGISTRY
 
 from stagemesh.gateway.app import open_gateway
-from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.core import GatewayCore, ImageJob, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.image_params import ImageRequest
 from stagemesh.models.qwen_image import latent_factor
@@ -274,3 +275,88 @@ async def test_a_stage_restarted_with_new_options_is_read_again(
             assert len(await generate(core, num_inference_steps=4, width=32, height=32)) == 1
         finally:
             await stop_stage(second, second_server, grace=0.5)
+
+
+def pixels(png: bytes) -> np.ndarray:  # type: ignore[type-arg]
+    return np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16)
+
+
+@pytest.fixture
+def dit_engine(image_stages: dict[str, Any]) -> Any:
+    """The DiT's engine, at its default batching options."""
+    return image_stages["dit"].bundle.engines[0]
+
+
+async def start_trio(core: GatewayCore, request_id: str, timeout: float,
+                     engine: Any, wait_until: Any) -> asyncio.Task[Any]:
+    """A 3-image request long enough to be stopped, once the DiT runs its three images."""
+    job: ImageJob = await core.prepare_images(ImageRequest(
+        prompt="a red circle", n=3, num_inference_steps=1000, width=32, height=32))
+    running = asyncio.create_task(core.generate_images(
+        job, RequestContext.create(request_id, timeout)))
+    await wait_until(lambda: engine.num_running == 3 or running.done(), timeout=30,
+                     what="the DiT running the three images together")
+    assert engine.num_running == 3  # side by side, not one after another
+    return running
+
+
+async def released_all_three(engine: Any, aborted_before: float, wait_until: Any) -> None:
+    """Wait until the DiT has let go of the three images, each counted as aborted."""
+    await wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0, timeout=5,
+                     what="the DiT releasing the three images")
+    await wait_until(lambda: finished("dit", "aborted") == aborted_before + 3, timeout=5,
+                     what="the DiT counting three aborts")
+
+
+async def test_n_images_run_side_by_side_in_the_dit_in_index_order(
+    core: GatewayCore, dit_engine: Any,
+) -> None:
+    seen_running: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            seen_running.append(dit_engine.num_running)
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        trio = await generate(core, n=3, seed=11, num_inference_steps=30, width=32, height=32)
+    finally:
+        watcher.cancel()
+    assert max(seen_running) == 3
+    for index, png in enumerate(trio):  # image i is seed 11 + i, as if drawn alone
+        (alone,) = await generate(core, seed=11 + index, num_inference_steps=30, width=32,
+                                  height=32)
+        assert np.abs(pixels(png) - pixels(alone)).max() <= 1
+
+
+async def test_a_cancel_by_id_stops_every_image_of_the_request(
+    core: GatewayCore, dit_engine: Any, wait_until: Any,
+) -> None:
+    aborted_before = finished("dit", "aborted")
+    running = await start_trio(core, "trio-1", 60, dit_engine, wait_until)
+    outcome = await core.cancel("trio-1")
+    assert (outcome.request_id, outcome.stage, outcome.state) == (
+        "trio-1", "dit", common_pb2.REQUEST_STATE_ABORTED)
+    with pytest.raises(GatewayError) as failure:
+        await running
+    assert failure.value.code is grpc.StatusCode.CANCELLED
+    await released_all_three(dit_engine, aborted_before, wait_until)
+    assert core.scopes.get("trio-1") is None
+
+
+async def test_a_client_gone_or_a_deadline_stops_every_image(
+    core: GatewayCore, dit_engine: Any, wait_until: Any,
+) -> None:
+    aborted_before = finished("dit", "aborted")
+    running = await start_trio(core, "trio-2", 60, dit_engine, wait_until)
+    running.cancel()  # what a disconnect does to the request's task
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await released_all_three(dit_engine, aborted_before, wait_until)
+
+    expiring = await start_trio(core, "trio-3", 3, dit_engine, wait_until)
+    with pytest.raises(GatewayError) as failure:
+        await expiring
+    assert failure.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    await released_all_three(dit_engine, aborted_before + 3, wait_until)

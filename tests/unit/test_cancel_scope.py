@@ -1,4 +1,5 @@
-"""CancelScope: cancel-by-id lands wherever the request is, and never hangs."""
+"""CancelScope: cancel-by-id lands wherever the request is (every open stage call, several
+per stage for the images of one request), and never hangs."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import asyncio
 
 import pytest
 
-from stagemesh.gateway.cancel import CancelScope, DeadlineExceeded, RequestCancelled, ScopeRegistry
+from stagemesh.gateway.cancel import (
+    CancelScope,
+    DeadlineExceeded,
+    RequestCancelled,
+    ScopeRegistry,
+    SendCancel,
+    side_by_side,
+    sub_request_ids,
+)
+from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
 from stagemesh.shared.proto.v1 import common_pb2
 
 
@@ -71,3 +81,89 @@ def test_registry_refuses_duplicate_and_oversized_ids() -> None:
     registry.close(scope)
     assert registry.get("a") is None
     assert registry.open(None, None).request_id.startswith("req-")
+
+
+async def test_every_open_call_gets_the_cancel_and_the_first_ack_answers() -> None:
+    scope = CancelScope("r", timeout=None, parts=3)
+    sent: list[str] = []
+
+    def stage_call(name: str, step: int, delay: float) -> SendCancel:
+        async def send_cancel(reason: str) -> None:
+            sent.append(name)
+            asyncio.get_running_loop().call_later(
+                delay, scope.acknowledge, "dit", common_pb2.Aborted(step_index=step))
+        return send_cancel
+
+    calls = [scope.enter_stage("dit", stage_call(f"dit-{i}", i + 1, 0.01 * (3 - i)))
+             for i in range(3)]
+    assert scope.open_stages == ["dit", "dit", "dit"]  # three calls to one stage, all held
+    outcome = await scope.cancel("user")
+    assert sorted(sent) == ["dit-0", "dit-1", "dit-2"]
+    assert outcome.step_index == 3  # the quickest ack (image 2's) is the answer
+    scope.leave_stage(calls[1])
+    scope.leave_stage(calls[1])  # leaving twice is harmless
+    assert scope.open_stages == ["dit", "dit"]
+
+
+async def test_a_call_that_cannot_take_the_cancel_does_not_keep_it_from_the_others() -> None:
+    scope = CancelScope("r", timeout=None)
+    sent: list[str] = []
+
+    async def ended(reason: str) -> None:
+        raise RuntimeError("the stream just ended")
+
+    async def running(reason: str) -> None:
+        sent.append(reason)
+        scope.acknowledge("vae", common_pb2.Aborted(step_index=1))
+
+    scope.enter_stage("vae", ended)
+    scope.enter_stage("vae", running)
+    assert (await scope.cancel("user")).stage == "vae" and sent == ["user"]
+
+
+def test_sub_ids_name_each_part_and_a_single_part_keeps_the_id() -> None:
+    assert sub_request_ids("job", 1) == ["job"]
+    assert sub_request_ids("job", 3) == ["job.0", "job.1", "job.2"]
+    assert CancelScope("job", None, parts=2).sub_request_ids == ["job.0", "job.1"]
+
+
+def test_registry_refuses_an_id_too_long_to_suffix() -> None:
+    registry = ScopeRegistry()
+    longest = "x" * MAX_REQUEST_ID_CHARS
+    registry.close(registry.open(longest, None))  # one part: the id as it is
+    with pytest.raises(ValueError, match=f"longer than {MAX_REQUEST_ID_CHARS - 2} characters"):
+        registry.open(longest, None, parts=4)  # ".3" would not fit
+    scope = registry.open(longest[:-2], None, parts=4)
+    assert max(map(len, scope.sub_request_ids)) == MAX_REQUEST_ID_CHARS
+
+
+def test_registry_keeps_a_live_requests_sub_ids_for_it() -> None:
+    registry = ScopeRegistry()
+    scope = registry.open("a", None, parts=2)
+    with pytest.raises(KeyError):
+        registry.open("a.1", None)  # the DiT already runs a.1 for request a
+    assert registry.get("a.1") is None  # cancel-by-id knows requests, not their parts
+    registry.close(scope)
+    registry.close(registry.open("a.1", None))
+
+
+async def test_side_by_side_raises_the_first_failure_and_cancels_the_others() -> None:
+    cancelled: list[int] = []
+
+    async def wait_forever(index: int) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(index)
+            raise
+
+    async def fail() -> None:
+        await asyncio.sleep(0)
+        raise RequestCancelled(CancelScope("r", None).acknowledge("dit", common_pb2.Aborted()))
+
+    with pytest.raises(RequestCancelled):  # itself, not an ExceptionGroup
+        async with side_by_side() as group:
+            for index in range(2):
+                group.create_task(wait_forever(index))
+            group.create_task(fail())
+    assert sorted(cancelled) == [0, 1]

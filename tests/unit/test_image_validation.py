@@ -42,17 +42,19 @@ def test_defaults_come_from_the_recipe() -> None:
     assert params.true_cfg_scale == 3.0 and params.negative_prompt == "" and params.n == 1
     assert params.seed == 5
     assert params.execution_mode == common_pb2.EXECUTION_MODE_UNSPECIFIED
+    assert params.priority == 0
 
 
 def test_given_fields_win_over_the_defaults() -> None:
     params = resolve_image_request(ImageRequest(
         prompt="a cat", negative_prompt="dogs", n=2, width=64, height=16,
         num_inference_steps=20, true_cfg_scale=20.0, seed=MAX_SEED - 2,
-        execution_mode=common_pb2.EXECUTION_MODE_REQUEST), DEFAULTS, FACTS)
+        execution_mode=common_pb2.EXECUTION_MODE_REQUEST, priority=-1000), DEFAULTS, FACTS)
     assert (params.negative_prompt, params.n, params.width, params.height) == ("dogs", 2, 64, 16)
     assert (params.num_inference_steps, params.true_cfg_scale) == (20, 20.0)
     assert params.seed == MAX_SEED - 2
     assert params.execution_mode == common_pb2.EXECUTION_MODE_REQUEST
+    assert params.priority == -1000
 
 
 def test_a_random_seed_is_chosen_when_none_is_given() -> None:
@@ -90,11 +92,19 @@ def test_unparseable_size_names_the_field(size: str) -> None:
     ({"true_cfg_scale": 20.5}, "true_cfg_scale"),  # above the DiT's max_true_cfg_scale
     ({"seed": -1}, "seed"),
     ({"seed": MAX_SEED, "n": 2}, "seed"),  # the second image's seed would overflow int64
+    ({"priority": 1001}, "priority"),
+    ({"priority": -1001}, "priority"),
 ])
 def test_bad_fields_are_named(overrides: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidRequest) as error:
         resolve(**overrides)
     assert error.value.field_name == field
+
+
+def test_the_priority_refusal_states_the_range() -> None:
+    with pytest.raises(InvalidRequest, match=r"between -1000 and 1000 \(lower runs sooner\)"):
+        resolve(priority=5000)
+    assert resolve(priority=1000).priority == 1000
 
 
 def test_the_size_refusal_states_the_published_multiple() -> None:

@@ -25,11 +25,13 @@ def test_an_image_body_becomes_an_image_request() -> None:
     request = image_request({
         "model": "tiny", "prompt": "a cat", "negative_prompt": "", "n": 2, "size": "64x32",
         "num_inference_steps": 9, "true_cfg_scale": 3, "seed": 4, "execution_mode": "request",
-        "response_format": "b64_json", "stream": True, "timeout": 5, "user": "ignored"})
+        "response_format": "b64_json", "stream": True, "timeout": 5, "user": "ignored",
+        "priority": -3})
     assert request == ImageRequest(prompt="a cat", model="tiny", negative_prompt="", n=2,
                                    width=64, height=32, num_inference_steps=9,
                                    true_cfg_scale=3.0, seed=4,
-                                   execution_mode=common_pb2.EXECUTION_MODE_REQUEST)
+                                   execution_mode=common_pb2.EXECUTION_MODE_REQUEST,
+                                   priority=-3)
 
 
 def test_absent_image_fields_stay_unset() -> None:
@@ -58,6 +60,9 @@ def test_width_and_height_are_read_when_size_is_absent_and_guidance_scale_is_an_
     ({"prompt": "x", "seed": 1.0}, "seed"),
     ({"prompt": "x", "negative_prompt": ["no"]}, "negative_prompt"),
     ({"prompt": "x", "execution_mode": "fast"}, "execution_mode"),
+    ({"prompt": "x", "priority": "high"}, "priority"),
+    ({"prompt": "x", "priority": 1.5}, "priority"),
+    ({"prompt": "x", "priority": True}, "priority"),
     ({"prompt": "x", "response_format": "url"}, "response_format"),
 ])
 def test_image_body_refusals_name_the_field(body: dict[str, object], field: str) -> None:
@@ -136,3 +141,9 @@ def test_ref_audio_is_a_data_url_or_bare_base64() -> None:
     payload = base64.b64encode(b"\x00\x01clip").decode()
     assert ref_audio_bytes(f"data:audio/flac;codecs=flac;base64,{payload}") == b"\x00\x01clip"
     assert ref_audio_bytes(f" {payload[:4]}\n{payload[4:]} ") == b"\x00\x01clip"
+
+
+def test_a_chat_body_takes_its_priority_from_extra_body() -> None:
+    body = openai_body({"messages": [{"role": "user", "content": "a cat"}],
+                        "extra_body": {"priority": 7}})
+    assert chat_image_request(body).priority == 7

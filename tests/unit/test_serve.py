@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from stagemesh import cli
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.serve import plan_launches, prepare_models, with_free_ports
+from stagemesh.serve import (
+    StageLaunch,
+    plan_launches,
+    prepare_models,
+    stage_command,
+    with_free_ports,
+)
 
 FORBIDDEN = ("torch", "diffusers", "transformers", "stagemesh.models")
 
@@ -91,3 +98,62 @@ def test_model_prepare_command_prints_only_the_folder_and_refuses_a_bad_spec(
     bad = subprocess.run([*command, str(missing)], capture_output=True, text=True, timeout=60)
     assert (bad.returncode, bad.stdout) == (1, "")
     assert bad.stderr.strip() == f"stagemesh model prepare: model folder {missing} does not exist"
+
+
+@pytest.fixture
+def four_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A process allowed on four CPUs, in no CPU-limited cgroup, with no thread override."""
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(cli, "CGROUP_CPU_MAX", tmp_path / "no-cgroup")
+    monkeypatch.delenv(cli.THREADS_ENV, raising=False)
+
+
+@pytest.mark.usefixtures("four_cores")
+@pytest.mark.parametrize(("cpu_max", "cores"), [
+    ("max 100000\n", 4), ("150000 100000\n", 2), ("800000 100000\n", 4), ("junk", 4)])
+def test_usable_cores_respect_a_containers_cpu_limit(tmp_path: Path, cpu_max: str,
+                                                     cores: int) -> None:
+    limit = tmp_path / "cpu.max"
+    limit.write_text(cpu_max)
+    assert cli.usable_cores(limit) == cores
+
+
+@pytest.mark.usefixtures("four_cores")
+def test_heavy_stages_get_every_usable_core_and_light_stages_one() -> None:
+    assert {name: cli.stage_threads(name) for name in
+            ("tokenizer", "dit", "vae", "talker", "codec")} == {
+        "tokenizer": 1, "dit": 4, "vae": 1, "talker": 4, "codec": 1}
+
+
+@pytest.mark.usefixtures("four_cores")
+def test_threads_given_on_the_command_line_or_in_the_environment_win(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.THREADS_ENV, "3")
+    assert (cli.stage_threads("dit"), cli.stage_threads("vae")) == (3, 3)
+    assert cli.stage_threads("dit", given=2) == 2
+    monkeypatch.setenv(cli.THREADS_ENV, "many")
+    with pytest.raises(SystemExit, match="STAGEMESH_THREADS must be a whole number"):
+        cli.stage_threads("dit")
+    with pytest.raises(SystemExit, match="at least 1"):
+        cli.stage_threads("dit", given=0)
+
+
+@pytest.mark.usefixtures("four_cores")
+def test_serve_starts_each_stage_with_its_thread_count(tmp_path: Path) -> None:
+    recipe = _image_recipe("a", "builtin:tiny-shapes", 50061)
+    threads = {}
+    for name, endpoint in recipe.stages.items():
+        command = stage_command(StageLaunch(endpoint, tmp_path))
+        threads[name] = command[command.index("--threads") + 1]
+        assert command[command.index("stage") + 1] == name
+    assert threads == {"tokenizer": "1", "dit": "4", "vae": "1"}
+
+
+def test_openmp_threads_sleep_when_idle_unless_the_operator_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cli.quiet_openmp_waits()
+    assert cli.os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli.quiet_openmp_waits()
+    assert cli.os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

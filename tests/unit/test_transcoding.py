@@ -16,7 +16,7 @@ from stagemesh.gateway.catalog import StageCatalog
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.native import NativeApi, image_request
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.gateway.transcoding import (
     HttpBinding,
@@ -189,3 +189,8 @@ def test_parse_errors_name_their_field(message: str, field: str | None) -> None:
 
 def test_invalid_request_without_a_field_has_a_null_param() -> None:
     assert InvalidRequest(None, "bad").body()["error"]["param"] is None
+
+
+def test_a_native_image_request_carries_its_priority() -> None:
+    assert image_request(pb.GenerateImageRequest(prompt="x", priority=-2)).priority == -2
+    assert image_request(pb.GenerateImageRequest(prompt="x")).priority == 0  # the default
