@@ -4,7 +4,7 @@
     stagemesh gateway                     only the gateway (stages run elsewhere, e.g. Kubernetes)
     stagemesh stage NAME --port P --model DIR   one stage (the Kubernetes entry point)
     stagemesh model prepare SPEC          a model's folder (a built-in one is built on first use)
-    stagemesh bench abort|tts|throughput  benchmarks (JSON + PNG)
+    stagemesh bench abort|tts|throughput|dtypes|gpu   benchmarks (JSON + PNG)
     stagemesh train tiny-shapes           retrain the shipped default image model
     stagemesh eval tiny-shapes            measure it through a running mesh
 """
@@ -123,7 +123,10 @@ def _cmd_stage(args: argparse.Namespace) -> None:
     log.info("stage %s: torch threads: %d; usable cores: %d; OMP_WAIT_POLICY=%s", args.name,
              threads, usable_cores(), os.environ.get("OMP_WAIT_POLICY"))
     hf_logging.disable_progress_bar()
-    bundle = build_stage(args.name, resolve_model(args.model), json.loads(args.options))
+    try:
+        bundle = build_stage(args.name, resolve_model(args.model), json.loads(args.options))
+    except ValueError as error:  # a bad option, device or dtype: one line, not a traceback
+        raise SystemExit(f"stagemesh stage: {error}") from error
     asyncio.run(serve_stage(bundle, host=args.host, port=args.port,
                             metrics_port=args.metrics_port))
 
@@ -211,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=_cmd_model_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks (not tests)")
-    bench.add_argument("which", choices=["abort", "tts", "throughput"])
+    bench.add_argument("which", choices=["abort", "tts", "throughput", "dtypes", "gpu"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(func=_cmd_bench)
 

@@ -21,7 +21,7 @@ import grpc
 
 from stagemesh.gateway.errors import StageUnavailable
 from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.recipes import Recipe
+from stagemesh.gateway.recipes import Recipe, StageEndpoint
 from stagemesh.gateway.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
 from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import (
@@ -171,6 +171,26 @@ class StageCatalog:
                          address, new_state.name)
                 self.drop(address)
             state = new_state
+
+    async def description(self, endpoint: StageEndpoint) -> common_pb2.StageDescription | None:
+        """What the stage at `endpoint` says about itself (role, model, capacity, device,
+        dtype), from the cached Describe; None while it cannot be read."""
+        channel = self.mesh.channel(endpoint)
+        try:
+            match endpoint.name:
+                case "tokenizer":
+                    return (await self.tokenizer.get(endpoint.address, channel)).stage
+                case "dit":
+                    return (await self.dit.get(endpoint.address, channel)).stage
+                case "vae":
+                    return (await self.vae.get(endpoint.address, channel)).stage
+                case "talker":
+                    return (await self.talker.get(endpoint.address, channel)).stage
+                case "codec":
+                    return (await self.codec.get(endpoint.address, channel)).stage
+        except grpc.aio.AioRpcError:
+            return None
+        return None
 
     async def read(self, cache: DescribeCache[R], recipe: Recipe) -> R:
         """One stage's facts for a recipe; StageUnavailable (503) naming the stage if it

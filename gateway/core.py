@@ -33,7 +33,7 @@ from stagemesh.gateway.speech_params import SpeechParams, SpeechRequest, resolve
 from stagemesh.gateway.speech_pipeline import AudioPiece, SpeechSummary, synthesize, synthesize_all
 from stagemesh.gateway.stage_client import StageCallError
 from stagemesh.shared.logs import request_id_var
-from stagemesh.shared.proto.v1 import common_pb2
+from stagemesh.shared.proto.v1 import common_pb2, gateway_service_pb2
 
 #: Every request gets a deadline: this one when the client gives none.
 DEFAULT_TIMEOUT_S = 600.0
@@ -148,6 +148,16 @@ class GatewayCore:
         return recipe, list(talker.voices)
 
     # -- control -------------------------------------------------------------------------------
+
+    async def stage_infos(self) -> list[gateway_service_pb2.StageInfo]:
+        """Every stage's health, plus the device and dtype it published (empty if unreadable)."""
+        infos = await self.mesh.stage_infos()
+        descriptions = await asyncio.gather(
+            *(self.catalog.description(endpoint) for _, endpoint in self.mesh.endpoints()))
+        for info, description in zip(infos, descriptions, strict=True):
+            if description is not None:
+                info.device, info.dtype = description.device, description.dtype
+        return infos
 
     async def cancel(self, request_id: str, reason: str = "cancelled by id") -> CancelOutcome:
         scope = self.scopes.get(request_id)

@@ -98,8 +98,13 @@ class Mesh:
             return "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
+    def endpoints(self) -> list[tuple[Recipe, StageEndpoint]]:
+        """Every stage of every recipe, in recipe order."""
+        return [(r, e) for r in self.recipes.values() for e in r.stages.values()]
+
     async def stage_infos(self) -> list[gateway_service_pb2.StageInfo]:
-        pairs = [(r, e) for r in self.recipes.values() for e in r.stages.values()]
+        """Every stage with its grpc.health status (device and dtype: see GatewayCore)."""
+        pairs = self.endpoints()
         healths = await asyncio.gather(*(self._health(e) for _, e in pairs))
         return [gateway_service_pb2.StageInfo(name=e.name, recipe=r.name, address=e.address,
                                               health=h, metrics_url=e.metrics_url)

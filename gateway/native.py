@@ -120,7 +120,7 @@ class NativeApi:
     async def ListStages(
         self, request: pb.ListStagesRequest, context: RequestContext,
     ) -> pb.ListStagesResponse:
-        return pb.ListStagesResponse(stages=await self.core.mesh.stage_infos())
+        return pb.ListStagesResponse(stages=await self.core.stage_infos())
 
     async def ListRecipes(
         self, request: pb.ListRecipesRequest, context: RequestContext,

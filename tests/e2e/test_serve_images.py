@@ -108,6 +108,18 @@ def test_reflection_lists_the_gateway_and_each_stage_service(served) -> None:
             assert expected[name] in ProtoReflectionDescriptorDatabase(channel).get_services()
 
 
+def test_stages_report_where_they_compute(served) -> None:
+    """GET /v1/stages carries each stage's device and dtype, as its Describe published them:
+    on this CPU-only machine every stage computes on the CPU, in float32 except where the
+    stage measured bfloat16 faster (the VAE, on a CPU with bfloat16 instructions)."""
+    stages = served.stages()
+    assert set(stages) == {"tokenizer", "dit", "vae", "talker", "codec"}
+    for name, stage in stages.items():
+        assert stage["device"] == "cpu", name
+        expected = {"float32", "bfloat16"} if name == "vae" else {"float32"}
+        assert stage["dtype"] in expected, (name, stage["dtype"])
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "x", "size": "big"}, "size"),
     ({"prompt": "x", "size": "68x64"}, "size"),
