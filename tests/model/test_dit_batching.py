@@ -32,6 +32,8 @@ from stagemesh.shared.engine import (
     EngineRequest,
     Event,
     NoStream,
+    Preempted,
+    Progress,
     StepBudget,
     StepEngine,
     StepInterrupt,
@@ -405,3 +407,68 @@ async def test_an_abort_stops_the_dit_forward_between_blocks(
     assert entered == [*range(blocks), 0]  # stopped before the second block of step 2
     interrupts = registry.get_sample_value("stagemesh_forward_interrupts_total", {"stage": "dit"})
     assert interrupts == 1
+
+
+async def test_a_member_cancelled_mid_batch_leaves_the_others_unchanged(
+    encoder: PromptEncoderAdapter, dit: DenoiseAdapter
+) -> None:
+    """Three requests share every forward; one is cancelled while the second step runs. That
+    step's output is dropped for it (a cancel during a step wins over its output), it leaves the
+    batch at the boundary, and the other two give exactly what they give alone."""
+    emb = _embed(encoder, "a red circle", "")
+    other = _embed(encoder, "two small green squares side by side", "")
+    jobs = [Job(name, DenoiseInput(e, SIZE, SIZE, 5, 4.0, seed))
+            for name, e, seed in (("a", emb, 1), ("b", other, 2), ("c", emb, 3))]
+    engine = StepEngine(dit, max_running=4, max_batch=4, metrics=EngineMetrics("dit", Registry()))
+    calls: list[int] = []
+    step = dit.step
+
+    def cancel_b_after_two_steps(states: Sequence[DenoiseState]) -> list[StepOutput[NoStream]]:
+        outputs = step(states)
+        calls.append(len(states))
+        if len(calls) == 2:
+            engine.abort("b")
+        return outputs
+
+    dit.step = cancel_b_after_two_steps  # type: ignore[method-assign]
+    terminal = await _run_in_engine(engine, jobs)
+    dit.step = step  # type: ignore[method-assign]
+    cancelled = terminal["b"]
+    assert isinstance(cancelled, Aborted) and cancelled.step_index == 1, cancelled
+    assert calls[:2] == [3, 3] and set(calls[2:]) == {2}  # b ran in the batch, then left it
+    for job in (jobs[0], jobs[2]):
+        event = terminal[job.name]
+        assert isinstance(event, Completed), event
+        assert (event.result.latents - _solo(dit, job)).abs().max().item() <= TOLERANCE
+
+
+async def test_a_preempted_request_resumes_and_gives_the_same_latents(
+    encoder: PromptEncoderAdapter, dit: DenoiseAdapter
+) -> None:
+    """With room to run one request, an urgent arrival preempts the running one at a step
+    boundary; the preempted request keeps its state, resumes, and ends where it would have
+    ended alone (its stream said it was preempted)."""
+    emb = _embed(encoder, "a red circle", "")
+    low = Job("low", DenoiseInput(emb, SIZE, SIZE, 6, 4.0, 1))
+    urgent = Job("urgent", DenoiseInput(emb, SIZE, SIZE, 3, 4.0, 2))
+    engine = StepEngine(dit, max_running=2, max_batch=1, metrics=EngineMetrics("dit", Registry()))
+    engine.start()
+    events: list[Event[NoStream, DenoisedLatents]] = []
+    try:
+        low_stream = engine.submit(EngineRequest("low", low.payload, StepBudget(6), priority=5))
+        urgent_stream = None
+        async for event in low_stream:
+            events.append(event)
+            if isinstance(event, Progress) and event.step_index == 2 and urgent_stream is None:
+                urgent_stream = engine.submit(
+                    EngineRequest("urgent", urgent.payload, StepBudget(3), priority=0))
+        assert urgent_stream is not None
+        urgent_events = [event async for event in urgent_stream]
+    finally:
+        await asyncio.to_thread(engine.shutdown, True, 10)
+    preempted = [event for event in events if isinstance(event, Preempted)]
+    assert len(preempted) == 1 and 2 <= preempted[0].step_index < 6, events
+    finished, urgent_done = events[-1], urgent_events[-1]
+    assert isinstance(finished, Completed) and isinstance(urgent_done, Completed)
+    assert (finished.result.latents - _solo(dit, low)).abs().max().item() <= TOLERANCE
+    assert (urgent_done.result.latents - _solo(dit, urgent)).abs().max().item() <= TOLERANCE
