@@ -11,6 +11,7 @@ import grpc
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.services.tokenizer.adapter import (
     CPU_DTYPE,
+    DEFAULT_MAX_RUNNING,
     PromptEncoderAdapter,
     PromptInput,
     PromptState,
@@ -91,7 +92,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
                                                   DeviceOptions)
     placement = resolve_placement("tokenizer", device_options, CPU_DTYPE)
     adapter = PromptEncoderAdapter(model_dir, **limit_options, placement=placement)
-    engine = StepEngine(adapter)
+    engine = StepEngine(adapter, max_running=DEFAULT_MAX_RUNNING)
     limits = adapter.limits
     description = pb.DescribeTokenizerResponse(
         stage=stage_description("tokenizer", model_dir, engine, placement),
