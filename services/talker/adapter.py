@@ -12,12 +12,18 @@ depth-decoder pass (num_codebooks - 1 forwards for the whole batch; its cache st
 every frame, so rows line up). Sampling uses one `torch.Generator` per request, so a request's
 frames do not depend on which requests share its steps.
 
+A step is all or nothing (the engine's failure isolation re-runs the members of a batch that
+raised one by one): the forwards extend copies of the caches that share their tensors, the
+generators' states are restored if anything raises, and a state takes its new cache, logits,
+hidden state and frame only once the whole batch has succeeded.
+
 The prompt markup (segment and audio tokens) and the voices come from the model folder
 (`stagemesh.models.families.csm`), so a real CSM folder and the tiny built one take one path.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import logging
 import math
@@ -149,6 +155,15 @@ class TalkerState:
     frames: list[torch.Tensor] = field(default_factory=list)
     steps: int = 0
     finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class _Head:
+    """A request's backbone results after a forward, not yet stored in its state."""
+
+    cache: DynamicCache  # the request's cache extended by the forward's input
+    logits: torch.Tensor  # [vocab] first-codebook logits for the next frame
+    hidden: torch.Tensor  # [hidden] backbone state that seeds the depth decoder
 
 
 class TalkerAdapter:
@@ -371,7 +386,8 @@ class TalkerAdapter:
             logits=None,
             hidden=None,
         )
-        self._backbone_forward(state, inputs_embeds=self._prompt_embeds(payload, speaker))
+        embeds = self._prompt_embeds(payload, speaker)
+        _commit(state, self._forward_one(cache, inputs_embeds=embeds))
         return state
 
     def add_input(self, state: TalkerState, payload: NoStream) -> None:
@@ -379,9 +395,21 @@ class TalkerAdapter:
 
     @torch.inference_mode()
     def step(self, states: Sequence[TalkerState]) -> list[StepOutput[torch.Tensor]]:
-        self._feed_pending_frames([s for s in states if s.pending_frame is not None])
-        frames = self._next_frames(states)
-        return [self._advance(state, frame) for state, frame in zip(states, frames, strict=True)]
+        # All or nothing (see the module docstring): compute into temporaries, rewind the
+        # generators if anything raises, store the results once every row has succeeded.
+        generator_states = [state.generator.get_state() for state in states]
+        try:
+            heads = self._feed_pending_frames(states)
+            frames = self._next_frames(states, heads)
+        except BaseException:
+            for state, generator_state in zip(states, generator_states, strict=True):
+                state.generator.set_state(generator_state)
+            raise
+        outputs: list[StepOutput[torch.Tensor]] = []
+        for state, head, frame in zip(states, heads, frames, strict=True):
+            _commit(state, head)
+            outputs.append(self._advance(state, frame))
+        return outputs
 
     def finish(self, state: TalkerState) -> TalkerResult:
         frames = (
@@ -403,21 +431,14 @@ class TalkerAdapter:
 
     # -- one frame ----------------------------------------------------------------------------
 
-    def _backbone_forward(self, state: TalkerState, **inputs: torch.Tensor) -> None:
-        cache = self._live_cache(state)
+    def _forward_one(self, cache: DynamicCache, **inputs: torch.Tensor) -> _Head:
+        """One request's backbone forward; `cache` is left as it was (the forward extends a
+        copy that shares its tensors)."""
+        successor = _sharing_copy(cache)
         out: CsmOutputWithPast = self._model(
-            **inputs, cache=cache, use_cache=True, output_hidden_states=True
+            **inputs, cache=successor, use_cache=True, output_hidden_states=True
         )
-        self._take_outputs(state, out, row=0)
-
-    @staticmethod
-    def _take_outputs(state: TalkerState, out: CsmOutputWithPast, row: int) -> None:
-        if out.logits is None or out.hidden_states is None:
-            raise RuntimeError("the CSM backbone returned no logits or hidden states")
-        state.logits = out.logits[row, -1]
-        # The same hidden state `CsmForConditionalGeneration.generate` hands the depth decoder.
-        state.hidden = out.hidden_states[-1][row, -1]
-        state.pending_frame = None
+        return _head(successor, out, row=0)
 
     @staticmethod
     def _live_cache(state: TalkerState) -> DynamicCache:
@@ -431,18 +452,31 @@ class TalkerAdapter:
             raise RuntimeError(f"request {state.request_id} has no frame to feed")
         return state.pending_frame
 
-    def _feed_pending_frames(self, states: Sequence[TalkerState]) -> None:
+    def _feed_pending_frames(self, states: Sequence[TalkerState]) -> list[_Head]:
+        """Every state's backbone results after its last frame (a state without one keeps
+        its current results); no state is changed."""
+        pending = [state for state in states if state.pending_frame is not None]
+        fed = iter(self._feed(pending))
+        return [
+            next(fed) if state.pending_frame is not None else _current_head(state)
+            for state in states
+        ]
+
+    def _feed(self, states: Sequence[TalkerState]) -> list[_Head]:
         """One backbone forward for every state's last frame, batched over the states.
 
         The per-request caches have different lengths, so they are left-padded into one
         temporary batch cache with an attention mask that hides the padding, and each row
-        gets its true position. Afterwards each request's cache is extended by its own new
-        key/value entry only, so requests stay independent of their batch mates.
+        gets its true position. Each request's new cache is its old one extended by its own
+        new key/value entry only, so requests stay independent of their batch mates.
         """
         if len(states) <= 1:
-            for state in states:
-                self._backbone_forward(state, input_ids=self._pending_frame(state).view(1, 1, -1))
-            return
+            return [
+                self._forward_one(
+                    self._live_cache(state), input_ids=self._pending_frame(state).view(1, 1, -1)
+                )
+                for state in states
+            ]
         caches = [self._live_cache(s) for s in states]
         lengths = [cache.get_seq_length() for cache in caches]
         longest = max(lengths)
@@ -459,11 +493,14 @@ class TalkerAdapter:
             use_cache=True,
             output_hidden_states=True,
         )
-        for row, (state, cache) in enumerate(zip(states, caches, strict=True)):
+        heads: list[_Head] = []
+        for row, cache in enumerate(caches):
+            successor = _sharing_copy(cache)
             for layer in range(len(batch.layers)):
                 keys, values = _layer_entries(batch, layer)
-                cache.update(keys[row : row + 1, :, -1:], values[row : row + 1, :, -1:], layer)
-            self._take_outputs(state, out, row)
+                successor.update(keys[row : row + 1, :, -1:], values[row : row + 1, :, -1:], layer)
+            heads.append(_head(successor, out, row))
+        return heads
 
     def _padded_batch_cache(self, caches: Sequence[DynamicCache], longest: int) -> DynamicCache:
         """The requests' caches stacked into one, each left-padded with zeros to `longest`."""
@@ -475,10 +512,11 @@ class TalkerAdapter:
             batch.update(torch.cat(keys), torch.cat(values), layer)
         return batch
 
-    def _next_frames(self, states: Sequence[TalkerState]) -> torch.Tensor:
+    def _next_frames(self, states: Sequence[TalkerState], heads: Sequence[_Head]) -> torch.Tensor:
         """[batch, num_codebooks]: the backbone's codebook 0, then the depth decoder's rest."""
-        first = torch.stack([self._sample(s.logits, s) for s in states])
-        hidden = torch.stack([_live(s.hidden, s) for s in states])
+        pairs = zip(heads, states, strict=True)
+        first = torch.stack([self._sample(head.logits, state) for head, state in pairs])
+        hidden = torch.stack([head.hidden for head in heads])
         depth = self._model.depth_decoder
         cache = DynamicCache(config=depth.config)
         # position 0 is a placeholder the depth decoder replaces with the backbone state
@@ -499,9 +537,9 @@ class TalkerAdapter:
                 out = depth(input_ids=code[:, None], cache=cache, use_cache=True, logits_to_keep=1)
         return torch.stack(codes, dim=1)
 
-    def _sample(self, logits: torch.Tensor | None, state: TalkerState) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, state: TalkerState) -> torch.Tensor:
         params = state.sampling
-        scores = _live(logits, state)[: self._facts.codec_vocab].float()
+        scores = logits[: self._facts.codec_vocab].float()
         if params.temperature == 0:
             return scores.argmax()
         scores = scores / params.temperature
@@ -532,6 +570,37 @@ def _live(tensor: torch.Tensor | None, state: TalkerState) -> torch.Tensor:
     if tensor is None:
         raise RuntimeError(f"request {state.request_id} was released")
     return tensor
+
+
+def _head(cache: DynamicCache, out: CsmOutputWithPast, row: int) -> _Head:
+    if out.logits is None or out.hidden_states is None:
+        raise RuntimeError("the CSM backbone returned no logits or hidden states")
+    # The same hidden state `CsmForConditionalGeneration.generate` hands the depth decoder.
+    return _Head(cache=cache, logits=out.logits[row, -1], hidden=out.hidden_states[-1][row, -1])
+
+
+def _current_head(state: TalkerState) -> _Head:
+    """A state's stored backbone results (it has no frame to feed)."""
+    return _Head(
+        cache=TalkerAdapter._live_cache(state),
+        logits=_live(state.logits, state),
+        hidden=_live(state.hidden, state),
+    )
+
+
+def _commit(state: TalkerState, head: _Head) -> None:
+    """Store a forward's results in the state (cannot raise: the step has succeeded)."""
+    state.cache, state.logits, state.hidden = head.cache, head.logits, head.hidden
+    state.pending_frame = None
+
+
+def _sharing_copy(cache: DynamicCache) -> DynamicCache:
+    """A cache holding the same key/value tensors as `cache`, no data copied. Extending it
+    leaves `cache` as it was: `DynamicLayer.update` concatenates into new tensors and rebinds
+    the copy's own layer objects."""
+    successor = copy.copy(cache)
+    successor.layers = [copy.copy(layer) for layer in cache.layers]
+    return successor
 
 
 def _layer_entries(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

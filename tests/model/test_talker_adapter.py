@@ -211,6 +211,83 @@ def test_batched_requests_match_each_run_alone(talker: TalkerAdapter) -> None:
     assert torch.equal(torch.stack(frames["b"]), alone_b)
 
 
+def _snapshot(state: TalkerState) -> list[object]:
+    """Everything a step may change in a state, copied."""
+    assert state.cache is not None and state.logits is not None and state.hidden is not None
+    entries = [
+        (layer.keys.clone(), layer.values.clone())
+        for layer in state.cache.layers
+        if layer.keys is not None and layer.values is not None
+    ]
+    pending = None if state.pending_frame is None else state.pending_frame.clone()
+    return [
+        state.cache.get_seq_length(),
+        entries,
+        state.generator.get_state(),
+        state.logits.clone(),
+        state.hidden.clone(),
+        pending,
+        [frame.clone() for frame in state.frames],
+        state.steps,
+        state.finish_reason,
+    ]
+
+
+def _assert_same(actual: object, expected: object) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and torch.equal(actual, expected)
+    elif isinstance(expected, list | tuple):
+        assert isinstance(actual, list | tuple) and len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            _assert_same(a, e)
+    else:
+        assert actual == expected
+
+
+def test_a_row_that_raises_leaves_every_state_as_it_was(
+    talker: TalkerAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All or nothing: the engine re-steps the members of a failed batch one by one, so a
+    failed step must advance no cache, generator, frame or pending frame."""
+    good = {
+        "a": _request("Hello world.", seed=1, frames=4),
+        "b": _request("A longer second sentence, with more tokens.", seed=2, frames=4),
+    }
+    bad = _request("Something else entirely.", seed=3, frames=4)
+    reference = {rid: _prepare(talker, payload, rid) for rid, payload in good.items()}
+    expected: dict[str, list[torch.Tensor]] = {rid: [] for rid in good}
+    for _ in range(3):  # the batch without the bad row
+        batch = list(reference.values())
+        for state, out in zip(batch, talker.step(batch), strict=True):
+            expected[state.request_id].append(out.partial)
+
+    states = [_prepare(talker, payload, rid) for rid, payload in good.items()]
+    states.append(_prepare(talker, bad, "bad"))
+    talker.step(states)  # every row now has a pending frame: the next step feeds the backbone
+    before = [_snapshot(state) for state in states]
+    sample = talker._sample
+    calls = {"bad": 0}
+
+    def sample_then_fail(logits: torch.Tensor, state: TalkerState) -> torch.Tensor:
+        if state.request_id == "bad":
+            calls["bad"] += 1
+            if calls["bad"] == 3:  # mid depth decoder: every row has drawn from its generator
+                raise RuntimeError("sampling failed")
+        return sample(logits, state)
+
+    monkeypatch.setattr(talker, "_sample", sample_then_fail)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        talker.step(states)
+    monkeypatch.undo()
+    for state, snapshot in zip(states, before, strict=True):
+        _assert_same(_snapshot(state), snapshot)
+
+    for state in states[:2]:  # the engine's isolation: each good row alone
+        for _ in range(2):
+            talker.step([state])
+        _assert_same(state.frames, expected[state.request_id])
+
+
 def test_greedy_matches_transformers_generate(talker: TalkerAdapter, processor: Any) -> None:
     payload = TalkerInput(
         text="Hello world.",
