@@ -8,7 +8,8 @@ One tick of the compute thread, in vLLM's order (see `StepEngine._tick`):
    (a failing prepare fails that request only);
 4. for each batch of the plan (one batch key, at most `max_batch` requests), in order:
    a. drain the control queue, so requests cancelled since the tick began are not stepped;
-   b. step the batch (one `adapter.step` call; see `_step` for interrupts and failures);
+   b. step the batch (one `adapter.step` call; see `_step` for interrupts and failures) and
+      charge its wall time to its batch key, for the scheduler's cost-aware turns;
    c. drain the control queue again, so a cancel that arrived during the step wins over its
       output;
    d. apply the outputs, publish events for the requests still live, and release every
@@ -538,8 +539,10 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
             self._interrupt.disarm()
 
     def _observe_step(self, request_ids: list[str], started: float) -> None:
+        """Metrics, each request's step time, and the batch key's charge in the turns."""
         seconds = time.monotonic() - started
         self._metrics.observe_step(seconds, len(request_ids))
+        self._scheduler.record_step_cost(self._record(request_ids[0]).batch_key, seconds)
         for rid in request_ids:
             self._slots[rid].step_seconds = seconds
 

@@ -6,16 +6,30 @@ The engine calls, on its compute thread only:
 - `schedule` once per tick, to learn whom to prepare, whom it preempted and which batches to
   step (in order);
 - `mark_prepared` after `adapter.prepare`, so the request is stepped from the next tick on;
+- `record_step_cost` after each `step` call, with the batch key and the call's wall time;
 - `apply_outputs` after each batch's step, once cancels have been drained again;
 - `finish_requests` for every abort (cancel, deadline, shutdown) and every engine-side failure;
 - `pop` when the engine has released a finished request and published its terminal event.
 
 Capacity. `max_running` requests hold adapter state at once (running + preempted); a new request
-is admitted (prepared) only below it. At most `max_batch` of them run, that is take a step every
-tick; the rest of the holders are PREEMPTED. A tick steps every running request once: running
-requests are grouped by batch key, each group is cut into batches of at most `max_batch`, and
-the groups take turns at going first (the key that went first goes last next tick), so no key
-always waits for the others.
+is admitted (prepared) only below it. At most `max_batch` of them run; the rest of the holders
+are PREEMPTED. Running requests are grouped by batch key; a key that steps in a tick steps every
+one of its running requests once, in batches of at most `max_batch`, most urgent first.
+
+Turns: keyed deficit round robin over compute time (vllm-omni's answer for parameter-key
+queues). Keys share the stage's time equally, not its ticks. A key that steps in a tick is
+charged, as debt, the wall time its step calls took (`record_step_cost`, fed by the engine);
+every tick pays one quantum (the cheapest key's last tick of steps) off the debt of every key
+with runnable requests, never below zero (no credit is banked); the keys that owe nothing step,
+the others wait. So a cheap key (a small image) steps about eight times while a key eight times
+dearer steps once, and no key waits for the others' forwards every tick (no head-of-line
+blocking). The quantum is never below the dearest key's cost / `MAX_TICKS_WITHOUT_STEP`, so a
+key with runnable requests steps at least once in every that many ticks (no starvation); a key
+new to the turns (or back after having had nothing to step) steps in its first tick. With one
+key, or keys of equal cost, every running request steps every tick. Urgency and turns: urgency
+decides who runs (admission, preemption) and the order within a tick (keys by their most urgent
+request, requests by theirs); the turns decide only which running keys step in a tick, so
+priority buys a request a run slot, not a larger share of time than the other keys that run.
 
 Order. Requests run in order of urgency: lower `priority` first, FIFO among equals, and every
 request gains one priority level per `PRIORITY_AGING_SECONDS` since it was submitted, so a
@@ -49,6 +63,14 @@ MISSING_OUTPUT = "No output for request"
 #: priority-0 request submitted now. Large enough that priorities mean something under load,
 #: small enough that a low-priority request waits minutes, not forever.
 PRIORITY_AGING_SECONDS = 10.0
+
+#: The starvation bound of the turns: a key with runnable requests steps at least once in every
+#: this many ticks, however much dearer its steps are than the others' (up to this cost ratio
+#: keys share time equally; beyond it the dear key gets more than its share).
+MAX_TICKS_WITHOUT_STEP = 16
+
+#: Seconds of debt a key may still owe and step: rounding slack far below any step's time.
+_DEBT_SLACK_SECONDS = 1e-9
 
 
 @dataclass
@@ -113,9 +135,67 @@ def validate_budget(request: EngineRequest[object]) -> None:
         )
 
 
+@dataclass
+class _KeyAccount:
+    """One batch key's standing in the turns."""
+
+    debt: float = 0.0  # compute seconds it owes the other keys; it steps when it owes none
+    last_cost: float = 0.0  # seconds its step calls took in the last tick it was charged
+    charged_tick: int | None = None  # that tick; None until it is first charged
+
+
+class KeyedDeficitRoundRobin:
+    """Which batch keys step in a tick, so that keys share compute time equally.
+
+    Each tick, every key with runnable requests pays off one quantum of its debt (never below
+    zero: credit is not banked); the keys that owe nothing step and are then charged what their
+    steps took. See the module docstring for the policy and its bounds.
+    """
+
+    def __init__(self, max_ticks_without_step: int = MAX_TICKS_WITHOUT_STEP) -> None:
+        assert max_ticks_without_step >= 1, f"needs >= 1 tick, got {max_ticks_without_step}"
+        self._max_ticks_without_step = max_ticks_without_step
+        self._accounts: dict[Hashable, _KeyAccount] = {}
+        self._tick = -1
+
+    def pick(self, keys: Iterable[Hashable]) -> list[Hashable]:
+        """The keys (of `keys`, those with runnable requests, in that order) that step now.
+
+        Never empty when `keys` is not: the cheapest key's debt is always paid off in a tick.
+        A key not in `keys` leaves the turns and forgets its debt (as a DRR queue that empties).
+        """
+        self._tick += 1
+        active = list(keys)
+        self._accounts = {key: self._accounts.get(key) or _KeyAccount() for key in active}
+        quantum = self._quantum()
+        for account in self._accounts.values():
+            account.debt = max(account.debt - quantum, 0.0)
+        paid = [key for key in active if self._accounts[key].debt <= _DEBT_SLACK_SECONDS]
+        if paid or not active:
+            return paid
+        return [min(active, key=lambda key: self._accounts[key].debt)]  # defensive: never idle
+
+    def charge(self, key: Hashable, seconds: float) -> None:
+        """A step call of `key` in the current tick took `seconds`; unknown keys are ignored."""
+        account = self._accounts.get(key)
+        if account is None:
+            return
+        if account.charged_tick != self._tick:  # its first step call of this tick
+            account.charged_tick, account.last_cost = self._tick, 0.0
+        account.last_cost += seconds
+        account.debt += seconds
+
+    def _quantum(self) -> float:
+        """The cheapest key's last step time, but at least the dearest's / the tick bound."""
+        costs = [a.last_cost for a in self._accounts.values() if a.charged_tick is not None]
+        if not costs:
+            return 0.0
+        return max(min(costs), max(costs) / self._max_ticks_without_step)
+
+
 class Scheduler:
     """Urgency order with aging, `max_running` holders, `max_batch` running, preemption,
-    batches by batch key taking turns. See the module docstring.
+    batches by batch key taking cost-aware turns. See the module docstring.
 
     It never reads a payload: requests of any input type are EngineRequest[object] here.
     `max_batch` None (or above `max_running`) means `max_running`. `clock` is injectable for
@@ -141,7 +221,7 @@ class Scheduler:
         self._queue: list[str] = []  # WAITING and PREEMPTED, most urgent first
         self._preempted: set[str] = set()  # the PREEMPTED part of the queue (they hold state)
         self._running: list[str] = []  # RUNNING, admission order
-        self._turns: dict[Hashable, None] = {}  # batch keys, the one to go first next at the front
+        self._turns = KeyedDeficitRoundRobin()  # which batch keys step in a tick
         self._finished_since_tick: set[str] = set()
         self._next_step_id = 0
         self._next_arrival = 0
@@ -239,36 +319,29 @@ class Scheduler:
         self._running.append(request_id)
 
     def _plan_batches(self) -> list[list[str]]:
-        """The steppable running requests, by batch key, in batches of at most `max_batch`."""
+        """The steppable running requests of the keys whose turn it is (see the module
+        docstring), by key, in batches of at most `max_batch`; keys and requests in order of
+        urgency (a key ranks by its most urgent request)."""
         groups: dict[Hashable, list[str]] = {}
         for rid in sorted(self._running, key=self._urgency_of):
             record = self._records[rid]
             if record.prepared and not record.waiting_for_input:
-                record.input_since_schedule = False
                 groups.setdefault(record.batch_key, []).append(rid)
         batches: list[list[str]] = []
-        for key in self._take_turns(groups):
+        for key in self._turns.pick(groups):
             group = groups[key]
+            for rid in group:
+                self._records[rid].input_since_schedule = False
             batches.extend(
                 group[start : start + self.max_batch]
                 for start in range(0, len(group), self.max_batch)
             )
         return batches
 
-    def _take_turns(self, keys: Collection[Hashable]) -> list[Hashable]:
-        """This tick's order of batch keys; the key that goes first now goes last next time.
-
-        Keys seen for the first time join at the back; keys with nothing to step are forgotten.
-        """
-        for gone in [key for key in self._turns if key not in keys]:
-            del self._turns[gone]
-        for key in keys:
-            self._turns.setdefault(key, None)
-        order = list(self._turns)
-        if order:
-            del self._turns[order[0]]
-            self._turns[order[0]] = None
-        return order
+    def record_step_cost(self, batch_key: Hashable, seconds: float) -> None:
+        """A step call of this tick's batch of `batch_key` took `seconds` of wall time: the key
+        is charged it in the turns (every call counts, retries and runs to the end included)."""
+        self._turns.charge(batch_key, seconds)
 
     def mark_prepared(self, request_id: str, batch_key: Hashable) -> None:
         """The adapter now holds a state for the request; it is stepped from the next tick."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 
 import pytest
@@ -14,6 +17,7 @@ from stagemesh.shared.engine.adapter import (
 )
 from stagemesh.shared.engine.request import AbortReason, RequestState
 from stagemesh.shared.engine.scheduler import (
+    MAX_TICKS_WITHOUT_STEP,
     MISSING_STEP_INDEX,
     PRIORITY_AGING_SECONDS,
     Scheduler,
@@ -395,7 +399,7 @@ def test_max_batch_caps_the_running_and_batches_split_by_key() -> None:
     finish_step(scheduler, plan, done={"a"})
     plan = scheduler.schedule()  # a's run slot goes to d, the next in line
     assert plan.to_prepare == ["d"] and plan.preempted == []
-    assert plan.batches == [["b"], ["c"]]  # y's turn to go first
+    assert plan.batches == [["b"], ["c"]]  # keys in urgency order: b is older than c
     assert all(len(batch) <= scheduler.max_batch for batch in plan.batches)
 
 
@@ -404,22 +408,38 @@ def test_max_batch_above_max_running_is_max_running() -> None:
     assert Scheduler(max_running=4).max_batch == 4
 
 
-def test_batch_keys_take_turns_at_going_first() -> None:
-    scheduler = Scheduler(max_running=3)
-    for rid in "abc":
-        scheduler.add_request(make_request(rid, total_steps=None))
+def start_keyed(
+    scheduler: Scheduler, keys: Mapping[str, str], priorities: Mapping[str, int] | None = None
+) -> None:
+    """Admit and prepare one open-ended request per id of `keys`, with its batch key."""
+    for rid in keys:
+        priority = 0 if priorities is None else priorities.get(rid, 0)
+        scheduler.add_request(make_request(rid, total_steps=None, priority=priority))
     plan = scheduler.schedule()
-    for rid, key in zip(plan.to_prepare, ["x", "y", "z"], strict=True):
-        scheduler.mark_prepared(rid, key)
-    orders = []
-    for _ in range(6):
-        plan = scheduler.schedule()
-        orders.append([rid for [rid] in plan.batches])
-        finish_step(scheduler, plan)
-    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] * 2
+    for rid in plan.to_prepare:
+        scheduler.mark_prepared(rid, keys[rid])
 
 
-def test_a_new_key_joins_the_turns_at_the_back_and_a_gone_key_leaves() -> None:
+def step_charging(scheduler: Scheduler, costs: Mapping[str, float]) -> list[list[str]]:
+    """One tick as the engine runs it: schedule, then step each batch, charging its key the
+    batch's cost (`costs` by batch key). Returns the tick's batches."""
+    plan = scheduler.schedule()
+    for batch in plan.batches:
+        record = scheduler.get(batch[0])
+        assert record is not None
+        scheduler.record_step_cost(record.batch_key, costs[str(record.batch_key)])
+    finish_step(scheduler, plan)
+    return plan.batches
+
+
+def run_ticks(scheduler: Scheduler, costs: Mapping[str, float], ticks: int) -> list[list[str]]:
+    """The ids stepped in each of `ticks` ticks, in order."""
+    return [
+        [rid for batch in step_charging(scheduler, costs) for rid in batch] for _ in range(ticks)
+    ]
+
+
+def test_a_new_key_steps_from_its_first_tick_and_a_gone_key_leaves() -> None:
     scheduler = Scheduler(max_running=3)
     start_running(scheduler, "a")
     scheduler.add_request(make_request("b"))
@@ -431,6 +451,153 @@ def test_a_new_key_joins_the_turns_at_the_back_and_a_gone_key_leaves() -> None:
     assert plan.batches == [["a"], ["b"]]
     finish_step(scheduler, plan, done={"a"})
     assert scheduler.schedule().batches == [["b"]]
+
+
+def test_a_key_eight_times_cheaper_steps_eight_times_as_often() -> None:
+    """Cost-aware turns: the cheap key steps every tick, the dear one every 8th; both get the
+    same compute time, and the cheap one never waits for the dear one's step 7 ticks in 8."""
+    scheduler = Scheduler(max_running=2)
+    start_keyed(scheduler, {"small": "64", "large": "256"})
+    ticks = run_ticks(scheduler, {"64": 1.0, "256": 8.0}, 80)
+    both, small_only = ["small", "large"], ["small"]
+    assert ticks == [both] + ([small_only] * 7 + [both]) * 9 + [small_only] * 7
+    steps = Counter(rid for tick in ticks for rid in tick)
+    assert steps == {"small": 80, "large": 10}
+    assert steps["small"] * 1.0 == steps["large"] * 8.0  # equal shares of time
+
+
+def test_three_keys_share_time_equally() -> None:
+    scheduler = Scheduler(max_running=3)
+    start_keyed(scheduler, {"a": "x", "b": "y", "c": "z"})
+    costs = {"x": 1.0, "y": 2.0, "z": 4.0}
+    ticks = run_ticks(scheduler, costs, 40)
+    assert ticks[:4] == [["a", "b", "c"], ["a"], ["a", "b"], ["a"]]
+    assert ticks[4:8] == [["a", "b", "c"], ["a"], ["a", "b"], ["a"]]  # a period of 4 ticks
+    steps = Counter(rid for tick in ticks for rid in tick)
+    assert steps == {"a": 40, "b": 20, "c": 10}
+    time_used = {rid: steps[rid] * cost for rid, cost in zip("abc", costs.values(), strict=True)}
+    assert time_used == dict.fromkeys("abc", 40.0)
+
+
+def test_every_key_steps_within_the_bound_however_dear() -> None:
+    """No starvation: a key 1000x dearer still steps once in every MAX_TICKS_WITHOUT_STEP."""
+    scheduler = Scheduler(max_running=2)
+    start_keyed(scheduler, {"cheap": "c", "dear": "d"})
+    ticks = run_ticks(scheduler, {"c": 0.001, "d": 1.0}, 5 * MAX_TICKS_WITHOUT_STEP + 1)
+    assert all("cheap" in tick for tick in ticks)
+    dear_ticks = [i for i, tick in enumerate(ticks) if "dear" in tick]
+    assert dear_ticks == list(range(0, len(ticks), MAX_TICKS_WITHOUT_STEP))
+
+
+def test_every_key_steps_within_the_bound_whatever_the_costs() -> None:
+    """The starvation bound, over step costs that change at random from tick to tick."""
+    rng = random.Random(9)
+    scheduler = Scheduler(max_running=4)
+    start_keyed(scheduler, {"a": "w", "b": "x", "c": "y", "d": "z"})
+    last_step = dict.fromkeys("abcd", -1)
+    for tick in range(2000):
+        costs = {key: rng.choice([1e-4, 1e-3, 0.05, 1.0, 30.0]) for key in "wxyz"}
+        for rid in [rid for batch in step_charging(scheduler, costs) for rid in batch]:
+            last_step[rid] = tick
+        for rid, seen in last_step.items():
+            assert tick - seen < MAX_TICKS_WITHOUT_STEP, f"{rid} not stepped since tick {seen}"
+
+
+def test_a_key_that_appears_later_steps_in_its_first_tick() -> None:
+    scheduler = Scheduler(max_running=3)
+    start_keyed(scheduler, {"small": "64", "large": "256"})
+    costs = {"64": 1.0, "128": 3.0, "256": 8.0}
+    assert run_ticks(scheduler, costs, 2) == [["small", "large"], ["small"]]  # large owes 7
+    scheduler.add_request(make_request("medium", total_steps=None))
+    plan = scheduler.schedule()  # medium is prepared in this tick, stepped from the next
+    assert plan.to_prepare == ["medium"] and plan.batches == [["small"]]
+    scheduler.mark_prepared("medium", "128")
+    finish_step(scheduler, plan)
+    scheduler.record_step_cost("64", 1.0)
+    ticks = run_ticks(scheduler, costs, 6)
+    assert ticks[0] == ["small", "medium"]  # at once, ahead of the large key still owing
+    assert ticks == [
+        ["small", "medium"], ["small"], ["small"], ["small", "medium"], ["small"],
+        ["small", "large"],  # large: 8 ticks after its last step, as without medium
+    ]
+
+
+def test_a_key_that_had_nothing_to_step_comes_back_owing_nothing() -> None:
+    """Like a DRR queue that empties: a key with no runnable request leaves the turns."""
+    scheduler = Scheduler(max_running=2)
+    start_keyed(scheduler, {"small": "64", "large": "256"})
+    costs = {"64": 1.0, "256": 8.0}
+    assert run_ticks(scheduler, costs, 2) == [["small", "large"], ["small"]]
+    plan = scheduler.schedule()
+    assert plan.batches == [["small"]]
+    scheduler.finish_requests("large", RequestState.FINISHED_ABORTED)
+    scheduler.pop("large")
+    finish_step(scheduler, plan)
+    scheduler.add_request(make_request("large-2", total_steps=None))
+    plan = scheduler.schedule()
+    scheduler.mark_prepared("large-2", "256")
+    finish_step(scheduler, plan)
+    assert run_ticks(scheduler, costs, 1) == [["small", "large-2"]]
+
+
+def test_one_key_steps_every_running_request_every_tick_whatever_its_costs() -> None:
+    scheduler = Scheduler(max_running=5)
+    start_keyed(scheduler, dict.fromkeys("abcde", "only"))
+    for cost in [0.001, 5.0, 0.0, 30.0, 0.2, 0.2, 1e-7]:
+        assert step_charging(scheduler, {"only": cost}) == [["a", "b", "c", "d", "e"]]
+
+
+def test_keys_of_equal_cost_all_step_every_tick() -> None:
+    scheduler = Scheduler(max_running=3)
+    start_keyed(scheduler, {"a": "x", "b": "y", "c": "z"})
+    assert run_ticks(scheduler, dict.fromkeys("xyz", 0.25), 10) == [["a", "b", "c"]] * 10
+
+
+def test_every_step_call_of_a_key_in_a_tick_is_charged() -> None:
+    """x's batch fails and is stepped again one request at a time: three calls, 2 s in all,
+    so x steps twice for y's once, y costing 4 s."""
+    scheduler = Scheduler(max_running=3)
+    start_keyed(scheduler, {"a": "x", "b": "x", "c": "y"})
+    ticks = []
+    for _ in range(6):
+        plan = scheduler.schedule()
+        ticks.append(plan.batches)
+        if ["a", "b"] in plan.batches:
+            for seconds in (1.0, 0.5, 0.5):  # a and b together (raised), then each alone
+                scheduler.record_step_cost("x", seconds)
+        if ["c"] in plan.batches:
+            scheduler.record_step_cost("y", 4.0)
+        finish_step(scheduler, plan)
+    assert ticks == [[["a", "b"], ["c"]], [["a", "b"]]] * 3
+
+
+def test_urgency_orders_the_keys_of_a_tick() -> None:
+    """The turns pick which keys step; within the tick, the key of the most urgent request
+    goes first (not the key that came first), and urgency orders the requests within a key."""
+    scheduler = Scheduler(max_running=4)
+    keys = {"bulk-1": "x", "bulk-2": "x", "bulk-3": "y", "vip": "y"}
+    start_keyed(scheduler, keys, priorities={"vip": -2, "bulk-2": -1})
+    assert scheduler.schedule().batches == [["vip", "bulk-3"], ["bulk-2", "bulk-1"]]
+
+
+def test_priority_still_preempts_across_keys() -> None:
+    """The turns never step a preempted request, nor keep a more urgent one from its slot:
+    a key that owes time still loses its run slot to a more urgent request of another key."""
+    scheduler = Scheduler(max_running=2, max_batch=1)
+    start_keyed(scheduler, {"low": "256"})
+    assert run_ticks(scheduler, {"256": 8.0, "64": 1.0}, 1) == [["low"]]
+    scheduler.add_request(make_request("high", total_steps=None, priority=-1))
+    plan = scheduler.schedule()
+    assert plan.preempted == ["low"] and plan.to_prepare == ["high"] and plan.batches == []
+    scheduler.mark_prepared("high", "64")
+    assert run_ticks(scheduler, {"256": 8.0, "64": 1.0}, 3) == [["high"]] * 3
+
+
+def test_a_cost_for_a_key_not_in_the_turns_is_ignored() -> None:
+    scheduler = Scheduler(max_running=1)
+    start_keyed(scheduler, {"a": "x"})
+    scheduler.record_step_cost("never-seen", 100.0)
+    assert run_ticks(scheduler, {"x": 1.0}, 2) == [["a"], ["a"]]
 
 
 # -- priorities and aging ----------------------------------------------------------------------
