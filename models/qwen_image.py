@@ -42,7 +42,6 @@ from transformers import (
 )
 
 from stagemesh.models.cache import models_dir
-from stagemesh.models.families.qwen_image import latent_factor as latent_factor
 from stagemesh.models.families.tokens import token_id
 
 logger = logging.getLogger(__name__)
