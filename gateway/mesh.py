@@ -24,7 +24,7 @@ from stagemesh.gateway.stubs import (
     vae_stub,
 )
 from stagemesh.shared.proto.v1 import gateway_service_pb2
-from stagemesh.shared.server import CHANNEL_OPTIONS
+from stagemesh.shared.server import open_channel
 
 HEALTH_TIMEOUT_S = 1.0
 #: grpc.health.v1 Check, called by name: the stub package's HealthStub declares no methods.
@@ -42,8 +42,7 @@ class Mesh:
         for recipe in self.recipes.values():
             for endpoint in recipe.stages.values():
                 if endpoint.address not in self._channels:
-                    self._channels[endpoint.address] = grpc.aio.insecure_channel(
-                        endpoint.address, options=CHANNEL_OPTIONS)
+                    self._channels[endpoint.address] = open_channel(endpoint.address)
 
     async def close(self) -> None:
         channels = list(self._channels.values())

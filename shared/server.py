@@ -24,6 +24,8 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A second server on a busy port must fail to bind, not share the port with the first.
+    ("grpc.so_reuseport", 0),
 ]
 
 #: Client-side twin of SERVER_OPTIONS, for every channel the mesh opens.
@@ -34,6 +36,11 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+def open_channel(target: str) -> grpc.aio.Channel:
+    """The one way the mesh opens a channel to a stage (options, and later credentials)."""
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
 @dataclass
