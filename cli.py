@@ -4,7 +4,7 @@
     stagemesh gateway                     only the gateway (stages run elsewhere, e.g. Kubernetes)
     stagemesh stage NAME --port P --model DIR   one stage (the Kubernetes entry point)
     stagemesh model prepare SPEC          a model's folder (a built-in one is built on first use)
-    stagemesh bench abort|tts|throughput|dtypes|gpu   benchmarks (JSON + PNG)
+    stagemesh bench NAME                  a benchmark (JSON + PNG); NAME: a module of bench/
     stagemesh train tiny-shapes           retrain the shipped default image model
     stagemesh eval tiny-shapes            measure it through a running mesh
 """
@@ -146,6 +146,15 @@ def _cmd_model_prepare(args: argparse.Namespace) -> None:
     sys.stdout.write(f"{folder}\n")
 
 
+def bench_names() -> list[str]:
+    """Every benchmark: each module of bench/ except its shared helpers."""
+    import pkgutil
+
+    from stagemesh import bench
+
+    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name != "common")
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     import importlib
 
@@ -214,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=_cmd_model_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks (not tests)")
-    bench.add_argument("which", choices=["abort", "tts", "throughput", "dtypes", "gpu"])
+    bench.add_argument("which", choices=bench_names())
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     bench.set_defaults(func=_cmd_bench)
 
