@@ -1,4 +1,5 @@
-"""The `bench` and `train` extras stay optional: no module imports them when it is imported.
+"""The `bench`, `train` and `voice-gpl` extras stay optional: no module imports them when it is
+imported.
 
 Read from the source (module-level import statements, including those under a top-level `if` or
 `try`, but not under `if TYPE_CHECKING:`): tqdm is installed anyway as a dependency of
@@ -14,7 +15,9 @@ from pathlib import Path
 import stagemesh
 
 #: Extra -> the modules it provides.
-EXTRAS = {"bench": ("matplotlib",), "train": ("tqdm",)}
+EXTRAS = {"bench": ("matplotlib", "simpy"), "train": ("tqdm",),
+          # GPL-3.0-or-later: the phonemizer of the Piper voice stays an optional extra.
+          "voice-gpl": ("piper",)}
 ROOT = Path(stagemesh.__file__).parent
 
 

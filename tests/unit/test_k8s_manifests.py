@@ -1,26 +1,37 @@
 """The Kubernetes manifests (k8s/), rendered with `kubectl kustomize` and checked against the code.
 
-Schema validation is tools/check_k8s.sh's job; these tests check what a schema cannot: that the
-probes, Services, autoscalers and recipes agree with each other and with how the app runs.
+tools/validate_manifests.py checks each resource against its schema (built-in kinds and the
+vendored KEDA CRD); the rest of these tests check what a schema cannot: that the probes,
+Services, autoscalers, policies and recipes agree with each other and with how the app runs.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from stagemesh.gateway.recipes import load_recipes
 from stagemesh.shared.engine.metrics import EngineMetrics
-from stagemesh.shared.stage_runtime import SHUTDOWN_GRACE_S
+from stagemesh.shared.stage_runtime import (
+    DEFAULT_DRAIN_GRACE_S,
+    DRAIN_GRACE_OPTION,
+    FLUSH_GRACE_S,
+    SHUTDOWN_GRACE_S,
+)
 
-K8S = Path(__file__).resolve().parents[2] / "k8s"
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
 KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None,
                                 reason="kubectl is not on PATH (needed for `kubectl kustomize`)")
@@ -29,11 +40,27 @@ STAGES = ("tokenizer", "dit", "vae", "talker", "codec")
 #: The stages that compute on a GPU in the gpu overlay (the real Qwen-Image text encoder is a
 #: 7B-parameter Qwen2.5-VL, so the tokenizer needs one too; the codec stays on CPU).
 GPU_STAGES = {"tokenizer", "dit", "vae", "talker"}
-QUEUE_METRIC = "stagemesh_requests_waiting"
+#: The gauges a stage's autoscaler sums: its engines' queue (waiting) and what they run.
+QUEUE_METRICS = {"stagemesh_requests_waiting", "stagemesh_requests_running"}
+#: The `stage` label values of each stage pod's engines (the codec runs two).
+ENGINE_LABELS = {"tokenizer": {"tokenizer"}, "dit": {"dit"}, "vae": {"vae"},
+                 "talker": {"talker"}, "codec": {"codec", "codec-encode"}}
 #: The gateway's own shutdown: up to 10 s for HTTP requests, then 5 s for gRPC (gateway/app.py).
 GATEWAY_DRAIN_S = 15
+#: What a stage needs after its drain grace: abort what is left, let the aborts reach the
+#: gateways, exit (shared/stage_runtime.py, drain_stage).
+STAGE_EXIT_S = SHUTDOWN_GRACE_S + FLUSH_GRACE_S
+#: Metadata keys of KEDA's Prometheus trigger (v2.20.2 pkg/scalers/prometheus_scaler.go), and
+#: those it requires. The CRD leaves trigger metadata as free strings, so a misspelt key would
+#: reach the cluster unnoticed.
+PROMETHEUS_TRIGGER_KEYS = {
+    "serverAddress", "query", "queryParameters", "threshold", "activationThreshold", "namespace",
+    "customHeaders", "ignoreNullValues", "unsafeSsl", "awsRegion", "timeout", "identityOwner",
+}
+PROMETHEUS_TRIGGER_REQUIRED = {"serverAddress", "query", "threshold"}
+MESH_TOKEN = ("STAGEMESH_MESH_TOKEN", "stagemesh-mesh-token", "token")
+API_KEYS = ("STAGEMESH_API_KEYS", "stagemesh-api-keys", "keys")
 OVERLAYS = ("base", "overlays/cpu-tiny", "overlays/gpu")
-AUTOSCALED = ("base", "overlays/gpu")
 
 Doc = dict[str, Any]
 
@@ -49,9 +76,17 @@ def of_kind(overlay: str, kind: str) -> dict[str, Doc]:
     return {d["metadata"]["name"]: d for d in render(overlay) if d["kind"] == kind}
 
 
+def stage_deployments(overlay: str) -> dict[str, Doc]:
+    return {n: d for n, d in of_kind(overlay, "Deployment").items() if n != "gateway"}
+
+
+def pod_labels(deployment: Doc) -> dict[str, str]:
+    return {str(k): str(v) for k, v in deployment["spec"]["template"]["metadata"]["labels"].items()}
+
+
 def container(deployment: Doc, name: str) -> Doc:
-    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
-    return containers[name]
+    containers: list[Doc] = deployment["spec"]["template"]["spec"]["containers"]
+    return named(containers, name)
 
 
 def flag(args: list[str], name: str) -> str:
@@ -61,7 +96,26 @@ def flag(args: list[str], name: str) -> str:
 
 def named(items: list[Doc], name: str) -> Doc:
     """The entry called `name` in a list of ports, volumes or mounts."""
-    return next(item for item in items if item["name"] == name)
+    found: Doc = next(item for item in items if item["name"] == name)
+    return found
+
+
+def selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """Whether a label selector (matchLabels form, or a Service's plain map) matches."""
+    wanted = selector.get("matchLabels", selector)
+    assert "matchExpressions" not in selector, "selectors here use matchLabels only"
+    return all(labels.get(key) == value for key, value in wanted.items())
+
+
+@functools.cache
+def validator() -> ModuleType:
+    """tools/validate_manifests.py (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "validate_manifests", ROOT / "tools" / "validate_manifests.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(params=OVERLAYS)
@@ -69,73 +123,102 @@ def overlay(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def test_every_stage_has_a_deployment_and_service(overlay: str) -> None:
-    for kind in ("Deployment", "Service"):
-        assert set(of_kind(overlay, kind)) == {*STAGES, "gateway"}, kind
+# --- schemas -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlay", AUTOSCALED)
-def test_every_deployment_has_an_autoscaler_on_itself(overlay: str) -> None:
-    hpas = of_kind(overlay, "HorizontalPodAutoscaler")
-    assert set(hpas) == {*STAGES, "gateway"}
-    for name, hpa in hpas.items():
-        assert hpa["apiVersion"] == "autoscaling/v2"
-        target = hpa["spec"]["scaleTargetRef"]
-        assert (target["kind"], target["name"]) == ("Deployment", name)
-        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+def test_every_resource_validates_against_its_schema(overlay: str) -> None:
+    errors = [e for doc in render(overlay) for e in validator().resource_errors(doc, "1.32.0")]
+    assert errors == []
 
 
-@pytest.mark.parametrize("overlay", AUTOSCALED)
-def test_stage_autoscalers_use_the_queue_metric_with_cpu_fallback(overlay: str) -> None:
+def test_the_crd_check_refuses_what_the_api_server_would() -> None:
+    """The vendored CRD check fails on an unknown field, a wrong type and a kind it has no
+    schema for (kubernetes-validate alone would only warn about all three)."""
+    scaled = of_kind("base", "ScaledObject")["dit"]
+    misspelt = {**scaled, "spec": {**scaled["spec"], "minReplicas": 1}}
+    wrong_type = {**scaled, "spec": {**scaled["spec"], "maxReplicaCount": "8"}}
+    unknown_kind = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+                    "metadata": {"name": "dit"}, "spec": {}}
+    check = validator().resource_errors
+    assert check(scaled, "1.32.0") == []
+    assert "minReplicas" in " ".join(check(misspelt, "1.32.0"))
+    assert "maxReplicaCount" in " ".join(check(wrong_type, "1.32.0"))
+    assert "no schema" in " ".join(check(unknown_kind, "1.32.0"))
+
+
+# --- Services, Deployments, probes -----------------------------------------------------------
+
+
+def test_every_stage_has_a_deployment_and_a_headless_service(overlay: str) -> None:
+    assert set(of_kind(overlay, "Deployment")) == {*STAGES, "gateway"}
+    services = of_kind(overlay, "Service")
+    assert set(services) == {*(f"stagemesh-{s}" for s in STAGES), "gateway"}
+    deployments = of_kind(overlay, "Deployment")
     for stage in STAGES:
-        metrics = of_kind(overlay, "HorizontalPodAutoscaler")[stage]["spec"]["metrics"]
-        pods = [m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"]
-        resources = [m["resource"]["name"] for m in metrics if m["type"] == "Resource"]
-        assert (pods, resources) == ([QUEUE_METRIC], ["cpu"]), stage
-
-
-def test_the_queue_metric_is_what_a_stage_exports() -> None:
-    registry = CollectorRegistry()
-    EngineMetrics("dit", registry=registry).observe_queues(3, 1)
-    assert f'{QUEUE_METRIC}{{stage="dit"}} 3.0' in generate_latest(registry).decode()
-
-
-def test_cpu_tiny_runs_one_replica_of_everything_without_autoscalers() -> None:
-    assert of_kind("overlays/cpu-tiny", "HorizontalPodAutoscaler") == {}
-    assert of_kind("overlays/cpu-tiny", "PersistentVolumeClaim") == {}
-    replicas = {n: d["spec"]["replicas"] for n, d in of_kind("overlays/cpu-tiny",
-                                                             "Deployment").items()}
-    assert set(replicas.values()) == {1}
+        spec = services[f"stagemesh-{stage}"]["spec"]
+        # Headless: DNS answers with every ready pod, so the gateway can pick among them.
+        assert spec["clusterIP"] == "None", stage
+        assert not spec.get("publishNotReadyAddresses", False), stage
+        matched = [n for n, d in deployments.items() if selects(spec["selector"], pod_labels(d))]
+        assert matched == [stage]
+    assert services["gateway"]["spec"].get("clusterIP") != "None"
 
 
 def test_stage_probes_ports_and_scrape_annotations_agree(overlay: str) -> None:
     services = of_kind(overlay, "Service")
-    for stage, deployment in of_kind(overlay, "Deployment").items():
-        if stage == "gateway":
-            continue
+    for stage, deployment in stage_deployments(overlay).items():
         stage_container = container(deployment, "stage")
         args = stage_container["args"]
         assert args[:2] == ["stage", stage]
         grpc_port = int(flag(args, "--port"))
         metrics_port = int(flag(args, "--metrics-port"))
+        # `stagemesh stage` binds loopback unless told otherwise; a pod must be reachable.
         assert flag(args, "--host") == "0.0.0.0"
         assert named(stage_container["ports"], "grpc")["containerPort"] == grpc_port
+        assert named(stage_container["ports"], "metrics")["containerPort"] == metrics_port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert stage_container[probe]["grpc"]["port"] == grpc_port, (stage, probe)
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert int(annotations["prometheus.io/port"]) == metrics_port
-        ports = services[stage]["spec"]["ports"]
+        ports = services[f"stagemesh-{stage}"]["spec"]["ports"]
         assert named(ports, "grpc")["targetPort"] in ("grpc", grpc_port)
         assert named(ports, "metrics")["port"] == metrics_port
 
 
-def test_termination_grace_covers_the_drain(overlay: str) -> None:
+def _env(each: Doc) -> dict[str, Doc]:
+    return {e["name"]: e for e in each.get("env", [])}
+
+
+def _pre_stop_sleep(each: Doc) -> int:
+    """Seconds a container's preStop hook waits (an exec `sleep N`)."""
+    command = each["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return int(command[1])
+
+
+def test_termination_grace_covers_prestop_and_the_stage_drain(overlay: str) -> None:
+    """The kubelet kills a pod terminationGracePeriodSeconds after it starts stopping it, preStop
+    included: the stage's whole drain (its drain_grace_s option, or the default) must fit."""
+    assert DEFAULT_DRAIN_GRACE_S == 30  # the README and the manifests' comments say so
     for name, deployment in of_kind(overlay, "Deployment").items():
-        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        # A stage gives running RPCs SHUTDOWN_GRACE_S, then its engines as long again.
-        needed = GATEWAY_DRAIN_S if name == "gateway" else 2 * SHUTDOWN_GRACE_S
-        assert grace > needed, name
+        pod = deployment["spec"]["template"]["spec"]
+        main = pod["containers"][0]
+        if name == "gateway":
+            needed: float = GATEWAY_DRAIN_S
+        else:
+            drain = _stage_options(deployment).get(DRAIN_GRACE_OPTION, DEFAULT_DRAIN_GRACE_S)
+            assert isinstance(drain, int | float), name
+            needed = drain + STAGE_EXIT_S
+        assert pod["terminationGracePeriodSeconds"] >= _pre_stop_sleep(main) + needed, name
+
+
+def test_stage_threads_are_picked_by_role_not_pinned(overlay: str) -> None:
+    """`stagemesh stage` gives dit and talker every core of its CPU limit and the light stages
+    one; a STAGEMESH_THREADS in the pod would override that for every stage alike."""
+    for name, deployment in stage_deployments(overlay).items():
+        assert "STAGEMESH_THREADS" not in _env(container(deployment, "stage")), name
+        assert "--threads" not in container(deployment, "stage")["args"], name
 
 
 def test_every_container_runs_as_non_root_without_privileges(overlay: str) -> None:
@@ -162,7 +245,27 @@ def test_gateway_serves_the_recipes_config_map_on_its_service_ports(overlay: str
     assert volume["configMap"]["name"] in of_kind(overlay, "ConfigMap")
 
 
-def test_recipes_point_at_the_stage_services(overlay: str, tmp_path: Path) -> None:
+def test_the_gateway_reads_no_model_folder(overlay: str) -> None:
+    """Voices, limits and devices come from the stages' Describe RPC: the gateway pod mounts
+    only its recipes and a scratch /tmp."""
+    gateway = of_kind(overlay, "Deployment")["gateway"]
+    volumes = gateway["spec"]["template"]["spec"]["volumes"]
+    assert sorted(v["name"] for v in volumes) == ["recipes", "tmp"]
+    assert all("persistentVolumeClaim" not in v for v in volumes)
+    assert "--model" not in container(gateway, "gateway")["args"]
+
+
+# --- recipes -----------------------------------------------------------------------------------
+
+
+def _dns_target(address: str) -> tuple[str, int]:
+    """(host, port) of a gRPC `dns:///host:port` target."""
+    match = re.fullmatch(r"dns:///([a-z0-9.-]+):(\d+)", address)
+    assert match, f"{address!r} is not a dns:/// target"
+    return match.group(1), int(match.group(2))
+
+
+def test_recipes_resolve_every_pod_of_the_stage_services(overlay: str, tmp_path: Path) -> None:
     (config_map,) = of_kind(overlay, "ConfigMap").values()
     recipes_file = tmp_path / "recipes.yaml"
     recipes_file.write_text(config_map["data"]["recipes.yaml"])
@@ -173,22 +276,186 @@ def test_recipes_point_at_the_stage_services(overlay: str, tmp_path: Path) -> No
     for recipe in recipes.values():
         for stage, endpoint in recipe.stages.items():
             used.add(stage)
-            ports = services[endpoint.host]["spec"]["ports"]
-            assert endpoint.host == stage
-            assert endpoint.port == named(ports, "grpc")["port"]
-            assert endpoint.metrics_port == named(ports, "metrics")["port"]
+            host, port = _dns_target(endpoint.address)
+            service = services[f"stagemesh-{stage}"]
+            namespace = service["metadata"]["namespace"]
+            assert host == f"stagemesh-{stage}.{namespace}.svc.cluster.local"
+            assert service["spec"]["clusterIP"] == "None"
+            assert port == named(service["spec"]["ports"], "grpc")["port"]
+            assert endpoint.metrics_port == named(service["spec"]["ports"], "metrics")["port"]
             # The stage Deployment runs the recipe's model with the recipe's options.
             args = container(deployments[stage], "stage")["args"]
             assert flag(args, "--model") == recipe.model, (recipe.name, stage)
-            options = yaml.safe_load(flag(args, "--options")) if "--options" in args else {}
-            assert options == endpoint.options, (recipe.name, stage)
+            assert _stage_options(deployments[stage]) == endpoint.options, (recipe.name, stage)
     assert used == set(STAGES)
 
 
+# --- autoscaling -------------------------------------------------------------------------------
+
+
+def test_no_autoscaler_needs_a_metric_nothing_serves(overlay: str) -> None:
+    """Stages scale through KEDA; the one HPA left (the gateway's) reads only CPU, which
+    metrics-server serves. An HPA naming a Pods or External metric would need an adapter."""
+    hpas = of_kind(overlay, "HorizontalPodAutoscaler")
+    assert set(hpas) == {"gateway"}
+    for metric in hpas["gateway"]["spec"]["metrics"]:
+        assert (metric["type"], metric["resource"]["name"]) == ("Resource", "cpu")
+    target = hpas["gateway"]["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", "gateway")
+
+
+def test_every_stage_scales_on_its_own_queue(overlay: str) -> None:
+    scaled = of_kind(overlay, "ScaledObject")
+    assert set(scaled) == set(STAGES)
+    exported = _exported_metric_names()
+    for stage, scaled_object in scaled.items():
+        spec = scaled_object["spec"]
+        target = spec["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", stage)
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"], stage
+        (trigger,) = spec["triggers"]
+        assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
+        metadata = trigger["metadata"]
+        assert PROMETHEUS_TRIGGER_REQUIRED <= set(metadata) <= PROMETHEUS_TRIGGER_KEYS, stage
+        assert float(metadata["threshold"]) > 0
+        names, labels = _query_selector(metadata["query"])
+        # The selector picks exactly the queue gauges among everything a stage exports.
+        assert {name for name in exported if names.fullmatch(name)} == QUEUE_METRICS, stage
+        assert labels["namespace"].fullmatch(scaled_object["metadata"]["namespace"])
+        assert {label for label in _all_engine_labels() if labels["stage"].fullmatch(label)} \
+            == ENGINE_LABELS[stage]
+
+
+def test_stage_autoscalers_share_one_prometheus_and_scaling_pace(overlay: str) -> None:
+    specs = [s["spec"] for s in of_kind(overlay, "ScaledObject").values()]
+    assert len({s["triggers"][0]["metadata"]["serverAddress"] for s in specs}) == 1
+    for spec in specs:
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+        # Down slower than up: a pod removed costs a model load to get back.
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60
+        # Prometheus unreadable: hold the replicas there are, never drop to a static count.
+        assert spec["fallback"]["behavior"] == "currentReplicas"
+
+
+def test_cpu_tiny_keeps_its_autoscalers_with_small_bounds() -> None:
+    for name, scaled_object in of_kind("overlays/cpu-tiny", "ScaledObject").items():
+        spec = scaled_object["spec"]
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 2), name
+    gateway = of_kind("overlays/cpu-tiny", "HorizontalPodAutoscaler")["gateway"]["spec"]
+    assert (gateway["minReplicas"], gateway["maxReplicas"]) == (1, 2)
+    # Replica counts belong to the autoscalers: a Deployment's own count would fight them on
+    # every `kubectl apply`.
+    for name, deployment in of_kind("overlays/cpu-tiny", "Deployment").items():
+        assert "replicas" not in deployment["spec"], name
+    assert of_kind("overlays/cpu-tiny", "PersistentVolumeClaim") == {}
+
+
+def _exported_metric_names() -> set[str]:
+    """Every sample name a stage engine exports, read from a real registry."""
+    registry = CollectorRegistry()
+    EngineMetrics("dit", registry=registry).observe_queues(3, 1)
+    return {sample.name for family in registry.collect() for sample in family.samples}
+
+
+def _all_engine_labels() -> set[str]:
+    return {label for labels in ENGINE_LABELS.values() for label in labels}
+
+
+def _query_selector(query: str) -> tuple[re.Pattern[str], dict[str, re.Pattern[str]]]:
+    """The metric-name pattern and label patterns of the one selector in a PromQL query.
+
+    Prometheus anchors regex matchers, hence the patterns are matched with fullmatch."""
+    (selector,) = re.findall(r"\{([^{}]*)\}", query)
+    matchers: dict[str, re.Pattern[str]] = {}
+    for label, op, value in re.findall(r'\s*([A-Za-z_]+)\s*(=~|=)\s*"([^"]*)"\s*,?', selector):
+        matchers[label] = re.compile(value if op == "=~" else re.escape(value))
+    return matchers.pop("__name__"), matchers
+
+
+def test_the_query_parser_sees_through_a_wrong_metric() -> None:
+    names, labels = _query_selector('sum({__name__=~"stagemesh_requests_queued", stage="dit"})')
+    assert {n for n in _exported_metric_names() if names.fullmatch(n)} == set()
+    assert labels["stage"].fullmatch("dit") and not labels["stage"].fullmatch("dit2")
+
+
+# --- security ----------------------------------------------------------------------------------
+
+
+def _secret_env(each: Doc, env_name: str) -> tuple[str, str]:
+    ref = _env(each)[env_name]["valueFrom"]["secretKeyRef"]
+    assert not ref.get("optional", False), env_name
+    return ref["name"], ref["key"]
+
+
+def test_the_mesh_credential_and_api_keys_come_from_secrets(overlay: str) -> None:
+    env_name, secret, key = MESH_TOKEN
+    for name, deployment in stage_deployments(overlay).items():
+        stage_container = container(deployment, "stage")
+        assert _secret_env(stage_container, env_name) == (secret, key), name
+        # A stage never sees the clients' API keys.
+        assert API_KEYS[0] not in _env(stage_container), name
+    gateway = container(of_kind(overlay, "Deployment")["gateway"], "gateway")
+    assert _secret_env(gateway, env_name) == (secret, key)
+    assert _secret_env(gateway, API_KEYS[0]) == API_KEYS[1:]
+    # No secret value is in git: the Secrets are made in the cluster (k8s/README.md).
+    assert of_kind(overlay, "Secret") == {}
+
+
+def _ingress_allowed(overlay: str, target: Mapping[str, str], port_name: str,
+                     peer: Mapping[str, str], peer_namespace: Mapping[str, str]) -> bool:
+    """Whether the NetworkPolicies let a pod with labels `peer`, in a namespace with labels
+    `peer_namespace`, connect to the named port of a pod with labels `target` (all in the
+    policies' namespace unless peer_namespace says otherwise)."""
+    policies = [p["spec"] for p in of_kind(overlay, "NetworkPolicy").values()
+                if "Ingress" in p["spec"]["policyTypes"]
+                and selects(p["spec"]["podSelector"], target)]
+    if not policies:
+        return True  # a pod no policy selects is open
+    same_namespace = peer_namespace.get("kubernetes.io/metadata.name") == "stagemesh"
+    for spec in policies:
+        for rule in spec.get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port_name not in ports:
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            for each in peers:
+                namespace_ok = (selects(each["namespaceSelector"], peer_namespace)
+                                if "namespaceSelector" in each else same_namespace)
+                pod_ok = selects(each["podSelector"], peer) if "podSelector" in each else True
+                if namespace_ok and pod_ok:
+                    return True
+    return False
+
+
+def test_network_policy_lets_only_gateways_and_prometheus_reach_stages(overlay: str) -> None:
+    gateway = pod_labels(of_kind(overlay, "Deployment")["gateway"])
+    here = {"kubernetes.io/metadata.name": "stagemesh"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    elsewhere = {"kubernetes.io/metadata.name": "default"}
+    stages = stage_deployments(overlay)
+    for name, deployment in stages.items():
+        stage = pod_labels(deployment)
+        other_stage = pod_labels(stages["vae" if name != "vae" else "dit"])
+        assert _ingress_allowed(overlay, stage, "grpc", gateway, here), name
+        assert _ingress_allowed(overlay, stage, "metrics", {}, monitoring), name
+        assert not _ingress_allowed(overlay, stage, "metrics", gateway, here), name
+        assert not _ingress_allowed(overlay, stage, "grpc", {}, monitoring), name
+        assert not _ingress_allowed(overlay, stage, "grpc", other_stage, here), name
+        assert not _ingress_allowed(overlay, stage, "grpc", gateway, elsewhere), name
+        assert not _ingress_allowed(overlay, stage, "grpc", {"app": "debug"}, here), name
+    # The gateway is the public entry: reachable on its API ports, from anywhere.
+    for port in ("http", "grpc"):
+        assert _ingress_allowed(overlay, gateway, port, {}, elsewhere), port
+
+
+# --- overlays ----------------------------------------------------------------------------------
+
+
 def test_cpu_tiny_builds_each_stage_model_where_the_stage_reads_it() -> None:
-    for stage, deployment in of_kind("overlays/cpu-tiny", "Deployment").items():
-        if stage == "gateway":
-            continue
+    for stage, deployment in stage_deployments("overlays/cpu-tiny").items():
         pod = deployment["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
         spec, target = init["args"]
@@ -219,9 +486,7 @@ def _stage_options(deployment: Doc) -> dict[str, object]:
 def test_gpu_overlay_stages_compute_where_their_hardware_is() -> None:
     """A stage with a GPU computes on it in bfloat16; one without is told to use the CPU (so it
     never picks up a GPU a node's runtime exposes without a request)."""
-    for name, deployment in of_kind("overlays/gpu", "Deployment").items():
-        if name == "gateway":
-            continue
+    for name, deployment in stage_deployments("overlays/gpu").items():
         options = _stage_options(deployment)
         if name in GPU_STAGES:
             assert (options["device"], options["dtype"]) == ("cuda", "bfloat16"), name
