@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
@@ -24,6 +23,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from stagemesh.shared import eventloop  # asyncio, or uvloop with STAGEMESH_UVLOOP=1
 from stagemesh.shared.logs import configure_logging
 
 log = logging.getLogger("stagemesh")
@@ -31,8 +31,12 @@ log = logging.getLogger("stagemesh")
 #: The stages whose compute is most of a request's time: each gets every core this process may
 #: use. The others (tokenizer, vae, codec) run short, light work on one thread, so that they
 #: never take cores from a heavy stage that shares the machine.
-HEAVY_STAGES = frozenset({"dit", "talker"})
+HEAVY_STAGES = frozenset({"dit", "talker", "thinker"})
 THREADS_ENV = "STAGEMESH_THREADS"
+#: Set by `stagemesh serve` for its children: the pid they must not outlive.
+PARENT_PID_ENV = "STAGEMESH_PARENT_PID"
+#: linux/prctl.h: deliver a signal to this process when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 
 #: cgroup v2: a container's CPU limit, as "<quota> <period>" microseconds, or "max <period>".
@@ -90,13 +94,27 @@ def quiet_openmp_waits() -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from stagemesh.gateway.app import GatewayConfig
     from stagemesh.gateway.recipes import DEFAULT_RECIPES, load_recipes
-    from stagemesh.serve import serve, with_free_ports
+    from stagemesh.serve import PortInUse, parse_replicas, serve, with_free_ports
 
     recipes = load_recipes(args.recipes or DEFAULT_RECIPES)
-    if args.stage_ports == "auto":
-        recipes = with_free_ports(recipes)
-    serve(recipes, GatewayConfig(host=args.host, http_port=args.http_port,
-                                 grpc_port=args.grpc_port))
+    try:
+        replicas = parse_replicas(args.replicas or "")
+    except ValueError as error:
+        raise SystemExit(f"stagemesh serve: {error}") from None
+    unknown = sorted(set(replicas) - {s for r in recipes.values() for s in r.stages})
+    if unknown:
+        raise SystemExit(f"stagemesh serve: --replicas names stages no recipe has: {unknown}")
+    if replicas and args.stage_ports != "auto":
+        log.info("--replicas: every stage goes to free ports (as with --stage-ports auto)")
+    if replicas or args.stage_ports == "auto":
+        recipes = with_free_ports(recipes, replicas)
+    config = GatewayConfig(host=args.host, http_port=args.http_port,
+                           grpc_port=args.grpc_port, api_keys_file=args.api_keys_file,
+                           max_concurrent_requests=args.max_concurrent_requests)
+    try:
+        serve(recipes, config)
+    except PortInUse as error:  # another mesh holds a port: one line, not a traceback
+        raise SystemExit(f"stagemesh serve: {error}") from None
 
 
 def _cmd_gateway(args: argparse.Namespace) -> None:
@@ -105,8 +123,9 @@ def _cmd_gateway(args: argparse.Namespace) -> None:
     from stagemesh.serve import run_gateway_until_signal
 
     recipes = load_recipes(args.recipes or DEFAULT_RECIPES)
-    asyncio.run(run_gateway_until_signal(recipes, GatewayConfig(
-        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)))
+    eventloop.run(run_gateway_until_signal(recipes, GatewayConfig(
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        api_keys_file=args.api_keys_file, max_concurrent_requests=args.max_concurrent_requests)))
 
 
 def _cmd_stage(args: argparse.Namespace) -> None:
@@ -117,18 +136,21 @@ def _cmd_stage(args: argparse.Namespace) -> None:
 
     from stagemesh.models.registry import resolve_model
     from stagemesh.services.registry import build_stage
-    from stagemesh.shared.stage_runtime import serve_stage
+    from stagemesh.shared.stage_runtime import serve_stage, split_runtime_options
 
     torch.set_num_threads(threads)
     log.info("stage %s: torch threads: %d; usable cores: %d; OMP_WAIT_POLICY=%s", args.name,
              threads, usable_cores(), os.environ.get("OMP_WAIT_POLICY"))
     hf_logging.disable_progress_bar()
     try:
-        bundle = build_stage(args.name, resolve_model(args.model), json.loads(args.options))
+        runtime, options = split_runtime_options(args.name, json.loads(args.options))
+        bundle = build_stage(args.name, resolve_model(args.model), options)
     except ValueError as error:  # a bad option, device or dtype: one line, not a traceback
         raise SystemExit(f"stagemesh stage: {error}") from error
-    asyncio.run(serve_stage(bundle, host=args.host, port=args.port,
-                            metrics_port=args.metrics_port))
+    status = eventloop.run(serve_stage(bundle, host=args.host, port=args.port,
+                                     metrics_port=args.metrics_port, runtime=runtime))
+    if status:
+        raise SystemExit(status)
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> None:
@@ -181,6 +203,16 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     eval_main(args)
 
 
+def _add_gateway_security(parser: argparse.ArgumentParser) -> None:
+    """The gateway's API keys and concurrency limit (serve and gateway share them)."""
+    parser.add_argument("--api-keys-file", type=Path, default=None,
+                        help="API keys, one a line (# comments), with STAGEMESH_API_KEYS; "
+                             "no key configured = authentication off")
+    parser.add_argument("--max-concurrent-requests", type=int, default=None,
+                        help="requests running at once before 429 (default: sized from the "
+                             "stages' queues)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
@@ -193,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--stage-ports", choices=["recipe", "auto"], default="recipe",
                        help="auto: put stages on free ports instead of the recipe's")
+    serve.add_argument("--replicas", default=None, metavar="STAGE=N[,STAGE=N]",
+                       help="run N processes of a stage (e.g. dit=2), each on a free port; the "
+                            "gateway routes each request to the least-loaded one")
+    _add_gateway_security(serve)
     serve.set_defaults(func=_cmd_serve)
 
     gateway = sub.add_parser("gateway", help="run only the gateway (stages run elsewhere)")
@@ -200,12 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--http-port", type=int, default=8000)
     gateway.add_argument("--grpc-port", type=int, default=50051)
+    _add_gateway_security(gateway)
     gateway.set_defaults(func=_cmd_gateway)
 
     stage = sub.add_parser("stage", help="run one stage service")
-    stage.add_argument("name", choices=["tokenizer", "dit", "vae", "talker", "codec"])
+    stage.add_argument("name", choices=["tokenizer", "dit", "vae", "talker", "codec",
+                                               "thinker"])
     stage.add_argument("--model", required=True, help="model folder, or builtin:<name>")
-    stage.add_argument("--host", default="0.0.0.0")
+    stage.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind (default loopback; 0.0.0.0 in a pod)")
     stage.add_argument("--port", type=int, required=True)
     stage.add_argument("--metrics-port", type=int, default=None)
     stage.add_argument("--options", default="{}", help="stage options as JSON")
@@ -250,10 +289,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def die_with_parent() -> None:
+    """When `stagemesh serve` started this process ($STAGEMESH_PARENT_PID), ask Linux to send
+    it SIGTERM when serve dies, even by `kill -9` (prctl PR_SET_PDEATHSIG), so that no stage
+    outlives its supervisor holding its port. If serve is already gone, stop now. Elsewhere
+    than Linux this does nothing (serve still stops its children when it exits normally)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    if str(os.getppid()) != parent:  # serve died before the prctl took effect
+        raise SystemExit(f"stagemesh: parent process {parent} is gone")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    die_with_parent()
     configure_logging(args.command if args.command != "stage" else f"stage:{args.name}",
                       args.log_level)
+    if args.command in ("serve", "gateway", "stage"):  # traces, when OTEL_* asks for them
+        from stagemesh.shared.tracing import setup as setup_tracing
+        setup_tracing(args.name if args.command == "stage" else "gateway")
     args.func(args)
 
 

@@ -1,10 +1,19 @@
-"""`stagemesh serve`: start every stage the recipes need (one process each), then the gateway.
+"""`stagemesh serve`: start every stage the recipes need (one process per replica), then the
+gateway, and keep the stages running.
 
 This process hosts the gateway, so it never imports torch, diffusers, transformers or
 stagemesh.models: each distinct model of the recipes is resolved (a built-in one built on first
 use) by a `stagemesh model prepare SPEC` child process, which prints the model's folder. Stages
 are then started as `python -m stagemesh stage ...` subprocesses — the same entry point a
-Kubernetes Deployment runs — and the gateway waits until each reports SERVING on grpc.health.
+Kubernetes Deployment runs — one per replica a stage address lists (`ipv4:h:p1,h:p2`, or
+`--replicas dit=2`), and the gateway waits until each reports SERVING on grpc.health, from the
+process serve started (the pid its load report gives; another process answering on the port is
+an error, as is a port already in use before start).
+
+Supervision: a stage process that exits is restarted, with a backoff (1 s, doubling up to
+60 s; back to 1 s once a process has stayed up for a minute), and logged; the gateway routes
+around it meanwhile and sends it traffic again once it serves. No orphans: each child gets
+SIGTERM when serve dies, even by `kill -9` (Linux PR_SET_PDEATHSIG, see `cli.die_with_parent`).
 Ctrl-C (SIGINT) or SIGTERM stops the gateway, then the stages, each with a grace period.
 """
 
@@ -13,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -22,31 +32,62 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from stagemesh.cli import stage_threads, usable_cores
+from stagemesh.cli import PARENT_PID_ENV, stage_threads, usable_cores
 from stagemesh.gateway.app import GatewayConfig, run_gateway
-from stagemesh.gateway.recipes import Recipe, StageEndpoint
+from stagemesh.gateway.recipes import Recipe, StageEndpoint, TargetKind, split_host_port
+from stagemesh.shared import eventloop
+from stagemesh.shared.mesh_auth import METADATA_KEY, ensure_mesh_token, mesh_token
+from stagemesh.shared.proto.v1 import control_service_pb2, control_service_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MODEL_PREPARE_TIMEOUT_S = 600.0  # building a seeded built-in model the first time
 STAGE_START_TIMEOUT_S = 180.0
-STAGE_STOP_TIMEOUT_S = 15.0
+#: A stage drains on SIGTERM (its `drain_grace_s`, 30 s by default, when requests still run);
+#: serve waits this long for all of them, then kills what is left.
+STAGE_STOP_TIMEOUT_S = 45.0
 #: grpc.health.v1 Check, called by name: the stub package's HealthStub declares no methods.
 HEALTH_CHECK_METHOD = f"/{health.SERVICE_NAME}/Check"
+#: Restart backoff of a stage process that exited: first delay, cap, and the uptime after
+#: which it counts as healthy again (the delay starts over).
+RESTART_BACKOFF_S = 1.0
+MAX_RESTART_BACKOFF_S = 60.0
+HEALTHY_UPTIME_S = 60.0
+SUPERVISE_INTERVAL_S = 0.5
+
+
+class PortInUse(RuntimeError):
+    """A port a stage of this mesh needs is taken by another process."""
 
 
 @dataclass(frozen=True)
 class StageLaunch:
-    """One stage process to start."""
+    """One stage process to start: one replica of a stage."""
 
     endpoint: StageEndpoint
     model_dir: Path
+    replica: str = ""  # its host:port; "" = the endpoint's first replica
+    index: int = 0  # its position in the endpoint's replicas (its metrics port)
+
+    @property
+    def address(self) -> str:
+        return self.replica or self.endpoint.replicas[0]
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.endpoint.metrics_port_of(self.index)
+
+    @property
+    def name(self) -> str:
+        """For logs: the stage, and the replica when the stage has several."""
+        several = len(self.endpoint.replicas) > 1
+        return f"{self.endpoint.name} ({self.address})" if several else self.endpoint.name
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,32 +96,108 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def with_free_ports(recipes: dict[str, Recipe]) -> dict[str, Recipe]:
-    """The same recipes with every stage moved to free ports (tests, side-by-side meshes)."""
+def _replica_target(host: str, ports: list[int]) -> str:
+    """`host:port` for one replica, an `ipv4:`/`ipv6:` list for several."""
+    if len(ports) == 1:
+        return f"{host}:{ports[0]}"
+    ip = ipaddress.ip_address(socket.gethostbyname(host) if not _is_ip(host) else host)
+    scheme, shown = ("ipv6", f"[{ip}]") if ip.version == 6 else ("ipv4", str(ip))
+    return f"{scheme}:" + ",".join(f"{shown}:{port}" for port in ports)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def with_free_ports(recipes: dict[str, Recipe],
+                    replicas: Mapping[str, int] | None = None) -> dict[str, Recipe]:
+    """The same recipes with every stage moved to free ports (tests, side-by-side meshes), and
+    with `replicas[stage]` replicas of the stages it names (each on its own free port, with
+    its own metrics port)."""
+    replicas = dict(replicas or {})
     moved: dict[str, StageEndpoint] = {}
     result = {}
     for name, recipe in recipes.items():
         stages = {}
         for stage, endpoint in recipe.stages.items():
             if endpoint.address not in moved:
-                moved[endpoint.address] = dataclasses.replace(
-                    endpoint, address=f"{endpoint.host}:{free_port(endpoint.host)}",
-                    metrics_port=free_port(endpoint.host) if endpoint.metrics_port else None)
+                moved[endpoint.address] = _moved(endpoint, replicas.get(
+                    stage, max(1, len(endpoint.replicas))))
             stages[stage] = moved[endpoint.address]
         result[name] = dataclasses.replace(recipe, stages=stages)
     return result
 
 
+def _moved(endpoint: StageEndpoint, count: int) -> StageEndpoint:
+    host = endpoint.host
+    ports = [free_port(host) for _ in range(count)]
+    metrics = [free_port(host) for _ in range(count)] if endpoint.metrics_port else []
+    return dataclasses.replace(
+        endpoint, address=_replica_target(host, ports),
+        metrics_port=metrics[0] if metrics else None,
+        replica_metrics_ports=tuple(metrics) if count > 1 else ())
+
+
+def parse_replicas(text: str) -> dict[str, int]:
+    """`dit=2,vae=2` -> {"dit": 2, "vae": 2}; ValueError naming the bad part."""
+    counts: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        stage, sep, count = part.partition("=")
+        if not sep or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--replicas: expected STAGE=N with N >= 1, got {part!r}")
+        counts[stage.strip()] = int(count)
+    return counts
+
+
 def plan_launches(recipes: Mapping[str, Recipe], model_dirs: Mapping[str, Path]
                   ) -> list[StageLaunch]:
-    """One launch per distinct stage address, with its recipe's model folder from `model_dirs`
-    (model spec -> folder, as `prepare_models` returns)."""
+    """One launch per replica of each distinct stage address, with its recipe's model folder
+    from `model_dirs` (model spec -> folder, as `prepare_models` returns). A `dns:` address
+    names replicas serve cannot start: ValueError."""
     launches: dict[str, StageLaunch] = {}
     for recipe in recipes.values():
         for endpoint in recipe.stages.values():
-            if endpoint.address not in launches:
-                launches[endpoint.address] = StageLaunch(endpoint, model_dirs[recipe.model])
+            if endpoint.target.kind is TargetKind.DNS:
+                raise ValueError(f"stage {endpoint.name}: {endpoint.address} is a DNS target; "
+                                 "`stagemesh serve` starts stages on this machine, so list "
+                                 "their ports (ipv4:127.0.0.1:P1,127.0.0.1:P2) or use "
+                                 "`stagemesh gateway` beside stages run elsewhere")
+            for index, replica in enumerate(endpoint.replicas):
+                if replica not in launches:
+                    launches[replica] = StageLaunch(endpoint, model_dirs[recipe.model],
+                                                    replica, index)
     return list(launches.values())
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a listener could bind host:port now (as a gRPC server does: SO_REUSEADDR, no
+    SO_REUSEPORT, so a port another process listens on is refused)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports_free(launches: Iterable[StageLaunch]) -> None:
+    """Raise PortInUse naming the stage and the port if a stage's port is taken."""
+    for launch in launches:
+        host, port = split_host_port(launch.address)
+        ports = [("gRPC", port)]
+        if launch.metrics_port:
+            ports.append(("metrics", launch.metrics_port))
+        for kind, number in ports:
+            if not _port_free(host, number):
+                raise PortInUse(f"stage {launch.name}: {kind} port {host}:{number} is already in "
+                                "use (another mesh on this machine?); stop it, change the "
+                                "recipe's ports, or use --stage-ports auto")
 
 
 def _stagemesh_command(*args: str) -> list[str]:
@@ -89,7 +206,9 @@ def _stagemesh_command(*args: str) -> list[str]:
 
 
 def _child_env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    """The environment of serve's children: offline, and told to die with this process."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            PARENT_PID_ENV: str(os.getpid())}
 
 
 def prepare_models(specs: Iterable[str], timeout: float = MODEL_PREPARE_TIMEOUT_S
@@ -129,40 +248,64 @@ def stage_command(launch: StageLaunch) -> list[str]:
     """`stagemesh stage ...` for a launch, with its torch threads chosen here (see
     `stagemesh.cli.stage_threads`), so that the log says what each stage runs with."""
     endpoint = launch.endpoint
+    host, port = split_host_port(launch.address)
     command = _stagemesh_command(
-        "stage", endpoint.name, "--host", endpoint.host, "--port", str(endpoint.port),
+        "stage", endpoint.name, "--host", host, "--port", str(port),
         "--model", str(launch.model_dir), "--options", json.dumps(endpoint.options),
         "--threads", str(stage_threads(endpoint.name)))
-    if endpoint.metrics_port:
-        command += ["--metrics-port", str(endpoint.metrics_port)]
+    if launch.metrics_port:
+        command += ["--metrics-port", str(launch.metrics_port)]
     return command
 
 
 def spawn_stage(launch: StageLaunch) -> subprocess.Popen[bytes]:
-    endpoint = launch.endpoint
-    log.info("starting stage %s on %s (torch threads: %d; usable cores: %d)", endpoint.name,
-             endpoint.address, stage_threads(endpoint.name), usable_cores())
+    log.info("starting stage %s on %s (torch threads: %d; usable cores: %d)",
+             launch.endpoint.name, launch.address, stage_threads(launch.endpoint.name),
+             usable_cores())
     return subprocess.Popen(stage_command(launch), env=_child_env())
+
+
+def _serving_pid(channel: grpc.Channel) -> int | None:
+    """The pid of the stage answering on `channel` once it reports SERVING; None before."""
+    check = channel.unary_unary(
+        HEALTH_CHECK_METHOD, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    token = mesh_token()
+    metadata = ((METADATA_KEY, token),) if token else None
+    try:
+        reply = check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return None
+        load = control_service_pb2_grpc.StageControlServiceStub(channel).GetStageLoad(
+            control_service_pb2.GetStageLoadRequest(), timeout=1.0, metadata=metadata)
+    except grpc.RpcError:
+        return None
+    return int(load.pid)
 
 
 def wait_serving(launch: StageLaunch, process: subprocess.Popen[bytes],
                  timeout: float = STAGE_START_TIMEOUT_S) -> None:
-    """Poll grpc.health until SERVING; fail fast if the process dies."""
+    """Poll until the process serve started reports SERVING; fail fast if it dies, or if
+    another process answers on its port."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(launch.endpoint.address) as channel:
-        check = channel.unary_unary(
-            HEALTH_CHECK_METHOD, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    # gRPC's reconnect backoff grows to minutes while the stage loads its model; cap it so
+    # the poll sees the stage within a second of it serving.
+    with grpc.insecure_channel(launch.address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000)]) as channel:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"stage {launch.endpoint.name} exited with code "
+                raise RuntimeError(f"stage {launch.name} exited with code "
                                    f"{process.returncode} during start-up")
-            with contextlib.suppress(grpc.RpcError):
-                reply = check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+            pid = _serving_pid(channel)
+            if pid is not None and pid != process.pid:
+                raise PortInUse(f"stage {launch.name}: {launch.address} is served by another "
+                                f"process (pid {pid}), not the one serve started "
+                                f"(pid {process.pid})")
+            if pid == process.pid:
+                return
             time.sleep(0.2)
-    raise TimeoutError(f"stage {launch.endpoint.name} not SERVING after {timeout:.0f} s")
+    raise TimeoutError(f"stage {launch.name} not SERVING after {timeout:.0f} s")
 
 
 def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -180,27 +323,115 @@ def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
-async def run_gateway_until_signal(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
+@dataclass
+class StageProcess:
+    """A launch and the process that runs it now, with its restart bookkeeping."""
+
+    launch: StageLaunch
+    process: subprocess.Popen[bytes]
+    started_at: float = field(default_factory=time.monotonic)
+    backoff: float = RESTART_BACKOFF_S
+    restart_at: float | None = None  # when it exited: when it is started again
+
+
+class Supervisor:
+    """Starts the stage processes and restarts any that exits (see the module docstring)."""
+
+    def __init__(self, launches: list[StageLaunch]) -> None:
+        self.launches = launches
+        self.stages: list[StageProcess] = []
+        self.stopping = False
+        self._waits: set[asyncio.Task[None]] = set()  # restarted stages coming up
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [stage.process for stage in self.stages]
+
+    def start_all(self) -> None:
+        """Spawn every stage, then wait for each (serve's own process) to serve."""
+        check_ports_free(self.launches)
+        for launch in self.launches:
+            self.stages.append(StageProcess(launch, spawn_stage(launch)))
+        for stage in self.stages:
+            wait_serving(stage.launch, stage.process)
+        log.info("all %d stage processes are serving", len(self.stages))
+
+    async def supervise(self) -> None:
+        """Restart exited stages until cancelled (runs beside the gateway)."""
+        while not self.stopping:
+            now = time.monotonic()
+            for stage in self.stages:
+                self._check(stage, now)
+            self._waits = {task for task in self._waits if not task.done()}
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+
+    def _check(self, stage: StageProcess, now: float) -> None:
+        if stage.process.poll() is None or self.stopping:
+            return
+        if stage.restart_at is None:
+            if now - stage.started_at >= HEALTHY_UPTIME_S:
+                stage.backoff = RESTART_BACKOFF_S
+            stage.restart_at = now + stage.backoff
+            log.error("stage %s (pid %d) exited with code %s; restarting it in %.0f s",
+                      stage.launch.name, stage.process.pid, stage.process.returncode,
+                      stage.backoff)
+            stage.backoff = min(stage.backoff * 2, MAX_RESTART_BACKOFF_S)
+        elif now >= stage.restart_at:
+            stage.process, stage.started_at, stage.restart_at = (
+                spawn_stage(stage.launch), time.monotonic(), None)
+            self._waits.add(asyncio.create_task(self._restarted(stage)))
+
+    async def _restarted(self, stage: StageProcess) -> None:
+        """Log when a restarted stage serves again (or kill it if it does not)."""
+        try:
+            await asyncio.to_thread(wait_serving, stage.launch, stage.process)
+        except (RuntimeError, TimeoutError) as error:
+            log.error("restarted stage %s did not come up: %s", stage.launch.name, error)
+            if stage.process.poll() is None:
+                stage.process.kill()
+            return
+        log.info("stage %s restarted (pid %d); it takes traffic again", stage.launch.name,
+                 stage.process.pid)
+
+    def stop(self) -> None:
+        self.stopping = True
+        log.info("stopping %d stage processes", len(self.stages))
+        stop_processes(self.processes)
+
+
+async def run_gateway_until_signal(recipes: dict[str, Recipe], config: GatewayConfig,
+                                   supervisor: Supervisor | None = None) -> None:
+    """The gateway (and the supervisor, if given) until SIGINT or SIGTERM."""
     stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if supervisor is not None:  # Ctrl-C reaches the stages too: none is restarted now
+            supervisor.stopping = True
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await run_gateway(recipes, config, stop=stop)
+        loop.add_signal_handler(sig, on_signal)
+    watching = asyncio.create_task(supervisor.supervise()) if supervisor else None
+    try:
+        await run_gateway(recipes, config, stop=stop)
+    finally:
+        if watching is not None:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
 
 
 def serve(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
-    """Prepare models, start stages, wait for them, run the gateway until Ctrl-C, then stop."""
+    """Prepare models, start stages, wait for them, run the gateway (and restart stages that
+    exit) until Ctrl-C, then stop."""
+    ensure_mesh_token()  # before any child starts: they inherit it through the environment
     launches = plan_launches(recipes, prepare_models(r.model for r in recipes.values()))
-    processes: list[subprocess.Popen[bytes]] = []
+    supervisor = Supervisor(launches)
     try:
-        for launch in launches:
-            processes.append(spawn_stage(launch))
-        for launch, process in zip(launches, processes, strict=True):
-            wait_serving(launch, process)
-        log.info("all %d stages are serving", len(launches))
-        asyncio.run(run_gateway_until_signal(recipes, config))
+        supervisor.start_all()
+        eventloop.run(run_gateway_until_signal(recipes, config, supervisor))  # STAGEMESH_UVLOOP
     except KeyboardInterrupt:
         pass
     finally:
-        log.info("stopping %d stage processes", len(processes))
-        stop_processes(processes)
+        supervisor.stop()

@@ -95,8 +95,12 @@ async def side_by_side() -> AsyncIterator[asyncio.TaskGroup]:
 class CancelScope:
     """Deadline and cancellation of one gateway request (see the module docstring)."""
 
-    def __init__(self, request_id: str, timeout: float | None, parts: int = 1) -> None:
+    def __init__(self, request_id: str, timeout: float | None, parts: int = 1,
+                 owner: str = "") -> None:
         self.request_id = request_id
+        #: Who may cancel it by id: the API key's owner id ("" with API keys off). Stage calls
+        #: carry it, so a cancel from another gateway stops it only for the same owner.
+        self.owner = owner
         #: The id each part (image) runs under in the stages; [request_id] for one part.
         self.sub_request_ids = sub_request_ids(request_id, parts)
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -133,6 +137,11 @@ class CancelScope:
     def leave_stage(self, call: OpenCall) -> None:
         with contextlib.suppress(ValueError):  # left twice: nothing to do
             self._open.remove(call)
+
+    @property
+    def cancel_requested(self) -> bool:
+        """A cancel by id reached this request (its stages may still be acknowledging)."""
+        return self._cancel_requested or self.outcome is not None
 
     @property
     def open_stages(self) -> list[str]:
@@ -193,8 +202,10 @@ class ScopeRegistry:
         self._scopes: dict[str, CancelScope] = {}
         self._taken: set[str] = set()  # the ids the live requests give the stages
 
-    def open(self, request_id: str | None, timeout: float | None, parts: int = 1) -> CancelScope:
-        """A scope for a request of `parts` stage requests (the images of an image request).
+    def open(self, request_id: str | None, timeout: float | None, parts: int = 1,
+             owner: str = "") -> CancelScope:
+        """A scope for a request of `parts` stage requests (the images of an image request),
+        started by `owner` (see CancelScope.owner).
 
         Raises ValueError for an id too long for the stages (once suffixed, with parts > 1),
         KeyError for an id (or one of its sub-ids) a live request uses.
@@ -207,7 +218,7 @@ class ScopeRegistry:
         ids = {request_id, *sub_request_ids(request_id, parts)}
         if request_id in self._scopes or not ids.isdisjoint(self._taken):
             raise KeyError(request_id)
-        scope = CancelScope(request_id, timeout, parts)
+        scope = CancelScope(request_id, timeout, parts, owner)
         self._scopes[request_id] = scope
         self._taken |= ids
         return scope
@@ -217,5 +228,10 @@ class ScopeRegistry:
             del self._scopes[scope.request_id]
             self._taken -= {scope.request_id, *scope.sub_request_ids}
 
-    def get(self, request_id: str) -> CancelScope | None:
-        return self._scopes.get(request_id)
+    def get(self, request_id: str, owner: str | None = None) -> CancelScope | None:
+        """The live scope of `request_id`; with `owner` given, only if that owner started it
+        (a request of another owner is not found: its id says nothing to this caller)."""
+        scope = self._scopes.get(request_id)
+        if scope is None or (owner is not None and scope.owner != owner):
+            return None
+        return scope

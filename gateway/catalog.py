@@ -1,16 +1,17 @@
 """What the stages publish about themselves, read through their Describe RPCs and cached.
 
 Each stage owns its limits and model facts (sizes, steps, voices, sample rates, modes) and
-publishes them; the gateway enforces exactly those. Answers are cached per stage address and
-dropped whenever that address's channel leaves READY (the stage went away, restarted, or the
-connection idled), so a stage that comes back with new options is read again by the next
-request that needs it. A stage that cannot be read is a 503 (UNAVAILABLE) naming the stage.
+publishes them; the gateway enforces exactly those. Answers are cached per stage address (all
+replicas of a stage run with the same options, so any one answers for all) and dropped whenever
+a connection to one of its replicas leaves READY or its replicas change (a replica went away,
+restarted, or the connection idled), so a stage that comes back with new options is read
+again by the next request that needs it. A stage that cannot be read is a 503 (UNAVAILABLE)
+naming the stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ from typing import Generic, TypeAlias, TypeVar
 
 import grpc
 
+from stagemesh.gateway.balancer import NoReplica
 from stagemesh.gateway.errors import StageUnavailable
 from stagemesh.gateway.mesh import Mesh
 from stagemesh.gateway.recipes import Recipe, StageEndpoint
@@ -29,6 +31,8 @@ from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,
     talker_service_pb2,
+    thinker_service_pb2,
+    thinker_service_pb2_grpc,
     tokenizer_service_pb2,
     vae_service_pb2,
 )
@@ -140,37 +144,33 @@ class StageCatalog:
             talker_service_pb2.DescribeTalkerRequest(), timeout=DESCRIBE_TIMEOUT_S))
         self.codec = DescribeCache("codec", lambda channel: codec_stub(channel).DescribeCodec(
             codec_service_pb2.DescribeCodecRequest(), timeout=DESCRIBE_TIMEOUT_S))
-        self._watchers: list[asyncio.Task[None]] = []
+        self.thinker = DescribeCache(
+            "thinker", lambda channel: thinker_service_pb2_grpc.ThinkerServiceStub(
+                channel).DescribeThinker(thinker_service_pb2.DescribeThinkerRequest(),
+                                         timeout=DESCRIBE_TIMEOUT_S))
+        self._watching = False
 
     def start(self) -> None:
-        self._watchers = [asyncio.create_task(self._watch(address, channel))
-                          for address, channel in self.mesh.channels.items()]
+        """Drop a stage's facts whenever a connection to one of its replicas leaves READY, or
+        its replicas change: what answers after that may be a different process, with
+        different options."""
+        if not self._watching:
+            self.mesh.on_change(self._changed)
+            self._watching = True
 
     async def close(self) -> None:
-        for watcher in self._watchers:
-            watcher.cancel()
-        for watcher in self._watchers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-        self._watchers = []
+        self._watching = False
+
+    def _changed(self, address: str) -> None:
+        if self._watching:
+            log.info("stage %s changed: its facts will be read again", address)
+            self.drop(address)
 
     def drop(self, address: str) -> None:
         """Forget what the stage at `address` published (it is read again when needed)."""
-        for cache in (self.tokenizer, self.dit, self.vae, self.talker, self.codec):
+        for cache in (self.tokenizer, self.dit, self.vae, self.talker, self.codec,
+                      self.thinker):
             cache.drop(address)
-
-    async def _watch(self, address: str, channel: grpc.aio.Channel) -> None:
-        """Drop an address's facts whenever its channel leaves READY: what answers after the
-        reconnect may be a different process, with different options."""
-        state = channel.get_state(try_to_connect=False)
-        while True:
-            await channel.wait_for_state_change(state)
-            new_state = channel.get_state(try_to_connect=False)
-            if state is grpc.ChannelConnectivity.READY:
-                log.info("channel to %s left READY (%s): its stage facts will be read again",
-                         address, new_state.name)
-                self.drop(address)
-            state = new_state
 
     async def description(self, endpoint: StageEndpoint) -> common_pb2.StageDescription | None:
         """What the stage at `endpoint` says about itself (role, model, capacity, device,
@@ -188,7 +188,9 @@ class StageCatalog:
                     return (await self.talker.get(endpoint.address, channel)).stage
                 case "codec":
                     return (await self.codec.get(endpoint.address, channel)).stage
-        except grpc.aio.AioRpcError:
+                case "thinker":
+                    return (await self.thinker.get(endpoint.address, channel)).stage
+        except (grpc.aio.AioRpcError, NoReplica):
             return None
         return None
 
@@ -203,6 +205,8 @@ class StageCatalog:
             raise StageUnavailable(
                 f"{cache.stage} stage at {endpoint.address} is unavailable: could not read "
                 f"its limits ({error.code.name}: {error.message})") from None
+        except NoReplica as none:
+            raise StageUnavailable(str(none)) from None
 
     async def image_facts(self, recipe: Recipe) -> ImageFacts:
         tokenizer, dit, vae = await asyncio.gather(

@@ -27,13 +27,16 @@ from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavaila
 from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipeline
 from stagemesh.gateway.image_params import ImageParams, ImageRequest, resolve_image_request
 from stagemesh.gateway.image_pipeline import GeneratedImage, generate_images
-from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.mesh import Mesh, StageCancel
 from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.gateway.speech_params import SpeechParams, SpeechRequest, resolve_speech_request
 from stagemesh.gateway.speech_pipeline import AudioPiece, SpeechSummary, synthesize, synthesize_all
 from stagemesh.gateway.stage_client import StageCallError
 from stagemesh.shared.logs import request_id_var
-from stagemesh.shared.proto.v1 import common_pb2, gateway_service_pb2
+from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_service_pb2
+
+CANCEL_PENDING = control_service_pb2.CANCEL_STAGE_OUTCOME_PENDING
+CANCEL_STOPPED = control_service_pb2.CANCEL_STAGE_OUTCOME_STOPPED
 
 #: Every request gets a deadline: this one when the client gives none.
 DEFAULT_TIMEOUT_S = 600.0
@@ -51,13 +54,16 @@ class RequestContext:
 
     request_id: str
     timeout: float | None = None  # seconds; None = DEFAULT_TIMEOUT_S
+    #: Who started the request: the owner id of the caller's API key ("" with auth off).
+    owner: str = ""
 
     @classmethod
-    def create(cls, request_id: str | None, timeout: float | None) -> RequestContext:
+    def create(cls, request_id: str | None, timeout: float | None,
+               owner: str = "") -> RequestContext:
         """Check the client's timeout; an empty id gets a new one."""
         if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
             raise InvalidRequest("timeout", f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds")
-        return cls(request_id or new_request_id(), timeout)
+        return cls(request_id or new_request_id(), timeout, owner)
 
     def for_request(self, request_id: str) -> RequestContext:
         """The id a request message carries wins over the transport's."""
@@ -153,18 +159,33 @@ class GatewayCore:
         """Every stage's health, plus the device and dtype it published (empty if unreadable)."""
         infos = await self.mesh.stage_infos()
         descriptions = await asyncio.gather(
-            *(self.catalog.description(endpoint) for _, endpoint in self.mesh.endpoints()))
+            *(self.catalog.description(endpoint) for endpoint in self.mesh.row_endpoints()))
         for info, description in zip(infos, descriptions, strict=True):
             if description is not None:
                 info.device, info.dtype = description.device, description.dtype
         return infos
 
-    async def cancel(self, request_id: str, reason: str = "cancelled by id") -> CancelOutcome:
-        scope = self.scopes.get(request_id)
-        if scope is None:
+    async def cancel(self, request_id: str, reason: str = "cancelled by id",
+                     owner: str = "") -> CancelOutcome:
+        """Cancel a request by id, wherever it runs, if `owner` (the caller's API key owner;
+        "" with keys off) started it; otherwise it is not found.
+
+        A request this gateway runs is stopped through its own stage streams. Any other (run
+        by another gateway replica) is stopped by a cancel sent to every replica of every
+        stage (shared/control.py): the replica holding it stops it and answers. A replica not
+        holding it keeps the cancel pending for a minute, so a request between two stages
+        stops when it reaches the next one; the answer is then NOT_FOUND, as for an id no
+        stage knows.
+        """
+        scope = self.scopes.get(request_id, owner)
+        if scope is not None:
+            return await scope.cancel(reason)
+        outcome = remote_outcome(request_id, self.mesh,
+                                 await self.mesh.cancel_everywhere(request_id, reason, owner))
+        if outcome is None:
             raise GatewayError(grpc.StatusCode.NOT_FOUND,
                                f"no running request with id {request_id!r}", "request_id")
-        return await scope.cancel(reason)
+        return outcome
 
     @contextlib.asynccontextmanager
     async def request_scope(self, recipe: Recipe, context: RequestContext,
@@ -173,7 +194,7 @@ class GatewayCore:
         every failure inside into a GatewayError."""
         try:
             scope = self.scopes.open(context.request_id, context.timeout or DEFAULT_TIMEOUT_S,
-                                     parts)
+                                     parts, context.owner)
         except KeyError:
             raise GatewayError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request id {context.request_id!r} is already in use",
@@ -199,11 +220,29 @@ class GatewayCore:
             request_id_var.reset(token)
 
 
+def remote_outcome(request_id: str, mesh: Mesh, replies: list[StageCancel]
+                   ) -> CancelOutcome | None:
+    """What a cancel fanned out to the replicas did: the replica that stopped the request
+    (the earliest stage of the recipes, if several did), else one where it had just ended;
+    None if no replica held it."""
+    order = {e.name: i for i, (_, e) in enumerate(mesh.endpoints())}
+    held = sorted((r for r in replies if r.reply.outcome != CANCEL_PENDING),
+                  key=lambda r: (r.reply.outcome != CANCEL_STOPPED, order.get(r.stage, 0)))
+    if not held:
+        return None
+    reply = held[0].reply
+    return CancelOutcome(request_id=request_id, state=reply.state, stage=held[0].stage,
+                         step_index=reply.step_index,
+                         abort_latency_seconds=reply.abort_latency_seconds)
+
+
 def stage_error(recipe: Recipe, failed: StageCallError) -> GatewayError:
-    """A failed stage call, as the client sees it (a stage that is down is named)."""
+    """A failed stage call, as the client sees it (a stage that is down is named, and the
+    replica when the stage has several)."""
     error = failed.error
     endpoint = recipe.stages.get(failed.stage)
-    where = f"{failed.stage} stage at {endpoint.address}" if endpoint else failed.stage
+    address = failed.replica or (endpoint.address if endpoint else "")
+    where = f"{failed.stage} stage at {address}" if address else failed.stage
     if error.code is grpc.StatusCode.UNAVAILABLE:
         return StageUnavailable(f"{where} is unavailable: {error.message}", error.reason)
     if error.code is grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -20,9 +20,9 @@ class ModelRoutes:
              "task": recipe.task.value} for name, recipe in self.core.recipes.items()]})
 
     async def health(self, request: Request) -> Response:
-        """The gateway and every stage's grpc.health status (503 when any is not serving)."""
-        stages = await self.core.mesh.stage_infos()
-        healthy = all(s.health == "SERVING" for s in stages)
-        return JSONResponse({"status": "ok" if healthy else "degraded",
-                             "stages": {f"{s.recipe}/{s.name}": s.health for s in stages}},
+        """The gateway and every stage's grpc.health status (503 when a stage has no serving
+        replica)."""
+        stages = await self.core.mesh.stage_health()
+        healthy = all(health == "SERVING" for health in stages.values())
+        return JSONResponse({"status": "ok" if healthy else "degraded", "stages": stages},
                             status_code=200 if healthy else 503)

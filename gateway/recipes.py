@@ -9,6 +9,7 @@ the effective values through its Describe RPC, which is what the gateway enforce
 from __future__ import annotations
 
 import enum
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,15 +26,80 @@ class RecipeError(ValueError):
     """A recipe file is malformed; the message names the recipe and key."""
 
 
+class TargetKind(enum.Enum):
+    """How a stage address names its replicas."""
+
+    STATIC = "static"  # a fixed list: `host:port` or `ipv4:h1:p1,h2:p2` (`ipv6:[a]:p,...`)
+    DNS = "dns"  # `dns:///name:port`: every address the name resolves to (re-resolved)
+
+
+@dataclass(frozen=True)
+class StageTarget:
+    """A stage address as a gRPC target: the replicas the gateway routes between."""
+
+    kind: TargetKind
+    replicas: tuple[str, ...] = ()  # STATIC: each replica's `host:port`
+    dns_name: str = ""  # DNS: the name to resolve
+    dns_port: int = 0  # DNS: the port every resolved address serves on
+
+
+def _host_port(text: str, where: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port); RecipeError naming `where` otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RecipeError(f"{where}: {text!r} is not host:port")
+    return host, int(port)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_target(address: str, where: str = "address") -> StageTarget:
+    """A stage address -> its replicas. Accepts what gRPC accepts for these schemes:
+    `host:port`, `ipv4:a:p[,b:p...]`, `ipv6:[a]:p[,...]`, `dns:///name:port` (also
+    `dns:name:port`; a DNS authority `dns://server/...` is not supported)."""
+    address = address.strip()
+    scheme, sep, rest = address.partition(":")
+    if sep and scheme in ("ipv4", "ipv6"):
+        replicas: list[str] = []
+        for item in rest.split(","):
+            host, port = _host_port(item.strip(), where)
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise RecipeError(f"{where}: {scheme}: takes IP addresses, got {host!r}") from None
+            replicas.append(_join(host, port))
+        if len(set(replicas)) != len(replicas):
+            raise RecipeError(f"{where}: {address!r} lists a replica twice")
+        return StageTarget(TargetKind.STATIC, tuple(replicas))
+    if sep and scheme == "dns":
+        if rest.startswith("//") and not rest.startswith("///"):
+            raise RecipeError(f"{where}: {address!r}: a DNS authority is not supported; "
+                              "write dns:///name:port")
+        name, port = _host_port(rest.lstrip("/"), where)
+        return StageTarget(TargetKind.DNS, dns_name=name, dns_port=port)
+    host, port = _host_port(address, where)
+    return StageTarget(TargetKind.STATIC, (_join(host, port),))
+
+
+def split_host_port(replica: str) -> tuple[str, int]:
+    """A replica address `host:port` (or `[v6]:port`) -> (host, port)."""
+    return _host_port(replica, "replica")
+
+
 class Task(enum.StrEnum):
     TEXT_TO_IMAGE = "text-to-image"
     TEXT_TO_SPEECH = "text-to-speech"
+    CHAT = "chat"
 
 
 #: Stages each task needs, in the order a request travels through them.
 TASK_STAGES: dict[Task, tuple[str, ...]] = {
     Task.TEXT_TO_IMAGE: ("tokenizer", "dit", "vae"),
     Task.TEXT_TO_SPEECH: ("talker", "codec"),
+    Task.CHAT: ("thinker",),
 }
 
 #: Where each key of the old `limits:` block went (None: the stage reads it from its model).
@@ -48,31 +114,61 @@ MOVED_LIMITS: dict[str, str | None] = {
     "max_ref_audio_bytes": None,
 }
 
-_RECIPE_KEYS = frozenset({"name", "task", "model", "stages", "defaults"})
+_RECIPE_KEYS = frozenset({"name", "task", "model", "stages", "defaults", "speech"})
 _ENDPOINT_KEYS = frozenset({"address", "metrics_port", "options"})
 
 
 @dataclass(frozen=True)
 class StageEndpoint:
-    """One stage service of a recipe."""
+    """One stage service of a recipe: one replica or several (see `target`)."""
 
     name: str  # "tokenizer", "dit", ...
-    address: str  # host:port of its gRPC server
-    metrics_port: int | None = None  # where it serves /metrics over HTTP
+    #: Its gRPC target: `host:port`, a replica list `ipv4:h:p1,h:p2`, or `dns:///name:port`.
+    address: str
+    #: Where its (first) replica serves /metrics over HTTP; replica i serves on
+    #: `metrics_port + i` unless `replica_metrics_ports` lists each one's port.
+    metrics_port: int | None = None
     #: The stage's options (operator policy, e.g. step_execution, max_steps): handed to the
     #: stage process by `stagemesh serve`; the stage validates them and publishes the result.
     options: dict[str, OptionValue] = field(default_factory=dict)
+    replica_metrics_ports: tuple[int, ...] = ()  # one per replica, when given as a list
+
+    @property
+    def target(self) -> StageTarget:
+        return parse_target(self.address, f"stage {self.name}")
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """Each replica's `host:port` (empty for a DNS target: the gateway resolves it)."""
+        return self.target.replicas
 
     @property
     def host(self) -> str:
-        return self.address.rsplit(":", 1)[0]
+        """The host of its first replica (a DNS target: the name)."""
+        target = self.target
+        return target.dns_name if target.kind is TargetKind.DNS else split_host_port(
+            target.replicas[0])[0]
 
     @property
     def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
+        """The port of its first replica."""
+        target = self.target
+        return target.dns_port if target.kind is TargetKind.DNS else split_host_port(
+            target.replicas[0])[1]
+
+    def metrics_port_of(self, index: int) -> int | None:
+        """Replica `index`'s metrics port (see `metrics_port`)."""
+        if self.replica_metrics_ports:
+            return self.replica_metrics_ports[index]
+        return None if self.metrics_port is None else self.metrics_port + index
+
+    def metrics_url_of(self, replica: str, index: int) -> str:
+        port = self.metrics_port_of(index)
+        return f"http://{split_host_port(replica)[0]}:{port}/metrics" if port else ""
 
     @property
     def metrics_url(self) -> str:
+        """The first replica's /metrics ("" without a metrics port)."""
         return f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
 
 
@@ -94,6 +190,8 @@ class Recipe:
     model: str  # model folder, or "builtin:<name>" for an embedded default
     stages: dict[str, StageEndpoint]
     image_defaults: ImageDefaults = ImageDefaults()
+    #: chat: the text-to-speech recipe that speaks its answers ("" = the default one).
+    speech: str = ""
 
     def stage(self, name: str) -> StageEndpoint:
         return self.stages[name]
@@ -140,12 +238,29 @@ def _endpoint(stage: str, raw: object, where: str) -> StageEndpoint:
     unknown = sorted(set(raw) - _ENDPOINT_KEYS)
     if unknown:
         raise RecipeError(f"{where}: unknown keys {unknown}; expected {sorted(_ENDPOINT_KEYS)}")
-    metrics_port = raw.get("metrics_port")
-    if metrics_port is not None and (isinstance(metrics_port, bool)
-                                     or not isinstance(metrics_port, int)):
-        raise RecipeError(f"{where}.metrics_port must be an integer, got {metrics_port!r}")
+    target = parse_target(str(raw["address"]), f"{where}.address")
+    metrics_port, replica_ports = _metrics_ports(raw.get("metrics_port"), target, where)
     return StageEndpoint(name=stage, address=str(raw["address"]), metrics_port=metrics_port,
-                         options=_options(raw.get("options"), where))
+                         options=_options(raw.get("options"), where),
+                         replica_metrics_ports=replica_ports)
+
+
+def _is_port(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+
+
+def _metrics_ports(raw: object, target: StageTarget, where: str
+                   ) -> tuple[int | None, tuple[int, ...]]:
+    """`metrics_port`: one port (replica i serves on port + i), or a list, one per replica."""
+    if raw is None or _is_port(raw):
+        return (raw if isinstance(raw, int) else None), ()
+    if isinstance(raw, list) and raw and all(_is_port(port) for port in raw):
+        if target.kind is TargetKind.STATIC and len(raw) != len(target.replicas):
+            raise RecipeError(f"{where}.metrics_port lists {len(raw)} ports for "
+                              f"{len(target.replicas)} replicas")
+        return int(raw[0]), tuple(int(port) for port in raw)
+    raise RecipeError(f"{where}.metrics_port must be a port number or a list of them (one per "
+                      f"replica), got {raw!r}")
 
 
 class _DefaultsReader:
@@ -217,7 +332,26 @@ def _build(entry: object, where: str) -> Recipe:
         raise RecipeError(f"{where}: task {task.value} has no stages {extra}")
     stages = {stage: _endpoint(stage, raw_stages[stage], where) for stage in needed}
     return Recipe(name=name, task=task, model=model, stages=stages,
-                  image_defaults=_image_defaults(entry.get("defaults"), task, where))
+                  image_defaults=_image_defaults(entry.get("defaults"), task, where),
+                  speech=_speech_recipe(entry.get("speech"), task, where))
+
+
+def _speech_recipe(raw: object, task: Task, where: str) -> str:
+    """A chat recipe's `speech:`, the name of a text-to-speech recipe (checked once all are
+    loaded, by `_check_speech_recipes`)."""
+    if raw is None:
+        return ""
+    if task is not Task.CHAT or not isinstance(raw, str):
+        raise RecipeError(f"{where}.speech: a chat recipe's speech recipe name, got {raw!r}")
+    return raw
+
+
+def _check_speech_recipes(recipes: Mapping[str, Recipe], path: Path | str) -> None:
+    for recipe in recipes.values():
+        named = recipes.get(recipe.speech) if recipe.speech else None
+        if recipe.speech and (named is None or named.task is not Task.TEXT_TO_SPEECH):
+            raise RecipeError(f"{path}: recipe {recipe.name!r}: speech {recipe.speech!r} is not "
+                              "a text-to-speech recipe of this file")
 
 
 def load_recipes(path: Path | str = DEFAULT_RECIPES) -> dict[str, Recipe]:
@@ -232,6 +366,7 @@ def load_recipes(path: Path | str = DEFAULT_RECIPES) -> dict[str, Recipe]:
         if recipe.name in recipes:
             raise RecipeError(f"{path}: recipe name {recipe.name!r} appears twice")
         recipes[recipe.name] = recipe
+    _check_speech_recipes(recipes, path)
     return recipes
 
 

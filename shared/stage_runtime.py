@@ -1,10 +1,25 @@
-"""Running one stage process: engines + gRPC server + /metrics, until SIGINT/SIGTERM."""
+"""Running one stage process: engines + gRPC server + /metrics, until SIGINT/SIGTERM.
+
+Every stage also serves StageControlService (shared/control.py: cancel by id from any gateway,
+load reports), registered here so that no servicer needs to know about it.
+
+Drain (SIGTERM, as Kubernetes sends before it removes a pod): health turns NOT_SERVING at once
+(gateways stop routing here), new starts are refused with UNAVAILABLE (a gateway retries them
+on another replica), requests already admitted run to their end for up to `drain_grace_s`
+(option, default 30 s), then those left are aborted with reason SHUTDOWN (a gateway reports
+them UNAVAILABLE, naming the stage), and the process exits. Cancel and load RPCs keep working
+while it drains. An engine thread that dies turns health NOT_SERVING too, and the process exits
+with status 1 so that its supervisor (`stagemesh serve`, Kubernetes) restarts it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import logging
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -12,8 +27,12 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 from prometheus_client import start_http_server
 
+from stagemesh.shared.control import SERVICE_NAME as CONTROL_SERVICE
+from stagemesh.shared.control import ControlledEngine, StageControl, add_control
+from stagemesh.shared.limits import MAX_STAGE_MESSAGE_BYTES
+from stagemesh.shared.mesh_auth import mesh_token, server_interceptors
 from stagemesh.shared.proto.v1 import common_pb2
-from stagemesh.shared.server import RunningServer, start_server, wait_for_shutdown_signal
+from stagemesh.shared.server import RunningServer, start_server
 
 if TYPE_CHECKING:  # torch stays out of processes that only import the runtime's constants
     from stagemesh.shared.devices import Placement
@@ -22,9 +41,17 @@ log = logging.getLogger(__name__)
 
 #: Running RPCs get this long to finish after a shutdown signal; then they are aborted.
 SHUTDOWN_GRACE_S = 5.0
+#: A draining stage lets admitted requests run this long unless its `drain_grace_s` says.
+DEFAULT_DRAIN_GRACE_S = 30.0
+#: After the engines stopped, open RPCs get this long to send their last event.
+FLUSH_GRACE_S = 2.0
+#: How often the runtime checks that every engine thread is alive.
+ENGINE_WATCH_S = 0.5
+#: The option every stage takes besides its own (read here, not by the stage's builder).
+DRAIN_GRACE_OPTION = "drain_grace_s"
 
 
-class StageEngine(Protocol):
+class StageEngine(ControlledEngine, Protocol):
     """What running and describing a stage needs from each of its engines (a StepEngine)."""
 
     @property
@@ -33,9 +60,32 @@ class StageEngine(Protocol):
     @property
     def max_running(self) -> int: ...
 
+    @property
+    def stopped(self) -> bool: ...
+
     def start(self) -> None: ...
 
     def shutdown(self, abort_running: bool = True, timeout: float | None = 5.0) -> bool: ...
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The options of the stage process itself (every stage takes them)."""
+
+    drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
+
+
+def split_runtime_options(
+    stage: str, options: Mapping[str, object]
+) -> tuple[RuntimeOptions, dict[str, object]]:
+    """The runtime's options out of a stage's `options:`, and the rest for the stage's builder.
+    Raises ValueError naming the stage and the option for a bad value."""
+    rest = dict(options)
+    grace = rest.pop(DRAIN_GRACE_OPTION, DEFAULT_DRAIN_GRACE_S)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or grace < 0:
+        raise ValueError(f"stage {stage}: option {DRAIN_GRACE_OPTION!r} must be a number of "
+                         f"seconds >= 0, got {grace!r}")
+    return RuntimeOptions(drain_grace_s=float(grace)), rest
 
 
 def stage_description(
@@ -58,14 +108,26 @@ class StageBundle:
     register: Callable[[grpc.aio.Server], None]
     service_names: list[str]
     info: dict[str, str] = field(default_factory=dict)  # facts for logs (model, mode)
+    #: Largest message a client may send; a stage whose largest legal input is small (the
+    #: tokenizer) sets less, so gRPC refuses a bigger one before it is parsed.
+    max_receive_bytes: int = MAX_STAGE_MESSAGE_BYTES
 
 
 async def start_stage(bundle: StageBundle, *, host: str = "127.0.0.1",
                       port: int = 0) -> RunningServer:
-    """Start the engines and the gRPC server (port 0 = any free port)."""
+    """Start the engines and the gRPC server (port 0 = any free port), with the stage's own
+    services and StageControlService."""
     for engine in bundle.engines:
         engine.start()
-    return await start_server(bundle.register, bundle.service_names, host=host, port=port)
+    control = StageControl(bundle.name, bundle.engines)
+
+    def register(server: grpc.aio.Server) -> None:
+        bundle.register(server)
+        add_control(server, control)
+
+    return await start_server(register, [*bundle.service_names, CONTROL_SERVICE], host=host,
+                              port=port, interceptors=server_interceptors(mesh_token()),
+                              max_receive_bytes=bundle.max_receive_bytes)
 
 
 async def stop_stage(bundle: StageBundle, server: RunningServer,
@@ -77,14 +139,65 @@ async def stop_stage(bundle: StageBundle, server: RunningServer,
         await loop.run_in_executor(None, engine.shutdown, True, grace)
 
 
+async def drain_stage(bundle: StageBundle, server: RunningServer, grace: float) -> bool:
+    """NOT_SERVING, refuse new starts, let admitted requests finish within `grace` seconds,
+    abort the rest (reason SHUTDOWN), then stop the server. Returns whether every request
+    finished within the grace period."""
+    await server.set_serving(False)
+    drained = await asyncio.gather(*(asyncio.to_thread(engine.shutdown, False, grace)
+                                     for engine in bundle.engines))
+    if not all(drained):
+        log.warning("stage %s: requests still running after %.0f s of drain; aborting them",
+                    bundle.name, grace)
+        await asyncio.gather(*(asyncio.to_thread(engine.shutdown, True, SHUTDOWN_GRACE_S)
+                               for engine in bundle.engines))
+    await server.stop(FLUSH_GRACE_S)
+    return all(drained)
+
+
+class Ending(enum.Enum):
+    """Why a stage process stops."""
+
+    SIGNAL = 0  # SIGTERM / SIGINT: drain, exit 0
+    ENGINE_DIED = 1  # an engine thread stopped on its own: exit 1, to be restarted
+
+
+async def until_stopped(bundle: StageBundle, server: RunningServer) -> Ending:
+    """Wait for SIGINT/SIGTERM, or an engine thread that stops on its own (health then turns
+    NOT_SERVING at once: this replica can compute nothing more)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set():
+            if any(engine.stopped for engine in bundle.engines):
+                log.error("stage %s: an engine thread stopped; reporting NOT_SERVING and "
+                          "exiting", bundle.name)
+                await server.set_serving(False)
+                return Ending.ENGINE_DIED
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ENGINE_WATCH_S)
+        return Ending.SIGNAL
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
 async def serve_stage(bundle: StageBundle, *, host: str, port: int,
-                      metrics_port: int | None) -> None:
-    """Serve until SIGINT/SIGTERM (the `stagemesh stage` entry point)."""
+                      metrics_port: int | None,
+                      runtime: RuntimeOptions | None = None) -> int:
+    """Serve until SIGINT/SIGTERM, then drain (the `stagemesh stage` entry point); returns the
+    process's exit status."""
+    runtime = runtime or RuntimeOptions()
     if metrics_port:
         start_http_server(metrics_port, addr=host)
     server = await start_stage(bundle, host=host, port=port)
     log.info("stage %s ready on %s:%d (metrics %s) %s", bundle.name, host, server.port,
              metrics_port or "off", bundle.info)
-    await wait_for_shutdown_signal()
-    log.info("stage %s shutting down", bundle.name)
-    await stop_stage(bundle, server)
+    ending = await until_stopped(bundle, server)
+    log.info("stage %s draining (up to %.0f s)", bundle.name, runtime.drain_grace_s)
+    await drain_stage(bundle, server, runtime.drain_grace_s)
+    log.info("stage %s stopped", bundle.name)
+    return ending.value

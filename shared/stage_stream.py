@@ -30,6 +30,7 @@ from typing import Generic, Literal, Never, Protocol, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from stagemesh.shared.control import owner_from_metadata
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     InputT,
@@ -39,7 +40,12 @@ from stagemesh.shared.engine.adapter import (
     StateT,
     StreamT,
 )
-from stagemesh.shared.engine.engine import QueueFullError, RequestStream, StepEngine
+from stagemesh.shared.engine.engine import (
+    EngineClosed,
+    QueueFullError,
+    RequestStream,
+    StepEngine,
+)
 from stagemesh.shared.engine.events import (
     Completed,
     Event,
@@ -53,9 +59,10 @@ from stagemesh.shared.engine.events import (
 )
 from stagemesh.shared.engine.request import AbortReason
 from stagemesh.shared.errors import abort_with
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
+from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2
+from stagemesh.shared.stage_trace import OFF, StageTrace, start_stage_trace
 from stagemesh.shared.tensors import TensorDecodeError
 
 log = logging.getLogger(__name__)
@@ -118,6 +125,11 @@ class StageWire(Generic[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT]
     def has_field(self, name: str) -> bool:
         return name in self.response_cls.DESCRIPTOR.fields_by_name
 
+    @property
+    def rpc_name(self) -> str:
+        """The RPC's name (`Denoise` for DenoiseResponse): the stage's server span name."""
+        return self.response_cls.DESCRIPTOR.name.removesuffix("Response")
+
     def respond(self, field_name: str, message: Message) -> ResponseT:
         """A response whose event oneof holds `message` in `field_name`."""
         return self.response_cls(**{field_name: message})
@@ -132,6 +144,7 @@ class Fault(enum.Enum):
     MISSING_START = enum.auto()  # the first message is not `start`
     BAD_ARGUMENT = enum.auto()  # the start (or a streamed input) is invalid
     QUEUE_FULL = enum.auto()  # the engine holds max_pending requests
+    DRAINING = enum.auto()  # the engine admits nothing new (shutting down, or stopped)
     FAILED_ON_INPUT = enum.auto()  # the request failed on a named input field
     FAILED = enum.auto()  # the request failed inside the stage
     DEADLINE_EXCEEDED = enum.auto()  # the RPC's deadline passed
@@ -142,6 +155,7 @@ FAULT_STATUS: dict[Fault, tuple[grpc.StatusCode, str]] = {
     Fault.MISSING_START: (grpc.StatusCode.INVALID_ARGUMENT, "MISSING_START"),
     Fault.BAD_ARGUMENT: (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT"),
     Fault.QUEUE_FULL: (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL"),
+    Fault.DRAINING: (grpc.StatusCode.UNAVAILABLE, "DRAINING"),
     Fault.FAILED_ON_INPUT: (grpc.StatusCode.INVALID_ARGUMENT, "STAGE_FAILED"),
     Fault.FAILED: (grpc.StatusCode.INTERNAL, "STAGE_FAILED"),
     Fault.DEADLINE_EXCEEDED: (grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
@@ -183,6 +197,9 @@ def _check_start(first: RequestT | None) -> RequestT:
         raise StreamError(Fault.BAD_ARGUMENT,
                           f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters",
                           "request_id")
+    if not REQUEST_ID_PATTERN.fullmatch(request_id):
+        raise StreamError(Fault.BAD_ARGUMENT, "request_id may hold only ASCII letters, digits "
+                          "and . _ : -", "request_id")
     return first
 
 
@@ -191,13 +208,21 @@ def _submit(
     wire: StageWire[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT],
     start: RequestT,
     deadline: float | None,
+    owner: str = "",
 ) -> RequestStream[PartialT, ResultT]:
     try:
-        return engine.submit(wire.make_request(start, deadline))
+        return engine.submit(wire.make_request(start, deadline), owner)
     except (InvalidInputError, TensorDecodeError) as error:
         raise StreamError.bad_argument(error, "start") from error
     except QueueFullError as error:
         raise StreamError(Fault.QUEUE_FULL, str(error)) from error
+    except EngineClosed as error:  # a gateway retries it on another replica
+        raise StreamError(Fault.DRAINING, str(error)) from error
+
+
+def _owner_of(context: grpc.aio.ServicerContext[RequestT, ResponseT]) -> str:
+    """Who may cancel the request by id from another gateway (shared/control.py)."""
+    return owner_from_metadata(context.invocation_metadata())
 
 
 def _deadline_of(context: grpc.aio.ServicerContext[RequestT, ResponseT]) -> float | None:
@@ -309,12 +334,15 @@ async def serve_stage_stream(
     context: grpc.aio.ServicerContext[RequestT, ResponseT],
 ) -> AsyncIterator[ResponseT]:
     """Run one bidi stage stream to its terminal event (see the module docstring)."""
+    trace: StageTrace = OFF  # its trace (shared/stage_trace.py): a no-op while traces are off
     try:
         start = _check_start(await anext(requests, None))
         request_id = start.start.request_id
         request_id_var.set(request_id)
-        stream = _submit(engine, wire, start, _deadline_of(context))
+        trace = start_stage_trace(wire.rpc_name, request_id, context.invocation_metadata)
+        stream = _submit(engine, wire, start, _deadline_of(context), _owner_of(context))
     except StreamError as error:
+        trace.end(error.message)
         await _abort(context, error)
 
     reader = _ClientReader(engine, wire.make_input, request_id, requests)
@@ -322,12 +350,17 @@ async def serve_stage_stream(
     try:
         async for event in stream:
             ended = is_terminal(event)
+            trace.observe(event)
             response = _to_response(wire, event, reader.bad_input)
             if response is not None:
                 yield response
     except StreamError as error:
+        trace.end(error.message)
         await _abort(context, error)
     finally:
         await reader.close()
         if not ended:  # the RPC was cancelled or its deadline passed: stop the work now
             engine.abort(request_id, AbortReason.RPC_CANCELLED)
+            trace.follow(stream)  # records the abort once the engine has made it, then ends
+        else:
+            trace.end()

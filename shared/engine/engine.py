@@ -36,7 +36,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeAlias
 
@@ -59,6 +59,7 @@ from stagemesh.shared.engine.events import (
     Failed,
     Partial,
     Preempted,
+    PrepareTiming,
     Progress,
     Queued,
     Terminal,
@@ -72,9 +73,11 @@ from stagemesh.shared.engine.scheduler import Scheduler, validate_budget
 logger = logging.getLogger(__name__)
 
 #: An abort for an id not (yet) submitted is remembered this long, for at most this many ids,
-#: so that a submit arriving after its own cancel is aborted before any compute.
+#: so that a submit arriving after its own cancel is aborted before any compute. A cancel by id
+#: from another gateway (shared/control.py) leaves one here when the request has not arrived:
+#: these are the mesh's pending cancels, bounded and expiring.
 TOMBSTONE_TTL_SECONDS = 60.0
-MAX_TOMBSTONES = 4096
+MAX_TOMBSTONES = 10_000
 
 #: Requests in flight (waiting + running) an engine accepts before refusing new ones.
 DEFAULT_MAX_PENDING = 256
@@ -82,6 +85,11 @@ DEFAULT_MAX_PENDING = 256
 
 class QueueFullError(RuntimeError):
     """The engine has `max_pending` requests in flight; becomes RESOURCE_EXHAUSTED."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine admits nothing new: it drains for a shutdown, or its thread has stopped.
+    Becomes UNAVAILABLE, so that a gateway retries the request on another replica."""
 
 
 #: Thread-safe: hands one event to the request's stream.
@@ -93,6 +101,7 @@ Sink: TypeAlias = Callable[[Event[PartialT, ResultT]], None]
 class _Submit(Generic[InputT, PartialT, ResultT]):
     request: EngineRequest[InputT]
     sink: Sink[PartialT, ResultT]
+    owner: str = ""  # who may cancel it by id (see `submit`)
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,19 @@ class _Abort:
     request_id: str
     reason: AbortReason
     at: float  # time.monotonic() of the abort signal
+    #: A cancel by id from a gateway: a pending one (a tombstone) stops only a request of
+    #: this owner. None: the stage's own abort (its RPC ended), which stops any.
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class _Tombstone:
+    at: float
+    reason: AbortReason
+    owner: str | None
+
+    def stops(self, owner: str) -> bool:
+        return self.owner is None or self.owner == owner
 
 
 @dataclass(frozen=True)
@@ -126,6 +148,8 @@ class _Slot(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
     state: StateT | None = None  # the adapter's state, once prepared
     pending_inputs: list[StreamT] = field(default_factory=list)  # arrived before prepare
     step_seconds: float = 0.0  # duration of the last step call it took part in
+    prepare_timing: PrepareTiming | None = None  # its prepare, told with every progress
+    owner: str = ""  # who may cancel it by id (see StepEngine.submit)
 
     @property
     def prepared(self) -> bool:
@@ -170,6 +194,8 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
     max_batch: requests that run at once, and so the most states one `step` call gets; None
       (or a value above max_running) means max_running, and then nobody is ever preempted.
     max_pending: requests in flight (queued + holding state) before submit refuses more.
+    admission_window: seconds an idle engine waits for requests sent together to arrive, so
+      they start in one batch (see `scheduler`, "Batch forming"); 0 admits each at once.
     """
 
     def __init__(
@@ -181,6 +207,7 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         max_batch: int | None = None,
         max_pending: int = DEFAULT_MAX_PENDING,
         metrics: EngineMetrics | None = None,
+        admission_window: float = 0.0,
     ) -> None:
         self._adapter = adapter
         # The one channel from abort() into a step in flight; bound once to an adapter that
@@ -200,10 +227,12 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         )
         # Event-loop side only.
         self._streams: dict[str, RequestStream[PartialT, ResultT]] = {}
+        self._owners: dict[str, str] = {}  # request id -> owner, for the live ones
+        self._waiters: dict[str, list[asyncio.Future[Terminal[ResultT]]]] = {}
         # Compute thread only.
-        self._scheduler = Scheduler(max_running, max_batch)
+        self._scheduler = Scheduler(max_running, max_batch, admission_window=admission_window)
         self._slots: dict[str, _Slot[InputT, StreamT, StateT, PartialT, ResultT]] = {}
-        self._tombstones: OrderedDict[str, tuple[float, AbortReason]] = OrderedDict()
+        self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
         self._stopping = False
 
     # -- asyncio side ----------------------------------------------------------------------
@@ -211,11 +240,19 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: EngineRequest[InputT]) -> RequestStream[PartialT, ResultT]:
-        """Validate at once (raises InvalidInputError) and queue the request; call on a loop."""
+    def submit(
+        self, request: EngineRequest[InputT], owner: str = ""
+    ) -> RequestStream[PartialT, ResultT]:
+        """Validate at once (raises InvalidInputError) and queue the request; call on a loop.
+
+        `owner` is who may cancel it by id from another gateway (the API key's id; "" when
+        keys are off): see `live_ids` and `abort(owner=...)`. Raises EngineClosed while the
+        engine drains or after its thread stopped, QueueFullError at `max_pending`.
+        """
         rid = request.request_id
         if self._closing:
-            raise RuntimeError(f"{self._adapter.stage} engine is shutting down; refused {rid}")
+            state = "has stopped" if self.stopped else "is shutting down"
+            raise EngineClosed(f"{self._adapter.stage} engine {state}; refused {rid}")
         if rid in self._streams:
             raise InvalidInputError("request_id", f"Request {rid} is already in flight")
         if len(self._streams) >= self._max_pending:
@@ -224,20 +261,26 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         self._adapter.check_inputs(request.payload)
         validate_budget(request)
         stream = self._streams[rid] = RequestStream[PartialT, ResultT](rid)
-        self._control.put(_Submit(request, self._sink_for(asyncio.get_running_loop(), stream)))
+        self._owners[rid] = owner
+        self._control.put(
+            _Submit(request, self._sink_for(asyncio.get_running_loop(), stream), owner))
         return stream
 
     def add_input(self, request_id: str, payload: StreamT) -> None:
         """Streamed input for a submitted request; ignored for unknown or finished ids."""
         self._control.put(_Input(request_id, payload))
 
-    def abort(self, request_id: str, reason: AbortReason = AbortReason.CANCELLED) -> None:
-        """Thread-safe, fire-and-forget. Wins even when it arrives before the submit.
+    def abort(
+        self, request_id: str, reason: AbortReason = AbortReason.CANCELLED,
+        owner: str | None = None,
+    ) -> None:
+        """Thread-safe, fire-and-forget. Wins even when it arrives before the submit (then
+        only over a request of `owner`, when one is given).
 
         A step in flight whose every request is now cancelled stops part-way, if the adapter
         can (Interruptible); otherwise the request leaves at the next step boundary.
         """
-        self._control.put(_Abort(request_id, reason, time.monotonic()))
+        self._control.put(_Abort(request_id, reason, time.monotonic(), owner))
         # After the message: a step stopped by this cancel finds the abort queued.
         self._interrupt.cancel(request_id)
 
@@ -288,6 +331,39 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def stopped(self) -> bool:
+        """The compute thread ran and has exited (shut down, or crashed)."""
+        return self._thread.ident is not None and not self._thread.is_alive()
+
+    @property
+    def closing(self) -> bool:
+        """Submit refuses new work (draining, stopped)."""
+        return self._closing
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet ended (event-loop side)."""
+        return len(self._streams)
+
+    def live_ids(self, request_id: str, owner: str) -> list[str]:
+        """The live requests `request_id` names for `owner`: itself, and the parts of a
+        request of several images (`<id>.<index>`). Event-loop side."""
+        prefix = f"{request_id}."
+        return [rid for rid in self._streams
+                if (rid == request_id or (rid.startswith(prefix)
+                                          and rid[len(prefix):].isdigit()))
+                and self._owners.get(rid) == owner]
+
+    def finished(self, request_id: str) -> Awaitable[Terminal[ResultT]] | None:
+        """A future of a live request's terminal event; None if it is not live. Event-loop
+        side; the waiter is registered before this returns, so an abort sent next is seen."""
+        if request_id not in self._streams:
+            return None
+        waiter: asyncio.Future[Terminal[ResultT]] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(request_id, []).append(waiter)
+        return waiter
+
     def _sink_for(
         self, loop: asyncio.AbstractEventLoop, stream: RequestStream[PartialT, ResultT]
     ) -> Sink[PartialT, ResultT]:
@@ -303,8 +379,13 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
         self, stream: RequestStream[PartialT, ResultT], event: Event[PartialT, ResultT]
     ) -> None:
         stream.put(event)
-        if is_terminal(event) and self._streams.get(stream.request_id) is stream:
+        if (isinstance(event, Completed | Aborted | Failed)
+                and self._streams.get(stream.request_id) is stream):
             del self._streams[stream.request_id]
+            self._owners.pop(stream.request_id, None)
+            for waiter in self._waiters.pop(stream.request_id, []):
+                if not waiter.done():
+                    waiter.set_result(event)
 
     # -- compute thread --------------------------------------------------------------------
 
@@ -373,32 +454,34 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
 
     def _handle(self, message: _Message[InputT, PartialT, ResultT, StreamT]) -> None:
         match message:
-            case _Submit(request, sink):
-                self._admit(request, sink)
+            case _Submit(request, sink, owner):
+                self._admit(request, sink, owner)
             case _Input(request_id, payload):
                 self._add_input(request_id, payload)
-            case _Abort(request_id, reason, at):
-                self._abort(request_id, reason, at)
+            case _Abort(request_id, reason, at, owner):
+                self._abort(request_id, reason, at, owner)
             case _Shutdown(abort_running):
                 self._stopping = True
                 if abort_running:
                     self._abort_all(AbortReason.SHUTDOWN)
 
-    def _admit(self, request: EngineRequest[InputT], sink: Sink[PartialT, ResultT]) -> None:
+    def _admit(
+        self, request: EngineRequest[InputT], sink: Sink[PartialT, ResultT], owner: str
+    ) -> None:
         rid = request.request_id
-        tombstone = self._take_tombstone(rid)
+        tombstone = self._take_tombstone(rid, owner)
         if tombstone is None and self._stopping:
-            tombstone = (time.monotonic(), AbortReason.SHUTDOWN)
+            tombstone = _Tombstone(time.monotonic(), AbortReason.SHUTDOWN, None)
         if tombstone is not None:  # never admitted, never prepared
-            at, reason = tombstone
-            self._emit(sink, Aborted(request.budget.start_step, reason, time.monotonic() - at))
+            self._emit(sink, Aborted(request.budget.start_step, tombstone.reason,
+                                     time.monotonic() - tombstone.at))
             return
         try:
             self._scheduler.add_request(request)
         except InvalidInputError as exc:
             self._emit(sink, Failed(str(exc), exc.field_name))
             return
-        self._slots[rid] = _Slot(request, sink)
+        self._slots[rid] = _Slot(request, sink, owner=owner)
         sink(Queued(self._scheduler.position(rid)))
 
     def _add_input(self, request_id: str, payload: StreamT) -> None:
@@ -415,9 +498,12 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
                 return
             self._scheduler.mark_input_ready(request_id)
 
-    def _abort(self, request_id: str, reason: AbortReason, at: float) -> None:
-        if request_id not in self._slots:  # not submitted yet (or already gone)
-            self._remember_tombstone(request_id, reason, at)
+    def _abort(self, request_id: str, reason: AbortReason, at: float, owner: str | None) -> None:
+        slot = self._slots.get(request_id)
+        if slot is None:  # not submitted yet (or already gone)
+            self._remember_tombstone(request_id, _Tombstone(at, reason, owner))
+            return
+        if owner is not None and owner != slot.owner:  # another owner's request of that id
             return
         finished = self._scheduler.finish_requests(
             request_id, RequestState.FINISHED_ABORTED, reason, signal_at=at
@@ -437,27 +523,33 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
             )
             self._retire(finished)
 
-    def _remember_tombstone(self, request_id: str, reason: AbortReason, at: float) -> None:
+    def _remember_tombstone(self, request_id: str, tombstone: _Tombstone) -> None:
         expired_before = time.monotonic() - TOMBSTONE_TTL_SECONDS
         while self._tombstones and (
             len(self._tombstones) >= MAX_TOMBSTONES
-            or next(iter(self._tombstones.values()))[0] < expired_before
+            or next(iter(self._tombstones.values())).at < expired_before
         ):
             self._tombstones.popitem(last=False)
-        self._tombstones[request_id] = (at, reason)
+        self._tombstones.pop(request_id, None)  # re-inserted last: the newest expires last
+        self._tombstones[request_id] = tombstone
 
-    def _take_tombstone(self, request_id: str) -> tuple[float, AbortReason] | None:
-        tombstone = self._tombstones.pop(request_id, None)
-        if tombstone is None or tombstone[0] < time.monotonic() - TOMBSTONE_TTL_SECONDS:
+    def _take_tombstone(self, request_id: str, owner: str) -> _Tombstone | None:
+        """The pending abort for a request arriving now, if one applies to it (a tombstone
+        for another owner stays: it is not this request's)."""
+        tombstone = self._tombstones.get(request_id)
+        if tombstone is None or not tombstone.stops(owner):
             return None
-        return tombstone
+        del self._tombstones[request_id]
+        return None if tombstone.at < time.monotonic() - TOMBSTONE_TTL_SECONDS else tombstone
 
     def _prepare(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             slot, record = self._slots[rid], self._record(rid)
-            self._metrics.observe_queue_time(time.monotonic() - record.submitted_at)
+            started = time.monotonic()
+            self._metrics.observe_queue_time(started - record.submitted_at)
             try:
                 state = slot.state = self._adapter.prepare(slot.request)
+                slot.prepare_timing = PrepareTiming(started, time.monotonic())
                 self._scheduler.mark_prepared(rid, self._adapter.batch_key(state))
                 for payload in slot.pending_inputs:
                     self._adapter.add_input(state, payload)
@@ -590,7 +682,8 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
             slot = self._slots[rid]
             total = record.request.budget.total_steps
             elapsed = now - record.submitted_at
-            slot.sink(Progress(output.step_index, total, slot.step_seconds, elapsed))
+            slot.sink(Progress(output.step_index, total, slot.step_seconds, elapsed,
+                               prepared=slot.prepare_timing))
             if output.partial is not None:
                 slot.sink(Partial(output.partial))
 

@@ -163,13 +163,16 @@ class RpcAborted(Exception):
 
 
 class FakeContext:
-    """The two ServicerContext methods the handler uses."""
+    """The ServicerContext methods the handler uses."""
 
     def __init__(self, time_remaining: float | None = None) -> None:
         self._time_remaining = time_remaining
 
     def time_remaining(self) -> float | None:
         return self._time_remaining
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
     async def abort_with_status(self, status: grpc.Status) -> Never:
         raise RpcAborted(_read_status(status))
