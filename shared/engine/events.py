@@ -1,8 +1,15 @@
-"""What a request's stream yields. Every stream ends with exactly one terminal event."""
+"""What a request's stream yields. Every stream ends with exactly one terminal event.
+
+Every event carries `at`, the `time.monotonic()` at which the engine made it (on its compute
+thread, right when the thing happened), so a reader on the event loop can place it in time
+however late it reads it: the stage's trace spans are built from these (shared/stage_trace.py).
+`at` never takes part in equality.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Generic, TypeAlias
 
 from stagemesh.shared.engine.adapter import PartialT, PartialT_co, ResultT, ResultT_co
@@ -14,6 +21,15 @@ class Queued:
     """Admitted to the engine; `position` requests are ahead of it (0 = next to run)."""
 
     position: int
+    at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
+
+
+@dataclass(frozen=True)
+class PrepareTiming:
+    """When the request left the queue for the adapter's `prepare`, and when that returned."""
+
+    started_at: float  # time.monotonic()
+    ended_at: float
 
 
 @dataclass(frozen=True)
@@ -24,6 +40,10 @@ class Progress:
     total_steps: int | None
     step_seconds: float  # duration of the step call that produced this progress
     elapsed_seconds: float  # since the request was submitted
+    #: The request's prepare (None if the engine did not say): it splits the time before the
+    #: first step into queue wait and prepare, for the stage's trace.
+    prepared: PrepareTiming | None = field(default=None, compare=False, kw_only=True)
+    at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,7 @@ class Preempted:
     """
 
     step_index: int
+    at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,7 @@ class Partial(Generic[PartialT_co]):
     """A piece of output to stream now (codec frames, an audio chunk)."""
 
     payload: PartialT_co
+    at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -50,6 +72,7 @@ class Completed(Generic[ResultT_co]):
 
     result: ResultT_co
     step_index: int
+    at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,7 @@ class Aborted:
     step_index: int
     reason: AbortReason
     abort_latency_seconds: float
+    at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,7 @@ class Failed:
 
     message: str
     field_name: str | None = None
+    at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
 
 
 #: Everything a request's stream yields; generic in the adapter's partial and result types.
