@@ -80,7 +80,7 @@ recipes:
     stages:
       tokenizer: {{address: "127.0.0.1:1", metrics_port: 1}}
       dit: {{address: "127.0.0.1:2", metrics_port: 2,
-            options: {{step_execution: true, max_steps: {max_steps},
+            options: {{step_execution: true, request_mode: true, max_steps: {max_steps},
                       max_images_per_request: 1, max_pixels: 1048576}}}}
       vae: {{address: "127.0.0.1:3", metrics_port: 3}}
     defaults: {{width: {width}, height: {height}, num_inference_steps: {steps},

@@ -10,39 +10,50 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
+import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stagemesh.gateway.admission import Admission, AdmissionMiddleware
+from stagemesh.gateway.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, header
 from stagemesh.gateway.cancel import new_request_id
 from stagemesh.gateway.catalog import StageCatalog
 from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.grpc_api import GatewayServicer
-from stagemesh.gateway.http_io import REQUEST_ID_HEADER
+from stagemesh.gateway.grpc_decode import DecodeErrorInterceptor
+from stagemesh.gateway.http_io import MAX_BODY_BYTES, REQUEST_ID_HEADER, error_response
 from stagemesh.gateway.mesh import Mesh
 from stagemesh.gateway.metrics import RequestMetricsMiddleware
 from stagemesh.gateway.native import NativeApi
 from stagemesh.gateway.recipes import Recipe
+from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.routes import rest_routes
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
 from stagemesh.shared.proto.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from stagemesh.shared.server import RunningServer, start_server
+from stagemesh.shared.tracing import GrpcServerSpans, TracingMiddleware
 
 log = logging.getLogger(__name__)
 
-#: A client's x-request-id is kept when it is short and safe to echo in a header.
-_VALID_REQUEST_ID = re.compile(rf"^[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}$")
 GATEWAY_SERVICE = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 HTTP_STOP_TIMEOUT_S = 10.0
 GRPC_STOP_GRACE_S = 5.0
+#: Room for a request's text fields next to its largest binary field.
+TEXT_FIELDS_BYTES = 1024 * 1024
+#: The largest message the public gRPC port accepts: the largest legal request, a reference
+#: clip as large as a REST body can carry it (base64: 3 bytes per 4 characters), plus text.
+MAX_GRPC_REQUEST_BYTES = MAX_BODY_BYTES * 3 // 4 + TEXT_FIELDS_BYTES
 
 
 class RequestIdMiddleware:
-    """Every response carries x-request-id: the client's own (if valid) or a new one."""
+    """Every response carries x-request-id: the client's own, or a new one when it sent none.
+    An x-request-id the client did send that breaks the rule (request_ids.py) is a 400
+    naming `x-request-id`: never replaced, so the client can cancel by its own id."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -51,8 +62,12 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        request_id = given if _VALID_REQUEST_ID.match(given) else new_request_id()
+        given = header(scope, REQUEST_ID_HEADER.encode()) or ""
+        try:
+            request_id = check_request_id(given, REQUEST_ID_HEADER) or new_request_id()
+        except InvalidRequest as error:
+            await error_response(error)(scope, receive, send)
+            return
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:
@@ -78,10 +93,18 @@ async def open_gateway(recipes: Mapping[str, Recipe]) -> AsyncIterator[GatewayCo
         await mesh.close()
 
 
-def build_rest_app(core: GatewayCore) -> Starlette:
-    """The REST app over an open core (see routes.py for the routes)."""
+def build_rest_app(core: GatewayCore, keys: ApiKeys | None = None,
+                   admission: Admission | None = None) -> Starlette:
+    """The REST app over an open core (see routes.py for the routes). Outermost first: the
+    request id (every answer carries one), metrics (refusals are counted), API keys, then
+    admission (a refused caller takes no slot)."""
+    keys = ApiKeys() if keys is None else keys
+    admission = Admission(core) if admission is None else admission
     app = Starlette(routes=rest_routes(core))
+    app.add_middleware(AdmissionMiddleware, admission=admission)
+    app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(RequestMetricsMiddleware)
+    app.add_middleware(TracingMiddleware)  # a server span per request, when traces are on
     app.add_middleware(RequestIdMiddleware)
     return app
 
@@ -91,6 +114,10 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
+    #: A file of API keys (one a line, `#` comments), read with STAGEMESH_API_KEYS.
+    api_keys_file: Path | None = None
+    #: Requests running at once before 429; None = sized from the stages' queues.
+    max_concurrent_requests: int | None = None
 
 
 async def _serve_http(app: Starlette, config: GatewayConfig) -> tuple[uvicorn.Server,
@@ -112,16 +139,21 @@ async def run_gateway(recipes: dict[str, Recipe], config: GatewayConfig,
                       ready: asyncio.Event | None = None,
                       stop: asyncio.Event | None = None) -> None:
     """Serve REST and gRPC until `stop` is set (or the task is cancelled)."""
+    keys = ApiKeys.load(os.environ, config.api_keys_file)
+    keys.log_mode("gateway")
     async with open_gateway(recipes) as core:
-        api = NativeApi(core)
+        admission = Admission(core, config.max_concurrent_requests)
+        servicer = GatewayServicer(NativeApi(core), keys, admission)
         grpc_server: RunningServer = await start_server(
             lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
-                GatewayServicer(api), server),
-            [GATEWAY_SERVICE], host=config.host, port=config.grpc_port)
+                servicer, server),
+            [GATEWAY_SERVICE], host=config.host, port=config.grpc_port,
+            interceptors=[GrpcServerSpans(), ApiKeyInterceptor(keys), DecodeErrorInterceptor()],
+            max_receive_bytes=MAX_GRPC_REQUEST_BYTES)
         http: uvicorn.Server | None = None
         http_task: asyncio.Task[None] | None = None
         try:
-            http, http_task = await _serve_http(build_rest_app(core), config)
+            http, http_task = await _serve_http(build_rest_app(core, keys, admission), config)
             log.info("gateway: REST on http://%s:%d, gRPC on %s:%d", config.host,
                      config.http_port, config.host, grpc_server.port)
             if ready is not None:

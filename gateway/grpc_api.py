@@ -1,7 +1,8 @@
 """The public gRPC API (stagemesh.v1.GatewayService): a thin adapter over NativeApi.
 
 It turns the gRPC context into a RequestContext (the client's deadline is the request's time
-budget) and a GatewayError into a rich status (ErrorInfo + BadRequest naming the field).
+budget, its API key the request's owner) and a GatewayError into a rich status (ErrorInfo +
+BadRequest naming the field). Keys are checked before the handler by auth.ApiKeyInterceptor.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from typing import Never, TypeVar
 
 import grpc
 
+from stagemesh.gateway.admission import Admission
+from stagemesh.gateway.auth import AUTHORIZATION, ApiKeys, metadata_value
 from stagemesh.gateway.core import RequestContext
 from stagemesh.gateway.errors import GatewayError
+from stagemesh.gateway.http_io import REQUEST_ID_HEADER
 from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.shared.errors import build_status
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc
@@ -22,45 +27,69 @@ from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc
 RequestT = TypeVar("RequestT")
 ResponseT = TypeVar("ResponseT")
 Context = grpc.aio.ServicerContext[object, object]
+#: The metadata keys of a request's id and of a 429's retry delay (seconds), as in REST.
+REQUEST_ID_METADATA = REQUEST_ID_HEADER
+RETRY_AFTER_METADATA = "retry-after"
 
 
-async def _abort(context: Context, error: GatewayError) -> Never:
-    await context.abort_with_status(build_status(error.code, error.message, reason=error.reason,
-                                                 field_name=error.field_name))
+async def _abort(context: Context, error: GatewayError, admission: Admission) -> Never:
+    """End the call with `error` as a rich status; a RESOURCE_EXHAUSTED also carries
+    `retry-after` (seconds) in its trailing metadata, as a REST 429 carries Retry-After."""
+    status = build_status(error.code, error.message, reason=error.reason,
+                          field_name=error.field_name)
+    trailing = tuple(status.trailing_metadata)
+    if error.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        seconds = admission.retry_after() if error.retry_after is None else error.retry_after
+        trailing += ((RETRY_AFTER_METADATA, str(seconds)),)
+    await context.abort(status.code, status.details, trailing)
 
 
-def _request_context(context: Context) -> RequestContext:
-    """A gRPC call's budget is its deadline; its id is in the request message."""
-    return RequestContext.create(None, context.time_remaining())
-
-
-async def _unary(call: Callable[[RequestT, RequestContext], Awaitable[ResponseT]],
-                 request: RequestT, context: Context) -> ResponseT:
-    """Cancel and list calls start no request: they need no time budget of their own."""
-    try:
-        return await call(request, RequestContext.create(None, None))
-    except GatewayError as error:
-        await _abort(context, error)
-
-
-async def _stream(call: Callable[[RequestT, RequestContext], AsyncGenerator[ResponseT, None]],
-                  request: RequestT, context: Context) -> AsyncGenerator[ResponseT, None]:
-    try:
-        async with contextlib.aclosing(call(request, _request_context(context))) as responses:
-            async for response in responses:
-                yield response
-    except GatewayError as error:
-        await _abort(context, error)
+def _request_context(context: Context, keys: ApiKeys, timeout: float | None) -> RequestContext:
+    """The caller's owner (its API key), its `x-request-id` metadata (a request message's
+    own request_id wins) and its time budget."""
+    metadata = context.invocation_metadata()
+    request_id = check_request_id(metadata_value(metadata, REQUEST_ID_METADATA) or "",
+                                  REQUEST_ID_METADATA)
+    return RequestContext.create(request_id, timeout,
+                                 keys.owner(metadata_value(metadata, AUTHORIZATION)))
 
 
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, api: NativeApi) -> None:
+    """Each RPC on NativeApi. A streaming RPC starts a request: it holds an admission slot
+    for its whole life; unary RPCs (cancel, lists) start none."""
+
+    def __init__(self, api: NativeApi, keys: ApiKeys | None = None,
+                 admission: Admission | None = None) -> None:
         self.api = api
+        self.keys = ApiKeys() if keys is None else keys
+        self.admission = Admission(None) if admission is None else admission
+
+    async def _unary(self, call: Callable[[RequestT, RequestContext], Awaitable[ResponseT]],
+                     request: RequestT, context: Context) -> ResponseT:
+        """Cancel and list calls need no time budget of their own."""
+        try:
+            return await call(request, _request_context(context, self.keys, None))
+        except GatewayError as error:
+            await _abort(context, error, self.admission)
+
+    async def _stream(
+        self, call: Callable[[RequestT, RequestContext], AsyncGenerator[ResponseT, None]],
+        request: RequestT, context: Context,
+    ) -> AsyncGenerator[ResponseT, None]:
+        """A gRPC call's budget is its deadline."""
+        try:
+            with self.admission.slot():
+                request_context = _request_context(context, self.keys, context.time_remaining())
+                async with contextlib.aclosing(call(request, request_context)) as responses:
+                    async for response in responses:
+                        yield response
+        except GatewayError as error:
+            await _abort(context, error, self.admission)
 
     async def GenerateImage(
         self, request: pb.GenerateImageRequest, context: Context,
     ) -> AsyncIterator[pb.GenerateImageResponse]:
-        responses = _stream(self.api.GenerateImage, request, context)
+        responses = self._stream(self.api.GenerateImage, request, context)
         async with contextlib.aclosing(responses) as stream:
             async for response in stream:
                 yield response
@@ -68,7 +97,15 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     async def SynthesizeSpeech(
         self, request: pb.SynthesizeSpeechRequest, context: Context,
     ) -> AsyncIterator[pb.SynthesizeSpeechResponse]:
-        responses = _stream(self.api.SynthesizeSpeech, request, context)
+        responses = self._stream(self.api.SynthesizeSpeech, request, context)
+        async with contextlib.aclosing(responses) as stream:
+            async for response in stream:
+                yield response
+
+    async def Chat(
+        self, request: pb.ChatRequest, context: Context,
+    ) -> AsyncIterator[pb.ChatResponse]:
+        responses = self._stream(self.api.Chat, request, context)
         async with contextlib.aclosing(responses) as stream:
             async for response in stream:
                 yield response
@@ -76,14 +113,14 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     async def CancelRequest(
         self, request: pb.CancelRequestRequest, context: Context,
     ) -> pb.CancelRequestResponse:
-        return await _unary(self.api.CancelRequest, request, context)
+        return await self._unary(self.api.CancelRequest, request, context)
 
     async def ListStages(
         self, request: pb.ListStagesRequest, context: Context,
     ) -> pb.ListStagesResponse:
-        return await _unary(self.api.ListStages, request, context)
+        return await self._unary(self.api.ListStages, request, context)
 
     async def ListRecipes(
         self, request: pb.ListRecipesRequest, context: Context,
     ) -> pb.ListRecipesResponse:
-        return await _unary(self.api.ListRecipes, request, context)
+        return await self._unary(self.api.ListRecipes, request, context)

@@ -11,11 +11,13 @@ import contextlib
 from collections.abc import AsyncGenerator
 
 from stagemesh.gateway.audio import StreamEncoder
+from stagemesh.gateway.chat_pipeline import native_chat
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.events import Done, Output, StageEvent
 from stagemesh.gateway.image_params import ImageRequest
 from stagemesh.gateway.image_pipeline import GeneratedImage
 from stagemesh.gateway.recipes import TASK_STAGES
+from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech_params import SpeechRequest
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
@@ -78,7 +80,7 @@ class NativeApi:
     ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
         """Queued and progress events of each stage, then one result per image."""
         job = await self.core.prepare_images(image_request(request))
-        context = context.for_request(request.request_id)
+        context = context.for_request(check_request_id(request.request_id, "request_id"))
         async with contextlib.aclosing(self.core.image_events(job, context)) as items:
             async for item in items:
                 response = _image_response(context.request_id, item)
@@ -91,7 +93,7 @@ class NativeApi:
         """The same audio bytes as POST /v1/audio/speech with stream=true, one message per
         chunk (a WAV's header rides on the first)."""
         job = await self.core.prepare_speech(speech_request(request))
-        context = context.for_request(request.request_id)
+        context = context.for_request(check_request_id(request.request_id, "request_id"))
         encoder: StreamEncoder | None = None
         async with contextlib.aclosing(self.core.speech_events(job, context)) as items:
             async for item in items:
@@ -109,10 +111,17 @@ class NativeApi:
                     yield pb.SynthesizeSpeechResponse(request_id=context.request_id, audio=audio,
                                                       sample_rate=encoder.sample_rate)
 
+    def Chat(
+        self, request: pb.ChatRequest, context: RequestContext,
+    ) -> AsyncGenerator[pb.ChatResponse, None]:
+        """Text as the thinker writes it, speech sentence by sentence (chat_pipeline.py)."""
+        return native_chat(self.core, request, context)
+
     async def CancelRequest(
         self, request: pb.CancelRequestRequest, context: RequestContext,
     ) -> pb.CancelRequestResponse:
-        outcome = await self.core.cancel(request.request_id)
+        outcome = await self.core.cancel(check_request_id(request.request_id, "request_id"),
+                                         owner=context.owner)
         return pb.CancelRequestResponse(
             request_id=outcome.request_id, state=outcome.state, stage=outcome.stage,
             step_index=outcome.step_index, abort_latency_seconds=outcome.abort_latency_seconds)

@@ -16,6 +16,7 @@ from stagemesh.gateway.events import Done, Output
 from stagemesh.gateway.http_io import (
     ClientGone,
     error_response,
+    off_loop,
     read_json_object,
     rest_context,
     until_disconnect,
@@ -40,7 +41,9 @@ class AudioRoutes:
     async def speech(self, request: Request) -> Response:
         try:
             body = openai_body(await read_json_object(request))
-            speech, stream = speech_request(body)
+            clip = body.get("ref_audio")  # base64 of up to megabytes: decoded off the loop
+            speech, stream = await off_loop(len(clip) if isinstance(clip, str) else 0,
+                                            lambda: speech_request(body))
             job = await self.core.prepare_speech(speech)  # 400 before any audio
             context = rest_context(request, body.get("timeout"))
             if stream:

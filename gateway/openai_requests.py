@@ -18,7 +18,13 @@ from stagemesh.gateway.image_params import EXECUTION_MODES, ImageRequest, parse_
 from stagemesh.gateway.speech_params import SpeechRequest
 from stagemesh.shared.proto.v1 import common_pb2
 
-_DATA_URL = re.compile(r"^data:([\w.+/-]*)(;[\w=.+-]+)*;base64,(.*)$", re.DOTALL)
+DATA_URL_PREFIX = "data:"
+#: The longest `data:...;base64` header read before the comma.
+MAX_DATA_URL_HEADER_CHARS = 256
+#: A data URL's header (after `data:`, before the comma): an optional media type, optional
+#: `;name=value` parameters, then `;base64`. Only ever matched on at most
+#: MAX_DATA_URL_HEADER_CHARS characters, and unambiguous (parameters start at `;`).
+_DATA_URL_HEADER = re.compile(r"[\w.+/-]*(?:;[\w.+-]+=[\w.+-]*)*;base64")
 
 
 class JsonFields:
@@ -107,7 +113,10 @@ def chat_image_request(body: Mapping[str, object]) -> ImageRequest:
     fields = {key: value for key, value in body.items() if key != "prompt"}
     if "height" in body or "width" in body:
         fields.pop("size", None)
-    fields["prompt"] = last_user_text(body.get("messages"))
+    prompt = last_user_text(body.get("messages"))
+    if not prompt.strip():  # the client sent messages, not a prompt: name those
+        raise InvalidRequest("messages", "the last user message must have text")
+    fields["prompt"] = prompt
     return image_request(fields)
 
 
@@ -131,15 +140,31 @@ def ref_audio_bytes(value: str) -> bytes:
     """A data URL (`data:audio/wav;base64,...`) or bare base64 -> the file's bytes.
 
     Remote URLs are refused: the gateway never fetches from the network on a client's behalf.
+    Parsing is linear in the input (no regex over the payload), so a large or odd value costs
+    one pass; callers decode megabytes off the event loop (http_io.off_loop).
     """
-    if value.strip().startswith(("http://", "https://", "file:")):
+    value = value.strip()
+    if value.startswith(("http://", "https://", "file:")):
         raise InvalidRequest("ref_audio", "ref_audio must be a data URL or base64, not a URL")
-    match = _DATA_URL.match(value.strip())
-    payload = match.group(3) if match else value
+    payload = _data_url_payload(value) if value.startswith(DATA_URL_PREFIX) else value
     try:
         return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidRequest("ref_audio", "ref_audio is not valid base64") from None
+
+
+def _data_url_payload(value: str) -> str:
+    """The payload of `data:[media type][;name=value]...;base64,PAYLOAD` (RFC 2397); the
+    header before the comma is at most MAX_DATA_URL_HEADER_CHARS long."""
+    comma = value.find(",", 0, MAX_DATA_URL_HEADER_CHARS + 1)
+    if comma < 0:
+        raise InvalidRequest("ref_audio", "ref_audio is a data URL without a ',' in its first "
+                             f"{MAX_DATA_URL_HEADER_CHARS} characters")
+    header = value[len(DATA_URL_PREFIX):comma]
+    if not _DATA_URL_HEADER.fullmatch(header):
+        raise InvalidRequest("ref_audio", "ref_audio's data URL header must look like "
+                             "'data:audio/wav;base64,'")
+    return value[comma + 1:]
 
 
 def speech_request(body: Mapping[str, object]) -> tuple[SpeechRequest, bool]:

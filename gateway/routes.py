@@ -11,12 +11,14 @@ from stagemesh.gateway.openai_audio import AudioRoutes
 from stagemesh.gateway.openai_chat import ChatRoutes
 from stagemesh.gateway.openai_images import ImageRoutes
 from stagemesh.gateway.openai_models import ModelRoutes
+from stagemesh.gateway.openapi import openapi_endpoint
 from stagemesh.gateway.transcoding import annotated_routes
 
 
 def rest_routes(core: GatewayCore) -> list[Route]:
     """OpenAI routes (written out: their JSON is OpenAI's), the native routes (derived from
-    GatewayService's google.api.http annotations) and the gateway's own metrics."""
+    GatewayService's google.api.http annotations), the gateway's own metrics and the OpenAPI
+    document of all of them (gateway/openapi.py)."""
     images, chat = ImageRoutes(core), ChatRoutes(core)
     audio, models = AudioRoutes(core), ModelRoutes(core)
     return [
@@ -28,4 +30,5 @@ def rest_routes(core: GatewayCore) -> list[Route]:
         Route("/health", models.health, methods=["GET"]),
         *annotated_routes(NativeApi(core)),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]

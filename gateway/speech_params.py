@@ -21,6 +21,9 @@ from stagemesh.shared.limits import CLONE_VOICE, DEFAULT_VOICE, MAX_SEED
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 #: Sampling defaults of a request that sets none.
 DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_TOP_K = 0.9, 1.0, 50
+#: Smallest temperature other than 0 (0 = greedy): logits of any size stay finite when divided
+#: by it (float32 holds 3e38; a logit over 3e36 does not occur), while 1e-40 overflows.
+MIN_TEMPERATURE = 1e-2
 
 
 class SpeechTask(enum.StrEnum):
@@ -73,6 +76,14 @@ class SpeechParams:
 def _check_range(name: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise InvalidRequest(name, f"{name} must be in [{low:g}, {high:g}], got {value}")
+
+
+def _check_temperature(temperature: float, high: float) -> None:
+    """0 (greedy) or in [MIN_TEMPERATURE, high]: logits divided by a tinier temperature
+    overflow to inf and the sampler's softmax turns them into NaN."""
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= high:
+        raise InvalidRequest("temperature", f"temperature must be in [0, {high:g}] and 0 "
+                             f"(greedy) or at least {MIN_TEMPERATURE:g}, got {temperature}")
 
 
 def _format(value: str | None) -> AudioFormat:
@@ -164,7 +175,7 @@ def resolve_speech_request(request: SpeechRequest, facts: SpeechFacts) -> Speech
     seed = random_seed() if request.seed is None else request.seed
     _check_range("seed", seed, 0, MAX_SEED)
     temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
-    _check_range("temperature", temperature, 0.0, facts.max_temperature)
+    _check_temperature(temperature, facts.max_temperature)
     top_p = DEFAULT_TOP_P if request.top_p is None else request.top_p
     if not 0 < top_p <= 1:
         raise InvalidRequest("top_p", f"top_p must be in (0, 1], got {top_p}")

@@ -9,7 +9,6 @@ line; an error after the first line is a last line holding the error body).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -24,15 +23,24 @@ from starlette.routing import Route
 
 from stagemesh.gateway.core import RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.http_io import error_response, ndjson_line, read_body, request_id
+from stagemesh.gateway.http_io import (
+    error_response,
+    ndjson_line,
+    off_loop,
+    owner,
+    parse_json_object,
+    read_body,
+    request_id,
+)
 from stagemesh.gateway.native import NativeApi
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GatewayService"]
 _TEMPLATE_VAR = re.compile(r"\{([^}=]+)(=[^}]*)?\}")
-#: Where json_format's ParseError messages name the field.
-_PARSE_ERROR_FIELD = (re.compile(r'has no field named "([^"]+)"'),
-                      re.compile(r"Failed to parse (\w+) field"),
+#: Where json_format's ParseError messages name the field, the top-level one first (a nested
+#: error reads "Failed to parse audio field: ... has no field named "x" ...": `audio`).
+_PARSE_ERROR_FIELD = (re.compile(r"^Failed to parse (\w+) field"),
+                      re.compile(r'has no field named "([^"]+)"'),
                       re.compile(r" at [\w.]*\.(\w+)"))
 
 MessageT = TypeVar("MessageT", bound=Message)
@@ -81,20 +89,16 @@ def parse_error_field(message: str) -> str | None:
 
 async def parse_message(request: Request, binding: HttpBinding,
                         message_type: type[MessageT]) -> MessageT:
-    """The request message from body, path and query (strict JSON)."""
-    fields: dict[str, object] = {}
-    if binding.body == "*":
-        raw = await read_body(request)
-        try:
-            body = json.loads(raw) if raw else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise InvalidRequest("body", f"body is not JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("body", "body must be a JSON object")
-        fields.update(body)
-    else:
-        fields.update(request.query_params)
-    fields.update(request.path_params)
+    """The request message from body, path and query (strict JSON; a large body is parsed in
+    a worker thread, see http_io.off_loop)."""
+    raw = await read_body(request) if binding.body == "*" else b""
+    given: dict[str, object] = {} if binding.body == "*" else dict(request.query_params)
+    given.update(request.path_params)
+    return await off_loop(len(raw), lambda: _message(raw, given, message_type))
+
+
+def _message(raw: bytes, given: dict[str, object], message_type: type[MessageT]) -> MessageT:
+    fields: dict[str, object] = {**parse_json_object(raw), **given} if raw else given
     message = message_type()
     try:
         json_format.ParseDict(fields, message, ignore_unknown_fields=False)
@@ -105,7 +109,7 @@ async def parse_message(request: Request, binding: HttpBinding,
 
 def _context(request: Request) -> RequestContext:
     """Native routes: the x-request-id id unless the message names its own; no timeout."""
-    return RequestContext.create(request_id(request), None)
+    return RequestContext.create(request_id(request), None, owner(request))
 
 
 def unary_endpoint(binding: HttpBinding, message_type: type[MessageT],
@@ -161,6 +165,7 @@ def annotated_routes(api: NativeApi) -> list[Route]:
                                                    api.GenerateImage),
         "SynthesizeSpeech": lambda b: stream_endpoint(b, pb.SynthesizeSpeechRequest,
                                                       api.SynthesizeSpeech),
+        "Chat": lambda b: stream_endpoint(b, pb.ChatRequest, api.Chat),
         "CancelRequest": lambda b: unary_endpoint(b, pb.CancelRequestRequest,
                                                   api.CancelRequest),
         "ListStages": lambda b: unary_endpoint(b, pb.ListStagesRequest, api.ListStages),

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from stagemesh.shared.limits import MAX_STAGE_MESSAGE_BYTES
+from stagemesh.shared.mesh_auth import client_interceptors, mesh_token
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,11 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 
 
 def open_channel(target: str) -> grpc.aio.Channel:
-    """The one way the mesh opens a channel to a stage (options, and later credentials)."""
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    """The one way the mesh opens a channel to a stage: the options above, and the mesh token
+    (`shared.mesh_auth`, read from the environment now) on every call when one is configured."""
+    interceptors = client_interceptors(mesh_token())
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS,
+                                     interceptors=interceptors or None)
 
 
 @dataclass
@@ -70,12 +74,19 @@ async def start_server(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_receive_bytes: int = MAX_STAGE_MESSAGE_BYTES,
 ) -> RunningServer:
     """Create, register servicers (via `register`), add health + reflection, bind, start.
 
-    port=0 binds a free port (tests); the bound port is returned.
+    port=0 binds a free port (tests); the bound port is returned. interceptors: run on every
+    call before its handler (a stage passes `mesh_auth.server_interceptors(...)`, which leaves
+    the health service open). max_receive_bytes: the largest message a client may send (the
+    gateway's public port sizes it to its largest legal request).
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    options = [*(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+               ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
     register(server)
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

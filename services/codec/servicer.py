@@ -8,6 +8,7 @@ being encoded never waits behind a long decode.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TypeAlias, TypedDict
@@ -28,14 +29,14 @@ from stagemesh.services.codec.adapter import (
     FramesInput,
 )
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
-from stagemesh.shared.engine.adapter import EngineRequest, NoStream, StepBudget
+from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
 from stagemesh.shared.proto.v1 import codec_service_pb2_grpc
 from stagemesh.shared.stage_runtime import StageBundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
-from stagemesh.shared.tensors import is_set
+from stagemesh.shared.tensors import TensorDecodeError, is_set
 from stagemesh.shared.torch_tensors import from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
@@ -46,6 +47,9 @@ DecoderEngine: TypeAlias = StepEngine[
     DecodeInput, FramesInput, DecodeState, torch.Tensor, DecodeResult
 ]
 EncoderEngine: TypeAlias = StepEngine[EncodeInput, NoStream, EncodeState, NoStream, torch.Tensor]
+EncodeAudioWire: TypeAlias = StageWire[
+    pb.EncodeAudioRequest, pb.EncodeAudioResponse, EncodeInput, NoStream, NoStream, torch.Tensor
+]
 DecodeAudioWire: TypeAlias = StageWire[
     pb.DecodeAudioRequest, pb.DecodeAudioResponse, DecodeInput, FramesInput, torch.Tensor,
     DecodeResult,
@@ -102,23 +106,34 @@ class _DecodeWire:
                                     sample_rate=result.sample_rate)
 
 
-def _encode_request(
-    message: pb.EncodeAudioRequest, deadline: float | None
-) -> EngineRequest[EncodeInput]:
-    start = message.start
-    return EngineRequest(request_id=start.request_id, deadline=deadline,
-                         payload=EncodeInput(audio=from_proto(start.pcm),
-                                             sample_rate=start.sample_rate))
+def _clip_elements(limits: CodecLimits) -> int:
+    """Most samples a legal reference clip has: the longest clip at the highest rate."""
+    return math.ceil(limits.max_reference_seconds * max(limits.reference_sample_rates))
+
+
+def _encode_wire(limits: CodecLimits) -> EncodeAudioWire:
+    """EncodeAudio <-> the encoder engine. A clip's samples are decoded only up to the most a
+    legal clip has, so an oversized one is refused before it is allocated; its rate and exact
+    length are then checked by the adapter (`CodecEncoderAdapter.check_inputs`)."""
+    max_elements = _clip_elements(limits)
+
+    def make_request(
+        message: pb.EncodeAudioRequest, deadline: float | None
+    ) -> EngineRequest[EncodeInput]:
+        start = message.start
+        try:
+            audio = from_proto(start.pcm, max_elements=max_elements)
+        except TensorDecodeError as error:
+            raise InvalidInputError("ref_audio", f"reference audio: {error}") from None
+        return EngineRequest(request_id=start.request_id, deadline=deadline,
+                             payload=EncodeInput(audio=audio, sample_rate=start.sample_rate))
+
+    return StageWire(response_cls=pb.EncodeAudioResponse, make_request=make_request,
+                     encode_result=_encode_result)
 
 
 def _encode_result(codes: torch.Tensor) -> pb.EncodeAudioResult:
     return pb.EncodeAudioResult(codes=to_proto(codes))
-
-
-ENCODE_WIRE: StageWire[pb.EncodeAudioRequest, pb.EncodeAudioResponse, EncodeInput, NoStream,
-                       NoStream, torch.Tensor] = StageWire(
-    response_cls=pb.EncodeAudioResponse, make_request=_encode_request,
-    encode_result=_encode_result)
 
 
 class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
@@ -127,11 +142,13 @@ class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
         decoder: DecoderEngine,
         decode_wire: DecodeAudioWire,
         encoder: EncoderEngine,
+        encode_wire: EncodeAudioWire,
         description: pb.DescribeCodecResponse,
     ) -> None:
         self.decoder = decoder
         self.decode_wire = decode_wire
         self.encoder = encoder
+        self.encode_wire = encode_wire
         self.description = description
 
     async def DecodeAudio(
@@ -148,7 +165,7 @@ class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
         request_iterator: AsyncIterator[pb.EncodeAudioRequest],
         context: grpc.aio.ServicerContext[pb.EncodeAudioRequest, pb.EncodeAudioResponse],
     ) -> AsyncIterator[pb.EncodeAudioResponse]:
-        async for response in serve_stage_stream(self.encoder, ENCODE_WIRE, request_iterator,
+        async for response in serve_stage_stream(self.encoder, self.encode_wire, request_iterator,
                                                  context):
             yield response
 
@@ -185,6 +202,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     encoder_adapter = CodecEncoderAdapter(model_dir, placement=placement)
     encoder = StepEngine(encoder_adapter)
     servicer = CodecServicer(decoder, _DecodeWire(decoder_adapter, defaults).wire, encoder,
+                             _encode_wire(encoder_adapter.limits),
                              _describe(model_dir, decoder, encoder_adapter.limits, placement))
     return StageBundle(
         name="codec", engines=[decoder, encoder], service_names=[SERVICE_NAME],

@@ -24,9 +24,18 @@ from stagemesh.services.dit.adapter import (
     DitLimits,
 )
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
-from stagemesh.shared.engine.adapter import EngineRequest, ExecutionMode, NoStream, StepBudget
+from stagemesh.shared.engine.adapter import (
+    EngineRequest,
+    ExecutionMode,
+    InvalidInputError,
+    NoStream,
+    StepBudget,
+)
 from stagemesh.shared.engine.engine import StepEngine
-from stagemesh.shared.engine.scheduler import resolve_total_steps
+from stagemesh.shared.engine.scheduler import (
+    BURST_ADMISSION_WINDOW_SECONDS,
+    resolve_total_steps,
+)
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
@@ -48,12 +57,21 @@ DitEngine: TypeAlias = StepEngine[
 DEFAULT_MAX_BATCH = 8
 #: Requests holding state (running plus preempted) unless the recipe sets `max_running`.
 DEFAULT_MAX_RUNNING = 16
+#: How long an idle DiT waits for requests sent together to arrive, so that they start in one
+#: forward instead of the first running ahead alone (`stagemesh.shared.engine.scheduler`,
+#: "Batch forming"), unless the recipe sets `admission_window_ms`.
+DEFAULT_ADMISSION_WINDOW_MS = BURST_ADMISSION_WINDOW_SECONDS * 1000
+#: The longest window an operator may set: beyond it a lone request pays too much to wait.
+MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
 class DitModeOptions(TypedDict, total=False):
     """How the stage runs a request by default (step execution unless set false)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
+    #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
+    #: ignores cancels and deadlines blocks the stage); off unless the recipe allows it.
+    request_mode: bool
 
 
 class DitEngineOptions(EngineOptions, total=False):
@@ -61,6 +79,8 @@ class DitEngineOptions(EngineOptions, total=False):
     transformer forward advances (those of one image size share it)."""
 
     max_batch: int
+    admission_window_ms: float  # 0 = admit each request as it comes
+
 
 
 class DitLimitOptions(TypedDict, total=False):
@@ -75,6 +95,9 @@ class DitLimitOptions(TypedDict, total=False):
 
 def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineRequest[DenoiseInput]:
     start = message.start
+    if start.execution_mode not in (common_pb2.EXECUTION_MODE_UNSPECIFIED, *MODES):
+        raise InvalidInputError("execution_mode",
+                                f"unknown execution_mode {start.execution_mode}")
     sigmas = list(start.sigmas) or None
     embeddings = PromptEmbeddings(
         prompt_embeds=from_proto(start.prompt_embeds),
@@ -124,10 +147,13 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer):
 
 def _describe(
     model_dir: Path, engine: DitEngine, limits: DitLimits, mode: ExecutionMode,
-    placement: Placement,
+    placement: Placement, request_mode: bool = False,
 ) -> pb.DescribeDitResponse:
-    """The stage's facts; execution_modes lists the default mode first."""
-    modes = sorted(ExecutionMode, key=lambda other: other is not mode)
+    """The stage's facts; execution_modes lists the default mode first, and REQUEST only
+    when it is the default or the `request_mode` option allows it."""
+    modes = [mode, *(other for other in ExecutionMode
+                     if other is not mode and (other is not ExecutionMode.REQUEST
+                                               or request_mode))]
     return pb.DescribeDitResponse(
         stage=stage_description("dit", model_dir, engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side,
@@ -137,8 +163,18 @@ def _describe(
         execution_modes=[MODE_TO_PROTO[other] for other in modes])
 
 
+def admission_window_seconds(options: DitEngineOptions) -> float:
+    """The `admission_window_ms` option (default DEFAULT_ADMISSION_WINDOW_MS), in seconds."""
+    window = options.get("admission_window_ms", DEFAULT_ADMISSION_WINDOW_MS)
+    if not 0 <= window <= MAX_ADMISSION_WINDOW_MS:
+        raise ValueError(f"option admission_window_ms must be in [0, {MAX_ADMISSION_WINDOW_MS}], "
+                         f"got {window}")
+    return window / 1000
+
+
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: DitModeOptions, DitEngineOptions (max_batch 8, max_running 16 by default),
+    """options: DitModeOptions, DitEngineOptions (max_batch 8, max_running 16, admission window
+    20 ms by default),
     DitLimitOptions and DeviceOptions."""
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
@@ -150,9 +186,10 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         adapter, mode=mode,
         max_running=capped_option(
             "max_running", engine_options.get("max_running", DEFAULT_MAX_RUNNING)),
-        max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)))
+        max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)),
+        admission_window=admission_window_seconds(engine_options))
     servicer = DitServicer(engine, _describe(model_dir, engine, adapter.limits, mode,
-                                             placement))
+                                             placement, mode_options.get("request_mode", False)))
     return StageBundle(
         name="dit", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(

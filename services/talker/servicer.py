@@ -27,7 +27,7 @@ from stagemesh.services.talker.adapter import (
     VoiceContext,
 )
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
-from stagemesh.shared.engine.adapter import EngineRequest, NoStream, StepBudget
+from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import talker_service_pb2 as pb
@@ -51,6 +51,19 @@ GenerateFramesWire: TypeAlias = StageWire[
 ]
 
 
+#: Smallest temperature other than 0 (greedy): logits divided by less overflow to inf/NaN (1e-40
+#: did, failing the batch it ran in); below it sampling is greedy in all but name anyway.
+MIN_TEMPERATURE = 1e-2
+
+
+def _check_temperature(temperature: float) -> None:
+    """Refuse a temperature that cannot give finite logits; the adapter checks the range."""
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidInputError(
+            "temperature",
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}")
+
+
 class TalkerLimitOptions(TypedDict, total=False):
     """The stage's limits and default voice: TalkerAdapter's keyword arguments."""
 
@@ -61,6 +74,7 @@ class TalkerLimitOptions(TypedDict, total=False):
 
 def _sampling(params: pb.SamplingParams) -> SamplingParams:
     # proto3 zeros mean "off" for top_p/top_k and greedy for temperature (see the proto).
+    _check_temperature(params.temperature)
     return SamplingParams(temperature=params.temperature,
                           top_p=params.top_p if 0 < params.top_p < 1 else 1.0,
                           top_k=params.top_k, seed=params.seed)

@@ -14,6 +14,7 @@ the causal text encoder never lets a valid token see the padding after it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +117,9 @@ class PromptEncoderAdapter:
         # Batched rows keep their tokens' positions (see the module docstring); the pipeline
         # pads on the tokenizer's side.
         tokenizer.padding_side = "right"
-        self._tokenizer = tokenizer
+        # Counting tokens must not touch the batch encoder's padding settings (a Rust
+        # tokenizer's are shared state), so the count has its own tokenizer.
+        self._tokenizer = copy.deepcopy(tokenizer)
         self._template: str = self._pipeline.prompt_template_encode
         self._template_start: int = self._pipeline.prompt_template_encode_start_idx
         self.limits = TokenizerLimits(
@@ -129,6 +132,8 @@ class PromptEncoderAdapter:
     # -- validation ---------------------------------------------------------------------------
 
     def check_inputs(self, payload: PromptInput) -> None:
+        """The cheap checks, on the caller's (event loop) thread: lengths in characters and the
+        sequence length asked for. Tokens are counted in `prepare`, on the engine thread."""
         limit = self.limits.max_sequence_length
         length = self._sequence_length(payload)
         if not 1 <= length <= limit:
@@ -137,9 +142,15 @@ class PromptEncoderAdapter:
             )
         if not payload.prompt.strip():
             raise InvalidInputError("prompt", "prompt must not be empty")
-        self._check_length("prompt", payload.prompt, length)
+        for field_name, text in self._texts(payload):
+            self._check_chars(field_name, text)
+
+    @staticmethod
+    def _texts(payload: PromptInput) -> list[tuple[str, str]]:
+        texts = [("prompt", payload.prompt)]
         if payload.negative_prompt is not None:
-            self._check_length("negative_prompt", payload.negative_prompt, length)
+            texts.append(("negative_prompt", payload.negative_prompt))
+        return texts
 
     def prompt_token_count(self, text: str) -> int:
         """Tokens the text encoder keeps for `text` (the template's suffix included)."""
@@ -150,12 +161,14 @@ class PromptEncoderAdapter:
         requested = payload.max_sequence_length
         return self.limits.max_sequence_length if requested is None else requested
 
-    def _check_length(self, field_name: str, text: str, max_sequence_length: int) -> None:
+    def _check_chars(self, field_name: str, text: str) -> None:
         max_chars = self.limits.max_prompt_chars
-        if len(text) > max_chars:  # checked first: it bounds the tokenizer's work
+        if len(text) > max_chars:  # checked before any tokenizing: it bounds that work
             raise InvalidInputError(
                 field_name, f"{field_name} is longer than {max_chars} characters"
             )
+
+    def _check_tokens(self, field_name: str, text: str, max_sequence_length: int) -> None:
         # The pipeline would silently cut the embeddings; the mesh refuses instead.
         n_tokens = self.prompt_token_count(text)
         if n_tokens > max_sequence_length:
@@ -167,8 +180,14 @@ class PromptEncoderAdapter:
     # -- step machine -------------------------------------------------------------------------
 
     def prepare(self, request: EngineRequest[PromptInput]) -> PromptState:
+        """Counts the prompts' tokens (CPU work: here, on the engine thread, never on the
+        event loop; check_inputs has bounded the text) and refuses a prompt that is too long
+        (InvalidInputError: the request fails naming the field)."""
         payload = request.payload
-        return PromptState(request=payload, max_sequence_length=self._sequence_length(payload))
+        length = self._sequence_length(payload)
+        for field_name, text in self._texts(payload):
+            self._check_tokens(field_name, text, length)
+        return PromptState(request=payload, max_sequence_length=length)
 
     def add_input(self, state: PromptState, payload: NoStream) -> None:
         assert_never(payload)  # the tokenizer stage takes no streamed input

@@ -19,6 +19,7 @@ from stagemesh.services.tokenizer.adapter import (
 from stagemesh.shared.devices import DeviceOptions, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, NoStream
 from stagemesh.shared.engine.engine import StepEngine
+from stagemesh.shared.engine.scheduler import BURST_ADMISSION_WINDOW_SECONDS
 from stagemesh.shared.options import parse_options
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2 as pb
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2_grpc
@@ -48,6 +49,17 @@ def _request(message: pb.EncodePromptRequest, deadline: float | None) -> EngineR
         payload=PromptInput(prompt=start.prompt, negative_prompt=negative,
                             # 0 (unset) = the stage's limit
                             max_sequence_length=start.max_sequence_length or None))
+
+
+#: Bytes a start message has besides its two prompts (request id, small fields, framing).
+MESSAGE_OVERHEAD_BYTES = 4096
+
+
+def max_request_bytes(max_prompt_chars: int) -> int:
+    """The largest legal EncodePrompt message: a prompt and a negative prompt of
+    `max_prompt_chars` characters each, at most 4 UTF-8 bytes a character. The server refuses
+    a bigger message before parsing it (a 20 MB prompt costs nothing)."""
+    return 2 * 4 * max_prompt_chars + MESSAGE_OVERHEAD_BYTES
 
 
 def _result(embeddings: PromptEmbeddings) -> pb.EncodePromptResult:
@@ -92,7 +104,8 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
                                                   DeviceOptions)
     placement = resolve_placement("tokenizer", device_options, CPU_DTYPE)
     adapter = PromptEncoderAdapter(model_dir, **limit_options, placement=placement)
-    engine = StepEngine(adapter, max_running=DEFAULT_MAX_RUNNING)
+    engine = StepEngine(adapter, max_running=DEFAULT_MAX_RUNNING,
+                        admission_window=BURST_ADMISSION_WINDOW_SECONDS)
     limits = adapter.limits
     description = pb.DescribeTokenizerResponse(
         stage=stage_description("tokenizer", model_dir, engine, placement),
@@ -104,4 +117,5 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
             servicer, server),
         info={"model": str(model_dir), **placement.facts(),
               "max_prompt_chars": str(limits.max_prompt_chars),
-              "max_sequence_length": str(limits.max_sequence_length)})
+              "max_sequence_length": str(limits.max_sequence_length)},
+        max_receive_bytes=max_request_bytes(limits.max_prompt_chars))

@@ -11,6 +11,7 @@ import torch
 
 from stagemesh.services.vae.adapter import (
     CPU_DTYPE,
+    DEFAULT_MAX_RUNNING,
     DecodedImages,
     DecodeState,
     LatentDecoderAdapter,
@@ -19,6 +20,7 @@ from stagemesh.services.vae.adapter import (
 from stagemesh.shared.devices import DeviceOptions, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, NoStream
 from stagemesh.shared.engine.engine import StepEngine
+from stagemesh.shared.engine.scheduler import BURST_ADMISSION_WINDOW_SECONDS
 from stagemesh.shared.options import parse_options
 from stagemesh.shared.proto.v1 import vae_service_pb2 as pb
 from stagemesh.shared.proto.v1 import vae_service_pb2_grpc
@@ -75,7 +77,8 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     """options: DeviceOptions only (any other key is refused)."""
     placement = resolve_placement("vae", parse_options("vae", options, DeviceOptions), CPU_DTYPE)
     adapter = LatentDecoderAdapter(model_dir, placement=placement)
-    engine = StepEngine(adapter)
+    engine = StepEngine(adapter, max_running=DEFAULT_MAX_RUNNING,
+                        admission_window=BURST_ADMISSION_WINDOW_SECONDS)
     limits = adapter.limits
     description = pb.DescribeVaeResponse(
         stage=stage_description("vae", model_dir, engine, placement),

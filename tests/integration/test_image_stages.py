@@ -69,6 +69,16 @@ async def test_prompt_becomes_a_png_of_the_requested_size(core: GatewayCore) -> 
     assert (await generate(core, width=64, height=32, seed=7))[0] == first
 
 
+async def test_step_and_request_modes_give_identical_bytes(core: GatewayCore) -> None:
+    """Through the whole pipeline, on a DiT that offers REQUEST mode (conftest's options; the
+    default mesh does not: tests/e2e/test_serve_cancellation.py)."""
+    step, request = [await generate(core, width=64, height=64, num_inference_steps=6, seed=9,
+                                    execution_mode=mode)
+                     for mode in (common_pb2.EXECUTION_MODE_STEP,
+                                  common_pb2.EXECUTION_MODE_REQUEST)]
+    assert step == request
+
+
 async def test_the_gateway_enforces_what_the_stages_publish(
     core: GatewayCore, tiny_model_dir: Path,
 ) -> None:

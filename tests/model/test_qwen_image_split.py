@@ -216,6 +216,14 @@ def _field_of(adapter: Any, payload: Any) -> str:
     return info.value.field_name
 
 
+def _token_field_of(encoder: PromptEncoderAdapter, payload: PromptInput) -> str:
+    """Tokens are counted in prepare (on the engine thread), after check_inputs passed."""
+    encoder.check_inputs(payload)
+    with pytest.raises(InvalidInputError) as info:
+        encoder.prepare(EngineRequest(request_id="r", payload=payload))
+    return info.value.field_name
+
+
 def test_prompt_validation(encoder: PromptEncoderAdapter) -> None:
     assert _field_of(encoder, PromptInput("")) == "prompt"
     assert _field_of(encoder, PromptInput("   ")) == "prompt"
@@ -230,11 +238,13 @@ def test_prompt_validation(encoder: PromptEncoderAdapter) -> None:
     assert _field_of(encoder, PromptInput("x" * 2001)) == "prompt"
     assert _field_of(encoder, PromptInput(PROMPT, "x" * 2001)) == "negative_prompt"
     n_tokens = encoder.prompt_token_count(PROMPT)
-    encoder.check_inputs(PromptInput(PROMPT, max_sequence_length=n_tokens))  # exactly at the limit
+    at_limit = PromptInput(PROMPT, max_sequence_length=n_tokens)  # exactly at the limit
+    encoder.check_inputs(at_limit)
+    encoder.prepare(EngineRequest(request_id="r", payload=at_limit))
     too_long = PromptInput(PROMPT, max_sequence_length=n_tokens - 1)
-    assert _field_of(encoder, too_long) == "prompt"
+    assert _token_field_of(encoder, too_long) == "prompt"
     long_negative = PromptInput("a cat", PROMPT * 4, max_sequence_length=n_tokens)
-    assert _field_of(encoder, long_negative) == "negative_prompt"
+    assert _token_field_of(encoder, long_negative) == "negative_prompt"
 
 
 def test_denoise_validation(encoder: PromptEncoderAdapter, dit: DenoiseAdapter) -> None:
@@ -381,7 +391,7 @@ def test_tokenizer_options(model_dir: Path) -> None:
     assert _field_of(tight, PromptInput("a cat", "x" * 31)) == "negative_prompt"
     assert _field_of(tight, PromptInput("a cat", max_sequence_length=9)) == "max_sequence_length"
     assert len(PROMPT) <= 30 and tight.prompt_token_count(PROMPT) > 8
-    assert _field_of(tight, PromptInput(PROMPT)) == "prompt"  # too many tokens
+    assert _token_field_of(tight, PromptInput(PROMPT)) == "prompt"  # too many tokens
     tight.check_inputs(PromptInput("a cat"))
     with pytest.raises(ValueError, match="max_prompt_chars"):
         PromptEncoderAdapter(model_dir, max_prompt_chars=0)

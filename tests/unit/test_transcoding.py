@@ -79,6 +79,7 @@ def test_routes_are_derived_from_the_annotations() -> None:
     assert http_bindings() == [
         HttpBinding("GenerateImage", "POST", "/v1/images:generate", "*"),
         HttpBinding("SynthesizeSpeech", "POST", "/v1/speech:synthesize", "*"),
+        HttpBinding("Chat", "POST", "/v1/chat:complete", "*"),
         HttpBinding("CancelRequest", "POST", "/v1/requests/{request_id}/cancel", ""),
         HttpBinding("ListStages", "GET", "/v1/stages", ""),
         HttpBinding("ListRecipes", "GET", "/v1/recipes", ""),
