@@ -1,25 +1,172 @@
-"""POST /v1/chat/completions with image output, as vllm-omni serves it: the image comes back
-as a data URL in `choices[0].message.content[0].image_url.url`."""
+"""POST /v1/chat/completions: the recipe named by `model` decides what chat does.
+
+- A chat recipe (task `chat`): the thinker answers in text, OpenAI's chat shape, `stream: true`
+  as `chat.completion.chunk` server-sent events, with usage. With `modalities: ["text",
+  "audio"]` and `audio: {voice, format}` the answer is also spoken (OpenAI's audio-output
+  shape: `message.audio` = {id, data (base64), expires_at, transcript}, and `content` null as
+  OpenAI answers it); streamed, the transcript arrives in `delta.audio.transcript` pieces as
+  the thinker writes it and the audio in `delta.audio.data` pieces sentence by sentence.
+- An image recipe (or no `model` while one is served): the image comes back as a data URL in
+  `choices[0].message.content[0].image_url.url`, as vllm-omni serves it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 
+import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stagemesh.gateway.core import GatewayCore
-from stagemesh.gateway.errors import GatewayError
+from stagemesh.gateway.audio import AudioFormat, StreamEncoder, encode_audio
+from stagemesh.gateway.chat_pipeline import (
+    ROLES,
+    AudioOutput,
+    ChatEvents,
+    ChatJob,
+    ChatRequest,
+    ChatSummary,
+    ChatTurn,
+    SpokenPiece,
+    TextPiece,
+    chat_events,
+    chat_recipe,
+    prepare_chat,
+)
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.errors import GatewayError, InvalidRequest
+from stagemesh.gateway.events import Done, Output
 from stagemesh.gateway.http_io import (
+    SSE_DONE,
     ClientGone,
+    JsonObject,
     error_response,
     read_json_object,
     rest_context,
+    sse_event,
     until_disconnect,
 )
 from stagemesh.gateway.openai_images import CLIENT_GONE_STATUS, b64_png
-from stagemesh.gateway.openai_requests import chat_image_request, openai_body
+from stagemesh.gateway.openai_requests import JsonFields, chat_image_request, openai_body
+
+#: How long OpenAI says a returned audio may be referred to again (we keep none: informative).
+AUDIO_EXPIRES_S = 3600
+#: OpenAI fields stagemesh cannot honour: refused rather than silently ignored.
+UNSUPPORTED_FIELDS = ("stop", "tools", "functions", "logprobs", "response_format")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """What the OpenAI body asks of the response itself (not of the thinker)."""
+
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass
+class _Completion:
+    """One answer's ids and creation time, shared by every chunk of a stream."""
+
+    model: str
+    audio_format: AudioFormat | None
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    audio_id: str = field(default_factory=lambda: f"audio_{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, kind: str) -> JsonObject:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, delta: JsonObject, finish_reason: str | None = None) -> JsonObject:
+        return {**self.envelope("chat.completion.chunk"), "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+    def expires_at(self) -> int:
+        return int(time.time()) + AUDIO_EXPIRES_S
+
+
+def _usage(summary: ChatSummary) -> JsonObject:
+    return {"prompt_tokens": summary.prompt_tokens,
+            "completion_tokens": summary.completion_tokens,
+            "total_tokens": summary.prompt_tokens + summary.completion_tokens}
+
+
+# -- the body -------------------------------------------------------------------------------
+
+
+def _content(value: object, index: int) -> str:
+    """A message's text: a string, or the text parts of a content list."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"messages.[{index}].content",
+                                     "only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequest(f"messages.[{index}].content", "content must be a string or a list")
+
+
+def _turns(messages: object) -> tuple[ChatTurn, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", "messages must be a non-empty list")
+    turns = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in ROLES:
+            raise InvalidRequest(f"messages.[{index}].role",
+                                 f"role must be one of {sorted(ROLES)}, got {role!r}")
+        turns.append(ChatTurn(ROLES[role], _content(message.get("content"), index)))
+    return tuple(turns)
+
+
+def _audio(body: Mapping[str, object]) -> AudioOutput | None:
+    """`modalities` + `audio`: speak the answer, or not."""
+    modalities = body.get("modalities") or ["text"]
+    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"} \
+            or "text" not in modalities:
+        raise InvalidRequest("modalities", 'modalities must be ["text"] or ["text", "audio"]')
+    raw = body.get("audio")
+    if "audio" not in modalities:
+        if raw is not None:
+            raise InvalidRequest("audio", 'audio needs modalities ["text", "audio"]')
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("audio", 'modalities ["text", "audio"] needs audio: '
+                             '{"voice": ..., "format": ...}')
+    fields = JsonFields(raw)
+    return AudioOutput(voice=fields.string("voice"), format=fields.string("format"))
+
+
+def chat_request(body: Mapping[str, object]) -> tuple[ChatRequest, ChatOptions]:
+    """The OpenAI body of a chat answer -> (the request, the response's options)."""
+    fields = JsonFields(body)
+    for name in UNSUPPORTED_FIELDS:
+        if body.get(name) is not None:
+            raise InvalidRequest(name, f"{name} is not supported by this server")
+    if fields.integer("n") not in (None, 1):
+        raise InvalidRequest("n", "only n=1 is supported")
+    max_completion = fields.integer("max_completion_tokens")
+    stream_options = body.get("stream_options")
+    include_usage = isinstance(stream_options, dict) and stream_options.get("include_usage")
+    request = ChatRequest(
+        messages=_turns(body.get("messages")), model=fields.string("model") or "",
+        max_tokens=max_completion if max_completion is not None else fields.integer("max_tokens"),
+        temperature=fields.number("temperature"), top_p=fields.number("top_p"),
+        seed=fields.integer("seed"), audio=_audio(body), priority=fields.integer("priority") or 0)
+    return request, ChatOptions(stream=bool(fields.boolean("stream")),
+                                include_usage=include_usage is True)
+
+
+# -- the routes -----------------------------------------------------------------------------
 
 
 class ChatRoutes:
@@ -31,13 +178,63 @@ class ChatRoutes:
     async def completions(self, request: Request) -> Response:
         try:
             body = openai_body(await read_json_object(request))
-            job = await self.core.prepare_images(chat_image_request(body))
+            recipe = chat_recipe(self.core, JsonFields(body).string("model") or "")
+            if recipe is None:
+                return await self._image(request, body)
+            chat, options = chat_request(body)
+            job = await prepare_chat(self.core, recipe, chat)  # 400 before any stage runs
             context = rest_context(request, body.get("timeout"))
-            images = await until_disconnect(request, self.core.generate_images(job, context))
+            completion = _Completion(recipe.name, _format(job))
+            if options.stream:
+                return await self._stream(request, job, context, completion, options)
+            return await until_disconnect(request, self._answer(job, context, completion))
         except GatewayError as error:
             return error_response(error)
         except ClientGone:
             return Response(status_code=CLIENT_GONE_STATUS)
+
+    async def _answer(self, job: ChatJob, context: RequestContext,
+                      completion: _Completion) -> Response:
+        """The whole answer as one chat.completion."""
+        spoken: list[SpokenPiece] = []
+        summary: ChatSummary | None = None
+        async with contextlib.aclosing(chat_events(self.core, job, context)) as items:
+            async for item in items:
+                if isinstance(item, Output) and isinstance(item.value, SpokenPiece):
+                    spoken.append(item.value)
+                elif isinstance(item, Done):
+                    summary = item.result
+        assert summary is not None  # chat_events always ends with Done (or raises)
+        message: JsonObject = {"role": "assistant", "content": summary.text, "refusal": None}
+        if completion.audio_format is not None:
+            audio = await asyncio.to_thread(_encode_spoken, spoken, summary,
+                                            completion.audio_format)
+            message |= {"content": None, "audio": {
+                "id": completion.audio_id, "data": base64.b64encode(audio).decode(),
+                "expires_at": completion.expires_at(), "transcript": summary.text}}
+        return JSONResponse({**completion.envelope("chat.completion"), "choices": [
+            {"index": 0, "finish_reason": summary.finish_reason, "message": message,
+             "logprobs": None}], "usage": _usage(summary)})
+
+    async def _stream(self, request: Request, job: ChatJob, context: RequestContext,
+                      completion: _Completion, options: ChatOptions) -> Response:
+        """SSE chunks; committed once the first piece is ready, so an error before it (a
+        prompt too long for the thinker, a stage down) still answers with its status."""
+        items = chat_events(self.core, job, context)
+        try:
+            first = await until_disconnect(request, anext(items))
+        except BaseException:
+            await items.aclose()
+            raise
+        return StreamingResponse(_chunks(first, items, completion, options),
+                                 media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def _image(self, request: Request, body: JsonObject) -> Response:
+        """Chat with an image recipe: the image as a data URL."""
+        job = await self.core.prepare_images(chat_image_request(body))
+        context = rest_context(request, body.get("timeout"))
+        images = await until_disconnect(request, self.core.generate_images(job, context))
         content = [{"type": "image_url",
                     "image_url": {"url": f"data:image/png;base64,{b64_png(i)}"}} for i in images]
         return JSONResponse({
@@ -47,3 +244,75 @@ class ChatRoutes:
                          "message": {"role": "assistant", "content": content}}],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
         })
+
+
+def _format(job: ChatJob) -> AudioFormat | None:
+    return job.speech.params.response_format if job.speech is not None else None
+
+
+def _encode_spoken(pieces: list[SpokenPiece], summary: ChatSummary, fmt: AudioFormat) -> bytes:
+    pcm = np.concatenate([p.pcm for p in pieces]) if pieces else np.zeros(0, np.float32)
+    return encode_audio(pcm, summary.sample_rate or (pieces[0].sample_rate if pieces else 1), fmt)
+
+
+class _ChunkWriter:
+    """Pipeline items -> chat.completion.chunk payloads (OpenAI's streaming shape)."""
+
+    def __init__(self, completion: _Completion, options: ChatOptions) -> None:
+        self.completion = completion
+        self.options = options
+        self.encoder: StreamEncoder | None = None
+
+    def first(self) -> JsonObject:
+        spoken = self.completion.audio_format is not None
+        return self.completion.chunk({"role": "assistant", "content": None if spoken else ""})
+
+    def of(self, item: object) -> list[JsonObject]:
+        completion = self.completion
+        if isinstance(item, Output) and isinstance(item.value, TextPiece):
+            text = item.value.text
+            if completion.audio_format is None:
+                return [completion.chunk({"content": text})]
+            return [completion.chunk({"audio": {"id": completion.audio_id, "transcript": text}})]
+        if isinstance(item, Output) and isinstance(item.value, SpokenPiece):
+            piece = item.value
+            if self.encoder is None:
+                assert completion.audio_format is not None
+                self.encoder = StreamEncoder(completion.audio_format, piece.sample_rate)
+            return [self._audio(self.encoder.chunk(piece.pcm))]
+        if isinstance(item, Done):
+            return self._end(item.result)
+        return []
+
+    def _audio(self, data: bytes, **extra: object) -> JsonObject:
+        return self.completion.chunk({"audio": {
+            "id": self.completion.audio_id, "data": base64.b64encode(data).decode(), **extra}})
+
+    def _end(self, summary: ChatSummary) -> list[JsonObject]:
+        chunks = []
+        if self.completion.audio_format is not None:
+            tail = self.encoder.end() if self.encoder is not None else b""
+            chunks.append(self._audio(tail, expires_at=self.completion.expires_at()))
+        chunks.append(self.completion.chunk({}, summary.finish_reason))
+        if self.options.include_usage:
+            chunks.append({**self.completion.envelope("chat.completion.chunk"), "choices": [],
+                           "usage": _usage(summary)})
+        return chunks
+
+
+async def _chunks(first: object, items: ChatEvents, completion: _Completion,
+                  options: ChatOptions) -> AsyncIterator[bytes]:
+    """The SSE body; a failure after the first chunk is an error event, then [DONE]."""
+    writer = _ChunkWriter(completion, options)
+    try:
+        yield sse_event(writer.first())
+        for payload in writer.of(first):
+            yield sse_event(payload)
+        async for item in items:
+            for payload in writer.of(item):
+                yield sse_event(payload)
+    except GatewayError as error:
+        yield sse_event(error.body())
+    finally:
+        await items.aclose()
+    yield SSE_DONE

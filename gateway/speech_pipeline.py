@@ -1,7 +1,8 @@
 """Text-to-speech: (Codec.encode of the reference clip) -> Talker -> Codec, streaming.
 
-Frames flow while the talker is still generating: every `frames` event of the talker stream is
-written at once as an `input` message on the codec stream, and every audio chunk the codec
+Frames flow while the talker is still generating: every `frames` event of the talker stream
+(codes, or latent frames for a latent codec such as a Piper voice's decoder) is written at once
+as an `input` message on the codec stream, and every audio chunk the codec
 emits goes out through `emit`. A failure of either call stops the other; a cancelled request
 (client gone, cancel by id, deadline) stops both at their next step.
 """
@@ -76,17 +77,20 @@ class _FrameRelay:
         self.scope = scope
         self.emit = emit
         #: Frames on their way to the codec; None marks the talker's successful end.
-        self.frames: asyncio.Queue[common_pb2.Tensor | None] = asyncio.Queue()
+        self.frames: asyncio.Queue[talker_service_pb2.CodecFrames | None] = asyncio.Queue()
 
     async def on_talker_event(self, stage: str,
                               response: talker_service_pb2.GenerateFramesResponse) -> None:
         if response.WhichOneof("event") == "frames":
-            self.frames.put_nowait(response.frames.codes)
+            self.frames.put_nowait(response.frames)
 
     async def pump_frames(self, call: DecodeCall) -> None:
-        while (codes := await self.frames.get()) is not None:
+        # Codes (CSM) or latents (Piper), as the talker made them: the codec of the same recipe
+        # decodes the same kind (both publish latent_channels).
+        while (frames := await self.frames.get()) is not None:
             await call.write(codec_service_pb2.DecodeAudioRequest(
-                input=codec_service_pb2.DecodeAudioInput(codes=codes)))
+                input=codec_service_pb2.DecodeAudioInput(codes=frames.codes,
+                                                         latents=frames.latents)))
         await call.write(codec_service_pb2.DecodeAudioRequest(
             input=codec_service_pb2.DecodeAudioInput(final=True)))
 

@@ -35,11 +35,25 @@ def _speech() -> Path:
     return ensure_speech_model()
 
 
+def _piper_joe() -> Path:
+    from stagemesh.models.piper import ensure_piper_model
+
+    return ensure_piper_model()
+
+
+def _smollm2() -> Path:
+    from stagemesh.models.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()
+
+
 BUILTIN: dict[str, Callable[[], Path]] = {
     "tiny-shapes": _tiny_shapes,
     "qwen-image-tiny": _qwen_image("tiny"),
     "qwen-image-bench": _qwen_image("bench"),
     "csm-tiny": _speech,
+    "piper-joe": _piper_joe,
+    "smollm2-135m": _smollm2,
 }
 
 

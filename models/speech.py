@@ -34,8 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -54,7 +52,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from stagemesh.models.cache import models_dir
+from stagemesh.models.cache import build_into_cache
 from stagemesh.models.families.csm import CODEC_SUBFOLDER, VOICES_FILE
 from stagemesh.models.families.tokens import token_id
 
@@ -220,28 +218,6 @@ def _is_current(model_dir: Path) -> bool:
 
 def ensure_speech_model(root: Path | None = None) -> Path:
     """Build the tiny speech model once into the cache (`root`, by default the user's cache,
-    see `stagemesh.models.cache`) and return its folder.
-
-    The build goes to a temporary folder next to the target and is renamed into place, so a
-    concurrent reader never sees a half-written model; a stale build (older BUILD_VERSION) is
-    replaced the same way.
-    """
-    target = models_dir(root) / MODEL_NAME
-    if _is_current(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=target.parent))
-    try:
-        build_tiny_csm(tmp)
-        if target.exists():
-            stale = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-stale-", dir=target.parent))
-            target.rename(stale / MODEL_NAME)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.rename(target)
-    except OSError:
-        # Another process renamed its build into place first; theirs is as good as ours.
-        if not _is_current(target):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    see `stagemesh.models.cache`) and return its folder (`build_into_cache`: a concurrent
+    reader never sees a half-written model; a stale build is replaced)."""
+    return build_into_cache(MODEL_NAME, build_tiny_csm, _is_current, root)

@@ -31,13 +31,19 @@ def _vae() -> StageBuilder:
 
 
 def _talker() -> StageBuilder:
-    from stagemesh.services.talker.servicer import build_stage
+    from stagemesh.services.talker import build_stage  # picks the adapter by model family
 
     return build_stage
 
 
 def _codec() -> StageBuilder:
-    from stagemesh.services.codec.servicer import build_stage
+    from stagemesh.services.codec import build_stage  # picks the adapter by model family
+
+    return build_stage
+
+
+def _thinker() -> StageBuilder:
+    from stagemesh.services.thinker.servicer import build_stage
 
     return build_stage
 
@@ -49,6 +55,7 @@ STAGE_BUILDERS: dict[str, Callable[[], StageBuilder]] = {
     "vae": _vae,
     "talker": _talker,
     "codec": _codec,
+    "thinker": _thinker,
 }
 
 

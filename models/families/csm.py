@@ -20,13 +20,11 @@ from pathlib import Path
 
 from transformers import CsmConfig, CsmProcessor, MimiConfig, PreTrainedTokenizerBase
 
+from stagemesh.models.families import RESERVED_VOICE_NAMES
 from stagemesh.models.families.tokens import token_id
-from stagemesh.shared.limits import CLONE_VOICE, DEFAULT_VOICE
 
 CODEC_SUBFOLDER = "codec"
 VOICES_FILE = "voices.json"
-#: Voice names with a meaning of their own on the wire; a model may not name a voice so.
-RESERVED_VOICE_NAMES = (DEFAULT_VOICE, CLONE_VOICE)
 
 
 @dataclass(frozen=True)

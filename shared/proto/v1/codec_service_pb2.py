@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n stagemesh/v1/codec_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\xa6\x01\n\x12\x44\x65\x63odeAudioRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.DecodeAudioStartH\x00\x12/\n\x05input\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.DecodeAudioInputH\x00\x12&\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"w\n\x10\x44\x65\x63odeAudioStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_frames\x18\x02 \x01(\x05\x12\x1c\n\x14initial_chunk_frames\x18\x03 \x01(\x05\x12\x1b\n\x13left_context_frames\x18\x04 \x01(\x05\"F\n\x10\x44\x65\x63odeAudioInput\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\"\xce\x01\n\x13\x44\x65\x63odeAudioResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.stagemesh.v1.AudioChunkH\x00\x12\x31\n\x06result\x18\x03 \x01(\x0b\x32\x1f.stagemesh.v1.DecodeAudioResultH\x00\x12(\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"T\n\nAudioChunk\x12!\n\x03pcm\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x05\"?\n\x11\x44\x65\x63odeAudioResult\x12\x15\n\rtotal_samples\x18\x01 \x01(\x03\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\"u\n\x12\x45ncodeAudioRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.EncodeAudioStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"^\n\x10\x45ncodeAudioStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x03pcm\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\"\xa3\x01\n\x13\x45ncodeAudioResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.stagemesh.v1.EncodeAudioResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"8\n\x11\x45ncodeAudioResult\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\x16\n\x14\x44\x65scribeCodecRequest\"\xc5\x01\n\x15\x44\x65scribeCodecResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x12\n\nframe_rate\x18\x03 \x01(\x02\x12\x15\n\rnum_codebooks\x18\x04 \x01(\x05\x12\x1d\n\x15max_reference_seconds\x18\x05 \x01(\x02\x12\x1e\n\x16reference_sample_rates\x18\x06 \x03(\x05\x32\x98\x02\n\x0c\x43odecService\x12V\n\x0b\x44\x65\x63odeAudio\x12 .stagemesh.v1.DecodeAudioRequest\x1a!.stagemesh.v1.DecodeAudioResponse(\x01\x30\x01\x12V\n\x0b\x45ncodeAudio\x12 .stagemesh.v1.EncodeAudioRequest\x1a!.stagemesh.v1.EncodeAudioResponse(\x01\x30\x01\x12X\n\rDescribeCodec\x12\".stagemesh.v1.DescribeCodecRequest\x1a#.stagemesh.v1.DescribeCodecResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n stagemesh/v1/codec_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\xa6\x01\n\x12\x44\x65\x63odeAudioRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.DecodeAudioStartH\x00\x12/\n\x05input\x18\x02 \x01(\x0b\x32\x1e.stagemesh.v1.DecodeAudioInputH\x00\x12&\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\x95\x01\n\x10\x44\x65\x63odeAudioStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_frames\x18\x02 \x01(\x05\x12\x1c\n\x14initial_chunk_frames\x18\x03 \x01(\x05\x12\x1b\n\x13left_context_frames\x18\x04 \x01(\x05\x12\x1c\n\x14right_context_frames\x18\x05 \x01(\x05\"m\n\x10\x44\x65\x63odeAudioInput\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12%\n\x07latents\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\xce\x01\n\x13\x44\x65\x63odeAudioResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.stagemesh.v1.AudioChunkH\x00\x12\x31\n\x06result\x18\x03 \x01(\x0b\x32\x1f.stagemesh.v1.DecodeAudioResultH\x00\x12(\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"T\n\nAudioChunk\x12!\n\x03pcm\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x0e\n\x06\x66rames\x18\x03 \x01(\x05\"?\n\x11\x44\x65\x63odeAudioResult\x12\x15\n\rtotal_samples\x18\x01 \x01(\x03\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\"u\n\x12\x45ncodeAudioRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.EncodeAudioStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"^\n\x10\x45ncodeAudioStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x03pcm\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\"\xa3\x01\n\x13\x45ncodeAudioResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.stagemesh.v1.EncodeAudioResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"8\n\x11\x45ncodeAudioResult\x12#\n\x05\x63odes\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\x16\n\x14\x44\x65scribeCodecRequest\"\xde\x01\n\x15\x44\x65scribeCodecResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x12\n\nframe_rate\x18\x03 \x01(\x02\x12\x15\n\rnum_codebooks\x18\x04 \x01(\x05\x12\x1d\n\x15max_reference_seconds\x18\x05 \x01(\x02\x12\x1e\n\x16reference_sample_rates\x18\x06 \x03(\x05\x12\x17\n\x0flatent_channels\x18\x07 \x01(\x05\x32\x98\x02\n\x0c\x43odecService\x12V\n\x0b\x44\x65\x63odeAudio\x12 .stagemesh.v1.DecodeAudioRequest\x1a!.stagemesh.v1.DecodeAudioResponse(\x01\x30\x01\x12V\n\x0b\x45ncodeAudio\x12 .stagemesh.v1.EncodeAudioRequest\x1a!.stagemesh.v1.EncodeAudioResponse(\x01\x30\x01\x12X\n\rDescribeCodec\x12\".stagemesh.v1.DescribeCodecRequest\x1a#.stagemesh.v1.DescribeCodecResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +34,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEAUDIOREQUEST']._serialized_start=78
   _globals['_DECODEAUDIOREQUEST']._serialized_end=244
-  _globals['_DECODEAUDIOSTART']._serialized_start=246
-  _globals['_DECODEAUDIOSTART']._serialized_end=365
-  _globals['_DECODEAUDIOINPUT']._serialized_start=367
-  _globals['_DECODEAUDIOINPUT']._serialized_end=437
-  _globals['_DECODEAUDIORESPONSE']._serialized_start=440
-  _globals['_DECODEAUDIORESPONSE']._serialized_end=646
-  _globals['_AUDIOCHUNK']._serialized_start=648
-  _globals['_AUDIOCHUNK']._serialized_end=732
-  _globals['_DECODEAUDIORESULT']._serialized_start=734
-  _globals['_DECODEAUDIORESULT']._serialized_end=797
-  _globals['_ENCODEAUDIOREQUEST']._serialized_start=799
-  _globals['_ENCODEAUDIOREQUEST']._serialized_end=916
-  _globals['_ENCODEAUDIOSTART']._serialized_start=918
-  _globals['_ENCODEAUDIOSTART']._serialized_end=1012
-  _globals['_ENCODEAUDIORESPONSE']._serialized_start=1015
-  _globals['_ENCODEAUDIORESPONSE']._serialized_end=1178
-  _globals['_ENCODEAUDIORESULT']._serialized_start=1180
-  _globals['_ENCODEAUDIORESULT']._serialized_end=1236
-  _globals['_DESCRIBECODECREQUEST']._serialized_start=1238
-  _globals['_DESCRIBECODECREQUEST']._serialized_end=1260
-  _globals['_DESCRIBECODECRESPONSE']._serialized_start=1263
-  _globals['_DESCRIBECODECRESPONSE']._serialized_end=1460
-  _globals['_CODECSERVICE']._serialized_start=1463
-  _globals['_CODECSERVICE']._serialized_end=1743
+  _globals['_DECODEAUDIOSTART']._serialized_start=247
+  _globals['_DECODEAUDIOSTART']._serialized_end=396
+  _globals['_DECODEAUDIOINPUT']._serialized_start=398
+  _globals['_DECODEAUDIOINPUT']._serialized_end=507
+  _globals['_DECODEAUDIORESPONSE']._serialized_start=510
+  _globals['_DECODEAUDIORESPONSE']._serialized_end=716
+  _globals['_AUDIOCHUNK']._serialized_start=718
+  _globals['_AUDIOCHUNK']._serialized_end=802
+  _globals['_DECODEAUDIORESULT']._serialized_start=804
+  _globals['_DECODEAUDIORESULT']._serialized_end=867
+  _globals['_ENCODEAUDIOREQUEST']._serialized_start=869
+  _globals['_ENCODEAUDIOREQUEST']._serialized_end=986
+  _globals['_ENCODEAUDIOSTART']._serialized_start=988
+  _globals['_ENCODEAUDIOSTART']._serialized_end=1082
+  _globals['_ENCODEAUDIORESPONSE']._serialized_start=1085
+  _globals['_ENCODEAUDIORESPONSE']._serialized_end=1248
+  _globals['_ENCODEAUDIORESULT']._serialized_start=1250
+  _globals['_ENCODEAUDIORESULT']._serialized_end=1306
+  _globals['_DESCRIBECODECREQUEST']._serialized_start=1308
+  _globals['_DESCRIBECODECREQUEST']._serialized_end=1330
+  _globals['_DESCRIBECODECRESPONSE']._serialized_start=1333
+  _globals['_DESCRIBECODECRESPONSE']._serialized_end=1555
+  _globals['_CODECSERVICE']._serialized_start=1558
+  _globals['_CODECSERVICE']._serialized_end=1838
 # @@protoc_insertion_point(module_scope)

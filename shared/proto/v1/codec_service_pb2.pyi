@@ -61,6 +61,7 @@ class DecodeAudioStart(_message.Message):
     CHUNK_FRAMES_FIELD_NUMBER: _builtins.int
     INITIAL_CHUNK_FRAMES_FIELD_NUMBER: _builtins.int
     LEFT_CONTEXT_FRAMES_FIELD_NUMBER: _builtins.int
+    RIGHT_CONTEXT_FRAMES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     chunk_frames: _builtins.int
@@ -71,6 +72,10 @@ class DecodeAudioStart(_message.Message):
     """Frames of already-decoded context prepended to each chunk so seams are inaudible
     (0 = the stage's default).
     """
+    right_context_frames: _builtins.int
+    """Frames after each chunk decoded with it and trimmed (non-causal decoders; 0 = the stage's
+    default).
+    """
     def __init__(
         self,
         *,
@@ -78,10 +83,11 @@ class DecodeAudioStart(_message.Message):
         chunk_frames: _builtins.int = ...,
         initial_chunk_frames: _builtins.int = ...,
         left_context_frames: _builtins.int = ...,
+        right_context_frames: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_frames", b"chunk_frames", "initial_chunk_frames", b"initial_chunk_frames", "left_context_frames", b"left_context_frames", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_frames", b"chunk_frames", "initial_chunk_frames", b"initial_chunk_frames", "left_context_frames", b"left_context_frames", "request_id", b"request_id", "right_context_frames", b"right_context_frames"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -89,27 +95,33 @@ Global___DecodeAudioStart: _TypeAlias = DecodeAudioStart  # noqa: Y015
 
 @_typing.final
 class DecodeAudioInput(_message.Message):
-    """More frames for a DecodeAudio request."""
+    """More frames for a DecodeAudio request: codes or latents, as the codec decodes."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CODES_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    LATENTS_FIELD_NUMBER: _builtins.int
     final: _builtins.bool
     """No more frames will follow."""
     @_builtins.property
     def codes(self) -> _common_pb2.Tensor:
         """Codebook indices, int64 [frames, codebooks]."""
 
+    @_builtins.property
+    def latents(self) -> _common_pb2.Tensor:
+        """Latent frames, float32 [frames, channels] (a codec whose decoder takes latents)."""
+
     def __init__(
         self,
         *,
         codes: _common_pb2.Tensor | None = ...,
         final: _builtins.bool = ...,
+        latents: _common_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes", "latents", b"latents"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes", "final", b"final"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes", "final", b"final", "latents", b"latents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -353,6 +365,7 @@ class DescribeCodecResponse(_message.Message):
     NUM_CODEBOOKS_FIELD_NUMBER: _builtins.int
     MAX_REFERENCE_SECONDS_FIELD_NUMBER: _builtins.int
     REFERENCE_SAMPLE_RATES_FIELD_NUMBER: _builtins.int
+    LATENT_CHANNELS_FIELD_NUMBER: _builtins.int
     sample_rate: _builtins.int
     """Samples per second of the audio it decodes."""
     frame_rate: _builtins.float
@@ -361,13 +374,15 @@ class DescribeCodecResponse(_message.Message):
     """Codebooks per frame."""
     max_reference_seconds: _builtins.float
     """Longest reference clip EncodeAudio accepts, in seconds."""
+    latent_channels: _builtins.int
+    """Channels of the latent frames it decodes; 0 = it decodes codes."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
 
     @_builtins.property
     def reference_sample_rates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Sample rates EncodeAudio accepts for a reference clip."""
+        """Sample rates EncodeAudio accepts for a reference clip (none: it cannot encode)."""
 
     def __init__(
         self,
@@ -378,10 +393,11 @@ class DescribeCodecResponse(_message.Message):
         num_codebooks: _builtins.int = ...,
         max_reference_seconds: _builtins.float = ...,
         reference_sample_rates: _abc.Iterable[_builtins.int] | None = ...,
+        latent_channels: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_rate", b"frame_rate", "max_reference_seconds", b"max_reference_seconds", "num_codebooks", b"num_codebooks", "reference_sample_rates", b"reference_sample_rates", "sample_rate", b"sample_rate", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame_rate", b"frame_rate", "latent_channels", b"latent_channels", "max_reference_seconds", b"max_reference_seconds", "num_codebooks", b"num_codebooks", "reference_sample_rates", b"reference_sample_rates", "sample_rate", b"sample_rate", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,9 +24,10 @@ _sym_db = _symbol_database.Default()
 
 from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from . import common_pb2 as stagemesh_dot_v1_dot_common__pb2
+from . import thinker_service_pb2 as stagemesh_dot_v1_dot_thinker__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"stagemesh/v1/gateway_service.proto\x12\x0cstagemesh.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19stagemesh/v1/common.proto\"\xd5\x02\n\x14GenerateImageRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1c\n\x0fnegative_prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\t\n\x01n\x18\x04 \x01(\x05\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\x05\x12\x1b\n\x0etrue_cfg_scale\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x33\n\x0e\x65xecution_mode\x18\x0b \x01(\x0e\x32\x1b.stagemesh.v1.ExecutionMode\x12\x10\n\x08priority\x18\x0c \x01(\x05\x42\x12\n\x10_negative_promptB\x11\n\x0f_true_cfg_scaleB\x07\n\x05_seed\"\xf6\x01\n\x15GenerateImageResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12&\n\x06queued\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12*\n\x08progress\x18\x04 \x01(\x0b\x32\x16.stagemesh.v1.ProgressH\x00\x12/\n\x06result\x18\x05 \x01(\x0b\x32\x1d.stagemesh.v1.GeneratedImagesH\x00\x12,\n\tpreempted\x18\x06 \x01(\x0b\x32\x17.stagemesh.v1.PreemptedH\x00\x42\x07\n\x05\x65vent\"?\n\x0fGeneratedImages\x12,\n\x06images\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.GeneratedImage\"J\n\x0eGeneratedImage\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\"\xae\x02\n\x17SynthesizeSpeechRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\t\x12\r\n\x05voice\x18\x03 \x01(\t\x12\x17\n\x0fresponse_format\x18\x04 \x01(\t\x12\r\n\x05speed\x18\x05 \x01(\x02\x12\x11\n\ttask_type\x18\x06 \x01(\t\x12\x10\n\x08language\x18\x07 \x01(\t\x12\x14\n\x0cinstructions\x18\x08 \x01(\t\x12\x11\n\tref_audio\x18\t \x01(\x0c\x12\x10\n\x08ref_text\x18\n \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\r \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"R\n\x18SynthesizeSpeechResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\"*\n\x14\x43\x61ncelRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x98\x01\n\x15\x43\x61ncelRequestResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.stagemesh.v1.RequestState\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x12\n\nstep_index\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x62ort_latency_seconds\x18\x05 \x01(\x01\"\x13\n\x11ListStagesRequest\"=\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.StageInfo\"~\n\tStageInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06recipe\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06health\x18\x04 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\x14\n\x12ListRecipesRequest\"@\n\x13ListRecipesResponse\x12)\n\x07recipes\x18\x01 \x03(\x0b\x32\x18.stagemesh.v1.RecipeInfo\"8\n\nRecipeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06stages\x18\x03 \x03(\t2\xe7\x04\n\x0eGatewayService\x12z\n\rGenerateImage\x12\".stagemesh.v1.GenerateImageRequest\x1a#.stagemesh.v1.GenerateImageResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\"\x13/v1/images:generate:\x01*0\x01\x12\x85\x01\n\x10SynthesizeSpeech\x12%.stagemesh.v1.SynthesizeSpeechRequest\x1a&.stagemesh.v1.SynthesizeSpeechResponse\" \x82\xd3\xe4\x93\x02\x1a\"\x15/v1/speech:synthesize:\x01*0\x01\x12\x82\x01\n\rCancelRequest\x12\".stagemesh.v1.CancelRequestRequest\x1a#.stagemesh.v1.CancelRequestResponse\"(\x82\xd3\xe4\x93\x02\"\" /v1/requests/{request_id}/cancel\x12\x63\n\nListStages\x12\x1f.stagemesh.v1.ListStagesRequest\x1a .stagemesh.v1.ListStagesResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/stages\x12g\n\x0bListRecipes\x12 .stagemesh.v1.ListRecipesRequest\x1a!.stagemesh.v1.ListRecipesResponse\"\x13\x82\xd3\xe4\x93\x02\r\x12\x0b/v1/recipesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"stagemesh/v1/gateway_service.proto\x12\x0cstagemesh.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19stagemesh/v1/common.proto\x1a\"stagemesh/v1/thinker_service.proto\"\xd5\x02\n\x14GenerateImageRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1c\n\x0fnegative_prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\t\n\x01n\x18\x04 \x01(\x05\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x07 \x01(\x05\x12\x1b\n\x0etrue_cfg_scale\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x33\n\x0e\x65xecution_mode\x18\x0b \x01(\x0e\x32\x1b.stagemesh.v1.ExecutionMode\x12\x10\n\x08priority\x18\x0c \x01(\x05\x42\x12\n\x10_negative_promptB\x11\n\x0f_true_cfg_scaleB\x07\n\x05_seed\"\xf6\x01\n\x15GenerateImageResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12&\n\x06queued\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12*\n\x08progress\x18\x04 \x01(\x0b\x32\x16.stagemesh.v1.ProgressH\x00\x12/\n\x06result\x18\x05 \x01(\x0b\x32\x1d.stagemesh.v1.GeneratedImagesH\x00\x12,\n\tpreempted\x18\x06 \x01(\x0b\x32\x17.stagemesh.v1.PreemptedH\x00\x42\x07\n\x05\x65vent\"?\n\x0fGeneratedImages\x12,\n\x06images\x18\x01 \x03(\x0b\x32\x1c.stagemesh.v1.GeneratedImage\"J\n\x0eGeneratedImage\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\"\xae\x02\n\x17SynthesizeSpeechRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x01(\t\x12\r\n\x05voice\x18\x03 \x01(\t\x12\x17\n\x0fresponse_format\x18\x04 \x01(\t\x12\r\n\x05speed\x18\x05 \x01(\x02\x12\x11\n\ttask_type\x18\x06 \x01(\t\x12\x10\n\x08language\x18\x07 \x01(\t\x12\x14\n\x0cinstructions\x18\x08 \x01(\t\x12\x11\n\tref_audio\x18\t \x01(\x0c\x12\x10\n\x08ref_text\x18\n \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x11\n\x04seed\x18\x0c \x01(\x03H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\r \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"R\n\x18SynthesizeSpeechResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\"\x95\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.stagemesh.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12,\n\x05\x61udio\x18\x07 \x01(\x0b\x32\x1d.stagemesh.v1.ChatAudioOutput\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"0\n\x0f\x43hatAudioOutput\x12\r\n\x05voice\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\"\x96\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x1c.stagemesh.v1.ChatAudioChunkH\x00\x12*\n\x06result\x18\x04 \x01(\x0b\x32\x18.stagemesh.v1.ChatResultH\x00\x42\x07\n\x05\x65vent\"G\n\x0e\x43hatAudioChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x12\n\ntranscript\x18\x02 \x01(\t\x12\x13\n\x0bsample_rate\x18\x03 \x01(\x05\"U\n\nChatResult\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"*\n\x14\x43\x61ncelRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x98\x01\n\x15\x43\x61ncelRequestResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.stagemesh.v1.RequestState\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x12\n\nstep_index\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x62ort_latency_seconds\x18\x05 \x01(\x01\"\x13\n\x11ListStagesRequest\"=\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.stagemesh.v1.StageInfo\"~\n\tStageInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06recipe\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06health\x18\x04 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\x14\n\x12ListRecipesRequest\"@\n\x13ListRecipesResponse\x12)\n\x07recipes\x18\x01 \x03(\x0b\x32\x18.stagemesh.v1.RecipeInfo\"8\n\nRecipeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0e\n\x06stages\x18\x03 \x03(\t2\xc6\x05\n\x0eGatewayService\x12z\n\rGenerateImage\x12\".stagemesh.v1.GenerateImageRequest\x1a#.stagemesh.v1.GenerateImageResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\"\x13/v1/images:generate:\x01*0\x01\x12\x85\x01\n\x10SynthesizeSpeech\x12%.stagemesh.v1.SynthesizeSpeechRequest\x1a&.stagemesh.v1.SynthesizeSpeechResponse\" \x82\xd3\xe4\x93\x02\x1a\"\x15/v1/speech:synthesize:\x01*0\x01\x12]\n\x04\x43hat\x12\x19.stagemesh.v1.ChatRequest\x1a\x1a.stagemesh.v1.ChatResponse\"\x1c\x82\xd3\xe4\x93\x02\x16\"\x11/v1/chat:complete:\x01*0\x01\x12\x82\x01\n\rCancelRequest\x12\".stagemesh.v1.CancelRequestRequest\x1a#.stagemesh.v1.CancelRequestResponse\"(\x82\xd3\xe4\x93\x02\"\" /v1/requests/{request_id}/cancel\x12\x63\n\nListStages\x12\x1f.stagemesh.v1.ListStagesRequest\x1a .stagemesh.v1.ListStagesResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/stages\x12g\n\x0bListRecipes\x12 .stagemesh.v1.ListRecipesRequest\x1a!.stagemesh.v1.ListRecipesResponse\"\x13\x82\xd3\xe4\x93\x02\r\x12\x0b/v1/recipesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,40 +38,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GATEWAYSERVICE'].methods_by_name['GenerateImage']._serialized_options = b'\202\323\344\223\002\030\"\023/v1/images:generate:\001*'
   _globals['_GATEWAYSERVICE'].methods_by_name['SynthesizeSpeech']._loaded_options = None
   _globals['_GATEWAYSERVICE'].methods_by_name['SynthesizeSpeech']._serialized_options = b'\202\323\344\223\002\032\"\025/v1/speech:synthesize:\001*'
+  _globals['_GATEWAYSERVICE'].methods_by_name['Chat']._loaded_options = None
+  _globals['_GATEWAYSERVICE'].methods_by_name['Chat']._serialized_options = b'\202\323\344\223\002\026\"\021/v1/chat:complete:\001*'
   _globals['_GATEWAYSERVICE'].methods_by_name['CancelRequest']._loaded_options = None
   _globals['_GATEWAYSERVICE'].methods_by_name['CancelRequest']._serialized_options = b'\202\323\344\223\002\"\" /v1/requests/{request_id}/cancel'
   _globals['_GATEWAYSERVICE'].methods_by_name['ListStages']._loaded_options = None
   _globals['_GATEWAYSERVICE'].methods_by_name['ListStages']._serialized_options = b'\202\323\344\223\002\014\022\n/v1/stages'
   _globals['_GATEWAYSERVICE'].methods_by_name['ListRecipes']._loaded_options = None
   _globals['_GATEWAYSERVICE'].methods_by_name['ListRecipes']._serialized_options = b'\202\323\344\223\002\r\022\013/v1/recipes'
-  _globals['_GENERATEIMAGEREQUEST']._serialized_start=110
-  _globals['_GENERATEIMAGEREQUEST']._serialized_end=451
-  _globals['_GENERATEIMAGERESPONSE']._serialized_start=454
-  _globals['_GENERATEIMAGERESPONSE']._serialized_end=700
-  _globals['_GENERATEDIMAGES']._serialized_start=702
-  _globals['_GENERATEDIMAGES']._serialized_end=765
-  _globals['_GENERATEDIMAGE']._serialized_start=767
-  _globals['_GENERATEDIMAGE']._serialized_end=841
-  _globals['_SYNTHESIZESPEECHREQUEST']._serialized_start=844
-  _globals['_SYNTHESIZESPEECHREQUEST']._serialized_end=1146
-  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_start=1148
-  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_end=1230
-  _globals['_CANCELREQUESTREQUEST']._serialized_start=1232
-  _globals['_CANCELREQUESTREQUEST']._serialized_end=1274
-  _globals['_CANCELREQUESTRESPONSE']._serialized_start=1277
-  _globals['_CANCELREQUESTRESPONSE']._serialized_end=1429
-  _globals['_LISTSTAGESREQUEST']._serialized_start=1431
-  _globals['_LISTSTAGESREQUEST']._serialized_end=1450
-  _globals['_LISTSTAGESRESPONSE']._serialized_start=1452
-  _globals['_LISTSTAGESRESPONSE']._serialized_end=1513
-  _globals['_STAGEINFO']._serialized_start=1515
-  _globals['_STAGEINFO']._serialized_end=1641
-  _globals['_LISTRECIPESREQUEST']._serialized_start=1643
-  _globals['_LISTRECIPESREQUEST']._serialized_end=1663
-  _globals['_LISTRECIPESRESPONSE']._serialized_start=1665
-  _globals['_LISTRECIPESRESPONSE']._serialized_end=1729
-  _globals['_RECIPEINFO']._serialized_start=1731
-  _globals['_RECIPEINFO']._serialized_end=1787
-  _globals['_GATEWAYSERVICE']._serialized_start=1790
-  _globals['_GATEWAYSERVICE']._serialized_end=2405
+  _globals['_GENERATEIMAGEREQUEST']._serialized_start=146
+  _globals['_GENERATEIMAGEREQUEST']._serialized_end=487
+  _globals['_GENERATEIMAGERESPONSE']._serialized_start=490
+  _globals['_GENERATEIMAGERESPONSE']._serialized_end=736
+  _globals['_GENERATEDIMAGES']._serialized_start=738
+  _globals['_GENERATEDIMAGES']._serialized_end=801
+  _globals['_GENERATEDIMAGE']._serialized_start=803
+  _globals['_GENERATEDIMAGE']._serialized_end=877
+  _globals['_SYNTHESIZESPEECHREQUEST']._serialized_start=880
+  _globals['_SYNTHESIZESPEECHREQUEST']._serialized_end=1182
+  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_start=1184
+  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_end=1266
+  _globals['_CHATREQUEST']._serialized_start=1269
+  _globals['_CHATREQUEST']._serialized_end=1546
+  _globals['_CHATAUDIOOUTPUT']._serialized_start=1548
+  _globals['_CHATAUDIOOUTPUT']._serialized_end=1596
+  _globals['_CHATRESPONSE']._serialized_start=1599
+  _globals['_CHATRESPONSE']._serialized_end=1749
+  _globals['_CHATAUDIOCHUNK']._serialized_start=1751
+  _globals['_CHATAUDIOCHUNK']._serialized_end=1822
+  _globals['_CHATRESULT']._serialized_start=1824
+  _globals['_CHATRESULT']._serialized_end=1909
+  _globals['_CANCELREQUESTREQUEST']._serialized_start=1911
+  _globals['_CANCELREQUESTREQUEST']._serialized_end=1953
+  _globals['_CANCELREQUESTRESPONSE']._serialized_start=1956
+  _globals['_CANCELREQUESTRESPONSE']._serialized_end=2108
+  _globals['_LISTSTAGESREQUEST']._serialized_start=2110
+  _globals['_LISTSTAGESREQUEST']._serialized_end=2129
+  _globals['_LISTSTAGESRESPONSE']._serialized_start=2131
+  _globals['_LISTSTAGESRESPONSE']._serialized_end=2192
+  _globals['_STAGEINFO']._serialized_start=2194
+  _globals['_STAGEINFO']._serialized_end=2320
+  _globals['_LISTRECIPESREQUEST']._serialized_start=2322
+  _globals['_LISTRECIPESREQUEST']._serialized_end=2342
+  _globals['_LISTRECIPESRESPONSE']._serialized_start=2344
+  _globals['_LISTRECIPESRESPONSE']._serialized_end=2408
+  _globals['_RECIPEINFO']._serialized_start=2410
+  _globals['_RECIPEINFO']._serialized_end=2466
+  _globals['_GATEWAYSERVICE']._serialized_start=2469
+  _globals['_GATEWAYSERVICE']._serialized_end=3179
 # @@protoc_insertion_point(module_scope)

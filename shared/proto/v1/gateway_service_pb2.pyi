@@ -10,6 +10,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from . import common_pb2 as _common_pb2
+from . import thinker_service_pb2 as _thinker_service_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -301,6 +302,201 @@ class SynthesizeSpeechResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SynthesizeSpeechResponse: _TypeAlias = SynthesizeSpeechResponse  # noqa: Y015
+
+@_typing.final
+class ChatRequest(_message.Message):
+    """Parameters of a chat answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    AUDIO_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Recipe (served model) name; empty = the default chat recipe."""
+    max_tokens: _builtins.int
+    """Upper bound on generated tokens; 0 = the thinker's default."""
+    temperature: _builtins.float
+    """Sampling temperature; unset = 0 (greedy)."""
+    top_p: _builtins.float
+    """Nucleus sampling mass; unset = 1 (off)."""
+    seed: _builtins.int
+    """Seed of the thinker's sampling (with a temperature); unset = random."""
+    request_id: _builtins.str
+    """Client-chosen id; empty = the gateway assigns one."""
+    priority: _builtins.int
+    """Scheduling priority in the thinker: lower runs sooner; 0 is the default."""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_thinker_service_pb2.ChatMessage]:
+        """The conversation, oldest first."""
+
+    @_builtins.property
+    def audio(self) -> Global___ChatAudioOutput:
+        """Speak the answer too; unset = text only."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        messages: _abc.Iterable[_thinker_service_pb2.ChatMessage] | None = ...,
+        max_tokens: _builtins.int = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        seed: _builtins.int | None = ...,
+        audio: Global___ChatAudioOutput | None = ...,
+        request_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "audio", b"audio", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "audio", b"audio", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "priority", b"priority", "request_id", b"request_id", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___ChatRequest: _TypeAlias = ChatRequest  # noqa: Y015
+
+@_typing.final
+class ChatAudioOutput(_message.Message):
+    """How to speak a chat answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VOICE_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
+    voice: _builtins.str
+    """Voice name of the recipe's speech model; empty or "default" = its default voice."""
+    format: _builtins.str
+    """"wav", "pcm" (raw int16 little-endian mono) or "flac"; empty = "wav"."""
+    def __init__(
+        self,
+        *,
+        voice: _builtins.str = ...,
+        format: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "voice", b"voice"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatAudioOutput: _TypeAlias = ChatAudioOutput  # noqa: Y015
+
+@_typing.final
+class ChatResponse(_message.Message):
+    """One event of a chat answer, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    AUDIO_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id."""
+    text: _builtins.str
+    """Text written since the previous text event."""
+    @_builtins.property
+    def audio(self) -> Global___ChatAudioChunk:
+        """Speech of the answer, sentence by sentence."""
+
+    @_builtins.property
+    def result(self) -> Global___ChatResult:
+        """The end of the answer."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        text: _builtins.str = ...,
+        audio: Global___ChatAudioChunk | None = ...,
+        result: Global___ChatResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "event", b"event", "result", b"result", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "event", b"event", "request_id", b"request_id", "result", b"result", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["text", "audio", "result"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___ChatResponse: _TypeAlias = ChatResponse  # noqa: Y015
+
+@_typing.final
+class ChatAudioChunk(_message.Message):
+    """A piece of the spoken answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_FIELD_NUMBER: _builtins.int
+    SAMPLE_RATE_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """Audio bytes in the requested format (the first chunk of a WAV starts with its header)."""
+    transcript: _builtins.str
+    """The text this audio speaks (set on the first chunk of each sentence)."""
+    sample_rate: _builtins.int
+    """Samples per second."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        transcript: _builtins.str = ...,
+        sample_rate: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "sample_rate", b"sample_rate", "transcript", b"transcript"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatAudioChunk: _TypeAlias = ChatAudioChunk  # noqa: Y015
+
+@_typing.final
+class ChatResult(_message.Message):
+    """How a chat answer ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    finish_reason: _builtins.str
+    """"stop" (the model ended its turn) or "length" (max_tokens)."""
+    prompt_tokens: _builtins.int
+    """Tokens of the templated prompt."""
+    completion_tokens: _builtins.int
+    """Tokens generated."""
+    def __init__(
+        self,
+        *,
+        finish_reason: _builtins.str = ...,
+        prompt_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatResult: _TypeAlias = ChatResult  # noqa: Y015
 
 @_typing.final
 class CancelRequestRequest(_message.Message):

@@ -45,6 +45,11 @@ class GatewayServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/stagemesh.v1.GatewayService/Chat',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ChatRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ChatResponse.FromString,
+                _registered_method=True)
         self.CancelRequest = channel.unary_unary(
                 '/stagemesh.v1.GatewayService/CancelRequest',
                 request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.CancelRequestRequest.SerializeToString,
@@ -75,6 +80,14 @@ class GatewayServiceServicer:
 
     def SynthesizeSpeech(self, request, context):
         """Synthesizes speech from text, streaming audio as it is produced.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """Answers a conversation with a chat recipe, streaming the text as it is written and, when
+        audio is asked for, speech sentence by sentence while the text continues.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,6 +127,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.SynthesizeSpeech,
                     request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ChatRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ChatResponse.SerializeToString,
             ),
             'CancelRequest': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelRequest,
@@ -186,6 +204,33 @@ class GatewayService:
             '/stagemesh.v1.GatewayService/SynthesizeSpeech',
             stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechRequest.SerializeToString,
             stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/Chat',
+            stagemesh_dot_v1_dot_gateway__service__pb2.ChatRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,10 @@ class GatewayServiceStub:
     """Generates images from a prompt, streaming queue position and per-step progress first."""
     SynthesizeSpeech: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.SynthesizeSpeechRequest, _gateway_service_pb2.SynthesizeSpeechResponse]
     """Synthesizes speech from text, streaming audio as it is produced."""
+    Chat: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.ChatRequest, _gateway_service_pb2.ChatResponse]
+    """Answers a conversation with a chat recipe, streaming the text as it is written and, when
+    audio is asked for, speech sentence by sentence while the text continues.
+    """
     CancelRequest: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.CancelRequestRequest, _gateway_service_pb2.CancelRequestResponse]
     """Cancels a running or queued request by id. Answers once the stage working on it has
     acknowledged the abort.
@@ -57,6 +61,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """Generates images from a prompt, streaming queue position and per-step progress first."""
     SynthesizeSpeech: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.SynthesizeSpeechRequest, _gateway_service_pb2.SynthesizeSpeechResponse]  # type: ignore[assignment]
     """Synthesizes speech from text, streaming audio as it is produced."""
+    Chat: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.ChatRequest, _gateway_service_pb2.ChatResponse]  # type: ignore[assignment]
+    """Answers a conversation with a chat recipe, streaming the text as it is written and, when
+    audio is asked for, speech sentence by sentence while the text continues.
+    """
     CancelRequest: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.CancelRequestRequest, _gateway_service_pb2.CancelRequestResponse]  # type: ignore[assignment]
     """Cancels a running or queued request by id. Answers once the stage working on it has
     acknowledged the abort.
@@ -84,6 +92,16 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.SynthesizeSpeechResponse], _abc.AsyncIterator[_gateway_service_pb2.SynthesizeSpeechResponse]]:
         """Synthesizes speech from text, streaming audio as it is produced."""
+
+    @_abc_1.abstractmethod
+    def Chat(
+        self,
+        request: _gateway_service_pb2.ChatRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.ChatResponse], _abc.AsyncIterator[_gateway_service_pb2.ChatResponse]]:
+        """Answers a conversation with a chat recipe, streaming the text as it is written and, when
+        audio is asked for, speech sentence by sentence while the text continues.
+        """
 
     @_abc_1.abstractmethod
     def CancelRequest(

@@ -211,27 +211,35 @@ Global___GenerateFramesResponse: _TypeAlias = GenerateFramesResponse  # noqa: Y0
 
 @_typing.final
 class CodecFrames(_message.Message):
-    """Frames generated since the previous CodecFrames event."""
+    """Frames generated since the previous CodecFrames event: codes or latents, as the model makes."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CODES_FIELD_NUMBER: _builtins.int
     FIRST_FRAME_INDEX_FIELD_NUMBER: _builtins.int
+    LATENTS_FIELD_NUMBER: _builtins.int
     first_frame_index: _builtins.int
     """Index of the first frame in this message."""
     @_builtins.property
     def codes(self) -> _common_pb2.Tensor:
-        """Codebook indices, int64 [frames, codebooks]."""
+        """Codebook indices, int64 [frames, codebooks] (a talker that emits codes, e.g. CSM)."""
+
+    @_builtins.property
+    def latents(self) -> _common_pb2.Tensor:
+        """Latent frames, float32 [frames, channels] (a talker that emits the continuous input of
+        its codec's decoder, e.g. a Piper voice's z); `codes` is then unset.
+        """
 
     def __init__(
         self,
         *,
         codes: _common_pb2.Tensor | None = ...,
         first_frame_index: _builtins.int = ...,
+        latents: _common_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes", "latents", b"latents"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes", "first_frame_index", b"first_frame_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["codes", b"codes", "first_frame_index", b"first_frame_index", "latents", b"latents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -297,6 +305,7 @@ class DescribeTalkerResponse(_message.Message):
     FRAME_RATE_FIELD_NUMBER: _builtins.int
     MAX_TEMPERATURE_FIELD_NUMBER: _builtins.int
     MAX_TOP_K_FIELD_NUMBER: _builtins.int
+    LATENT_CHANNELS_FIELD_NUMBER: _builtins.int
     default_voice: _builtins.str
     """The voice used when a request names none (or names "default")."""
     supports_voice_clone: _builtins.bool
@@ -315,6 +324,8 @@ class DescribeTalkerResponse(_message.Message):
     """Largest sampling temperature."""
     max_top_k: _builtins.int
     """Largest top_k."""
+    latent_channels: _builtins.int
+    """Channels of the latent frames it emits; 0 = it emits codes."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -337,10 +348,11 @@ class DescribeTalkerResponse(_message.Message):
         frame_rate: _builtins.float = ...,
         max_temperature: _builtins.float = ...,
         max_top_k: _builtins.int = ...,
+        latent_channels: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_max_new_frames", b"default_max_new_frames", "default_voice", b"default_voice", "frame_rate", b"frame_rate", "max_input_chars", b"max_input_chars", "max_new_frames", b"max_new_frames", "max_reference_text_chars", b"max_reference_text_chars", "max_temperature", b"max_temperature", "max_top_k", b"max_top_k", "stage", b"stage", "supports_voice_clone", b"supports_voice_clone", "voices", b"voices"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_max_new_frames", b"default_max_new_frames", "default_voice", b"default_voice", "frame_rate", b"frame_rate", "latent_channels", b"latent_channels", "max_input_chars", b"max_input_chars", "max_new_frames", b"max_new_frames", "max_reference_text_chars", b"max_reference_text_chars", "max_temperature", b"max_temperature", "max_top_k", b"max_top_k", "stage", b"stage", "supports_voice_clone", b"supports_voice_clone", "voices", b"voices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

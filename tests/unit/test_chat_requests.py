@@ -1,0 +1,79 @@
+"""Chat without a model: the sentence splitter that feeds speech, and the OpenAI chat body."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagemesh.gateway.chat_pipeline import AudioOutput, ChatTurn, SentenceSplitter
+from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.openai_chat import chat_request
+
+
+def split(text: str, piece: int = 1, max_chars: int = 300) -> list[str]:
+    """Feed `text` in pieces of `piece` characters, as tokens arrive; then flush."""
+    splitter = SentenceSplitter(max_chars)
+    sentences: list[str] = []
+    for start in range(0, len(text), piece):
+        sentences += splitter.push(text[start:start + piece])
+    return sentences + splitter.flush()
+
+
+def test_sentences_leave_as_soon_as_they_end() -> None:
+    splitter = SentenceSplitter()
+    assert splitter.push("The sea is vast") == []
+    assert splitter.push(".") == []  # "vast.5"? The end is known once a space follows the mark
+    assert splitter.push(" It is") == ["The sea is vast."]
+    assert splitter.flush() == ["It is"]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_numbers_lists_and_quotes_do_not_cut_a_sentence(piece: int) -> None:
+    text = ('1. The sea covers 70.8% of Earth! 2. Waves come from wind... "Really?" she said.'
+            "\nThe end")
+    assert split(text, piece) == ["1. The sea covers 70.8% of Earth!",
+                                  "2. Waves come from wind...", '"Really?"', "she said.",
+                                  "The end"]
+
+
+def test_a_sentence_without_an_end_is_cut_at_a_space_when_too_long() -> None:
+    sentences = split("word " * 30, piece=7, max_chars=40)
+    assert all(len(s) <= 40 for s in sentences)
+    assert " ".join(sentences).split() == ["word"] * 30
+
+
+def test_nothing_speakable_is_not_a_sentence() -> None:
+    assert split("... !") == []
+    assert split("") == []
+
+
+def test_the_openai_body_of_a_spoken_streamed_answer() -> None:
+    request, options = chat_request({
+        "model": "smollm2", "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "developer", "content": "Be brief."},
+                     {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                  {"type": "text", "text": "there"}]}],
+        "max_completion_tokens": 20, "temperature": 0.5, "seed": 3,
+        "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "pcm16"}})
+    assert request.messages == (ChatTurn("system", "Be brief."), ChatTurn("user", "Hi there"))
+    assert request.max_tokens == 20 and request.temperature == 0.5 and request.seed == 3
+    assert request.audio == AudioOutput(voice="default", format="pcm16")
+    assert options.stream and options.include_usage
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": ["."]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "audio"),
+    ({"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "default"}}, "audio"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, "modalities"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+])
+def test_a_bad_field_is_a_400_naming_it(body: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        chat_request(body)
+    assert refused.value.field_name == field
