@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import multiprocessing
 import os
@@ -57,6 +58,8 @@ if TYPE_CHECKING:  # torch and diffusers load only in the phases that need them
     from diffusers.models.transformers.transformer_qwenimage import (
         QwenImageTransformer2DModel,
     )
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+    from PIL.Image import Image
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ recipes:
     stages:
       tokenizer: {{address: "127.0.0.1:1", metrics_port: 1}}
       dit: {{address: "127.0.0.1:2", metrics_port: 2}}
-      vae: {{address: "127.0.0.1:3", metrics_port: 3}}
+      vae: {{address: "127.0.0.1:3", metrics_port: 3{vae_options}}}
     defaults: {{width: 128, height: 128, num_inference_steps: {steps},
                true_cfg_scale: {cfg}, negative_prompt: "{negative}"}}
 """
@@ -111,27 +114,40 @@ class Burst:
 # -- phase 1 and 2: in-process peer and raw ceiling ---------------------------------------------
 
 
+def load_peer(folder: Path) -> QwenImagePipeline:
+    """Stock diffusers `QwenImagePipeline` on the folder, in this process at its own default
+    torch threads: what a user runs instead of the mesh."""
+    import torch
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+
+    pipe: QwenImagePipeline = QwenImagePipeline.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    log.info("peer: diffusers in-process with %d torch threads", torch.get_num_threads())
+    return pipe
+
+
+def peer_image(pipe: QwenImagePipeline, size: int, steps: int, seed: int) -> tuple[float, Image]:
+    """Seconds for one image of the peer (the mesh's request: prompt, guidance, seed), and it."""
+    import torch
+
+    watch = Stopwatch()
+    output = pipe(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, true_cfg_scale=GUIDANCE,
+                  height=size, width=size, num_inference_steps=steps,
+                  generator=torch.Generator("cpu").manual_seed(seed))
+    seconds = watch.elapsed()
+    image: Image = output.images[0]
+    return seconds, image
+
+
 def measure_peer(folder: Path, sizes: tuple[int, ...], steps: int, repeats: int = 2) -> dict[
         int, float]:
     """Median seconds per image of stock diffusers at its default threads, per size."""
-    import torch
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    log.info("peer: diffusers in-process with %d torch threads", torch.get_num_threads())
-
-    def one(size: int, seed: int) -> float:
-        watch = Stopwatch()
-        pipe(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, true_cfg_scale=GUIDANCE,
-             height=size, width=size, num_inference_steps=steps,
-             generator=torch.Generator("cpu").manual_seed(seed))
-        return watch.elapsed()
-
+    pipe = load_peer(folder)
     result = {}
     for size in sizes:
-        one(size, 0)  # warm-up: allocator, kernels
-        result[size] = statistics.median(one(size, seed) for seed in range(1, repeats + 1))
+        peer_image(pipe, size, steps, 0)  # warm-up: allocator, kernels
+        result[size] = statistics.median(peer_image(pipe, size, steps, seed)[0]
+                                         for seed in range(1, repeats + 1))
         log.info("peer: %dpx %.2f s/image", size, result[size])
     return result
 
@@ -209,14 +225,21 @@ def measure_ceiling(transformer: QwenImageTransformer2DModel, size: int, rows: i
 # -- phase 3: the mesh --------------------------------------------------------------------------
 
 
-async def generate(client: httpx.AsyncClient, size: int, seed: int, steps: int) -> float:
+async def generate_image(client: httpx.AsyncClient, size: int, seed: int, steps: int
+                         ) -> tuple[float, bytes]:
+    """Seconds for one image from the mesh's OpenAI route, and the image (PNG bytes)."""
     body = {"model": RECIPE_NAME, "prompt": PROMPT, "size": f"{size}x{size}", "seed": seed,
             "num_inference_steps": steps, "true_cfg_scale": GUIDANCE,
             "negative_prompt": NEGATIVE_PROMPT}
     watch = Stopwatch()
     response = await client.post("/v1/images/generations", json=body, timeout=REQUEST_TIMEOUT_S)
     response.raise_for_status()
-    return watch.elapsed()
+    seconds = watch.elapsed()
+    return seconds, base64.b64decode(response.json()["data"][0]["b64_json"])
+
+
+async def generate(client: httpx.AsyncClient, size: int, seed: int, steps: int) -> float:
+    return (await generate_image(client, size, seed, steps))[0]
 
 
 async def burst(client: httpx.AsyncClient, sizes: list[int], steps: int) -> Burst:
@@ -246,7 +269,9 @@ async def poisson(client: httpx.AsyncClient, size: int, rate: float, count: int,
 async def measure_mesh(base_url: str, options: Options) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
-        await generate(client, options.sizes[0], 0, options.steps)  # warm-up
+        c_max = max(options.concurrency)
+        # Warm-up: allocator and kernels at every batch size the first measured burst uses.
+        await burst(client, [options.sizes[0]] * c_max, options.steps)
         bursts: dict[str, list[Burst]] = {}
         for size in sorted({*options.sizes, *options.mixed_sizes}):
             for c in options.concurrency:
@@ -254,13 +279,13 @@ async def measure_mesh(base_url: str, options: Options) -> dict[str, Any]:
                 bursts[key] = [await burst(client, [size] * c, options.steps)
                                for _ in range(options.rounds)]
                 log.info("mesh %s: %.2f images/s", key, bursts[key][-1].images_per_s)
-        c_mixed = max(options.concurrency)
-        mixed = [options.mixed_sizes[i % len(options.mixed_sizes)] for i in range(c_mixed)]
-        bursts[f"mixed c={c_mixed}"] = [await burst(client, mixed, options.steps)
-                                        for _ in range(options.rounds)]
+        if options.mixed_sizes:
+            mixed = [options.mixed_sizes[i % len(options.mixed_sizes)] for i in range(c_max)]
+            bursts[f"mixed c={c_max}"] = [await burst(client, mixed, options.steps)
+                                          for _ in range(options.rounds)]
         staggered: dict[str, Burst] = {}
         size = options.sizes[0]
-        capacity = max(b.images_per_s for b in bursts[f"{size}px c={c_mixed}"])
+        capacity = max(b.images_per_s for b in bursts[f"{size}px c={c_max}"])
         rng = random.Random(0)
         for load in options.loads:
             staggered[f"{size}px load={load:.0%}"] = await poisson(
@@ -348,12 +373,14 @@ def chart(result: dict[str, Any], path: Path, options: Options) -> Path:
 
 def parse(argv: list[str]) -> Options:
     parser = argparse.ArgumentParser(prog="stagemesh bench throughput", description=__doc__)
-    parser.add_argument("--sizes", default="128,256")
-    parser.add_argument("--mixed-sizes", default="64,128,256")
+    parser.add_argument("--sizes", default="128,256", help="same-size bursts: pixels per side")
+    parser.add_argument("--mixed-sizes", default="64,128,256",
+                        help="sizes of the mixed burst ('' skips it)")
     parser.add_argument("--concurrency", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--loads", default="0.5,0.8")
+    parser.add_argument("--loads", default="0.5,0.8",
+                        help="Poisson loads, fractions of the burst capacity ('' skips them)")
     parser.add_argument("--poisson-requests", type=int, default=16)
     parser.add_argument("--quick", action="store_true",
                         help="one size (128), c=1,4, 8 steps, one round: minutes, not tens")
@@ -361,15 +388,25 @@ def parse(argv: list[str]) -> Options:
     args = parser.parse_args(argv)
 
     def ints(text: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in text.split(","))
+        return tuple(int(x) for x in text.split(",") if x.strip())
 
     if args.quick:
         args.sizes, args.concurrency, args.steps, args.rounds = "128", "1,4", 8, 1
         args.mixed_sizes, args.loads, args.poisson_requests = "64,128", "0.5", 6
     return Options(sizes=ints(args.sizes), mixed_sizes=ints(args.mixed_sizes),
                    concurrency=ints(args.concurrency), steps=args.steps, rounds=args.rounds,
-                   loads=tuple(float(x) for x in args.loads.split(",")),
+                   loads=tuple(float(x) for x in args.loads.split(",") if x.strip()),
                    poisson_requests=args.poisson_requests, out=Path(args.out))
+
+
+def write_recipes(path: Path, steps: int, vae_dtype: str | None = None) -> Path:
+    """The benchmark recipe as a recipes file at `path`: the mesh at its defaults, but for the
+    VAE's dtype when `vae_dtype` is given."""
+    vae_options = "" if vae_dtype is None else f", options: {{dtype: {vae_dtype}}}"
+    path.write_text(RECIPE_TEMPLATE.format(name=RECIPE_NAME, model=MODEL, steps=steps,
+                                           cfg=GUIDANCE, negative=NEGATIVE_PROMPT,
+                                           vae_options=vae_options))
+    return path
 
 
 def prepare_model() -> Path:
@@ -402,10 +439,7 @@ def main(argv: list[str]) -> None:
         peer = measure_peer(folder, tuple(sorted({*options.sizes, *options.mixed_sizes})),
                             options.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        recipes = Path(tmp) / "recipes.yaml"
-        recipes.write_text(RECIPE_TEMPLATE.format(name=RECIPE_NAME, model=MODEL,
-                                                  steps=options.steps, cfg=GUIDANCE,
-                                                  negative=NEGATIVE_PROMPT))
+        recipes = write_recipes(Path(tmp) / "recipes.yaml", options.steps)
         with serve_mesh(recipes, options.out / "serve.log") as served, phase("mesh", loads):
             mesh = asyncio.run(measure_mesh(served.base_url, options))
     result = report(options, peer, ceilings, mesh, loads)

@@ -3,10 +3,16 @@
 Loads the `vae` component of a diffusers Qwen-Image folder and runs the tail of
 `QwenImagePipeline.__call__`: unpack, de-normalise with latents_mean / latents_std, decode, and
 post-process as the pipeline's image processor does.
+
+Batching: one step decodes the latents of all its requests (one image size: the batch key) in
+as few decoder forwards as `MAX_PIXELS_PER_DECODE` allows. Measured with the bench model at
+128x128 on one thread, eight decodes in one forward take about half the CPU time of eight
+decodes one by one; each image matches its solo decode within float rounding.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +41,14 @@ from stagemesh.shared.engine.adapter import (
 #: Xeon with AMX-BF16 16.8 / 15.6 ms, 1.09x (again 17.0 / 14.9 ms, 1.05x) -> bfloat16;
 #: the same CPU held to AVX2 (no bfloat16 instructions) 21.0 / 152.5 ms, 0.18x -> float32.
 CPU_DTYPE = CpuDtype(with_native_bf16=torch.bfloat16)
+
+#: Requests the VAE stage decodes in one step (its engine's max_running).
+DEFAULT_MAX_RUNNING = 8
+
+#: The most pixels one decoder forward decodes: a step's images are decoded together up to this
+#: many (eight 128x128 or four 256x256 images), a larger image alone. It bounds the decoder's
+#: activation memory per forward, which grows with the pixels it decodes at once.
+MAX_PIXELS_PER_DECODE = 512 * 512
 
 
 @dataclass(frozen=True)
@@ -129,14 +143,18 @@ class LatentDecoderAdapter:
         assert_never(payload)  # the VAE decode stage takes no streamed input
 
     def step(self, states: Sequence[DecodeState]) -> list[StepOutput[NoStream]]:
-        outputs: list[StepOutput[NoStream]] = []
-        for state in states:
-            if state.request is None:
-                raise RuntimeError("decode state used after release")
-            state.result = self.decode(state.request)
+        """Decode every state, several images per decoder forward (see the module docstring).
+        All or nothing: no state changes until every decode is done."""
+        requests = [_pending(state) for state in states]
+        results = [
+            result
+            for group in _decode_groups(requests, MAX_PIXELS_PER_DECODE)
+            for result in self.decode_many(group)
+        ]
+        for state, result in zip(states, results, strict=True):
+            state.result = result
             state.request = None  # the latents are no longer needed
-            outputs.append(StepOutput(step_index=1, finished=True))
-        return outputs
+        return [StepOutput(step_index=1, finished=True) for _ in states]
 
     def finish(self, state: DecodeState) -> DecodedImages:
         if state.result is None:
@@ -152,14 +170,22 @@ class LatentDecoderAdapter:
 
     # -- phases -------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def decode(self, request: LatentsInput) -> DecodedImages:
-        latents = self.unpack_and_denormalize(request)
+        return self.decode_many([request])[0]
+
+    @torch.inference_mode()
+    def decode_many(self, requests: Sequence[LatentsInput]) -> list[DecodedImages]:
+        """Each request's images, from one decoder forward over all of them (one image size)."""
+        latents = torch.cat([self.unpack_and_denormalize(request) for request in requests])
         image: torch.Tensor = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
         images: npt.NDArray[np.float32] = self.image_processor.postprocess(image, output_type="np")
         # VaeImageProcessor.numpy_to_pil's rounding, without building PIL images.
         pixels = (images * 255).round().astype(np.uint8)
-        return DecodedImages(images=images, pixels=pixels)
+        bounds = np.cumsum([0] + [request.latents.shape[0] for request in requests])
+        return [
+            DecodedImages(images=images[start:end], pixels=pixels[start:end])
+            for start, end in itertools.pairwise(bounds)
+        ]
 
     def unpack_and_denormalize(self, request: LatentsInput) -> torch.Tensor:
         unpacked: torch.Tensor = QwenImagePipeline._unpack_latents(
@@ -170,6 +196,34 @@ class LatentDecoderAdapter:
         # Divide by the reciprocal, as the pipeline does, so the float results are identical.
         std_inv = 1.0 / self._latents_std.to(latents.device, latents.dtype)
         return latents / std_inv + mean
+
+
+def _pending(state: DecodeState) -> LatentsInput:
+    if state.request is None:
+        raise RuntimeError("decode state used after release")
+    return state.request
+
+
+def _size(request: LatentsInput) -> tuple[int, int]:
+    return request.height, request.width
+
+
+def _decode_groups(
+    requests: Sequence[LatentsInput], max_pixels: int
+) -> list[list[LatentsInput]]:
+    """Consecutive requests of one size, at most `max_pixels` per group (a larger request
+    alone), in order: each group is one decoder forward."""
+    groups: list[list[LatentsInput]] = []
+    room = 0  # pixels the last group may still take
+    for request in requests:
+        pixels = request.height * request.width * request.latents.shape[0]
+        if groups and _size(groups[-1][0]) == _size(request) and pixels <= room:
+            groups[-1].append(request)
+            room -= pixels
+        else:
+            groups.append([request])
+            room = max_pixels - pixels
+    return groups
 
 
 #: The static proof that the adapter is the VAE stage's StageAdapter.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +35,7 @@ from stagemesh.shared.engine import (
     NoStream,
     Preempted,
     Progress,
+    RequestStream,
     StepBudget,
     StepEngine,
     StepInterrupt,
@@ -257,7 +259,11 @@ def test_cancelling_the_whole_batch_stops_the_forward_after_one_block(
     first_block = dit.transformer.transformer_blocks[0]
 
     def cancel_from_another_thread(module: torch.nn.Module, args: tuple[object, ...]) -> None:
-        canceller = threading.Thread(target=lambda: [interrupt.cancel(r) for r in ("a", "b")])
+        def cancel_both() -> None:
+            for rid in ("a", "b"):
+                interrupt.cancel(rid)
+
+        canceller = threading.Thread(target=cancel_both)
         canceller.start()
         canceller.join()
 
@@ -321,7 +327,7 @@ def test_a_failing_scheduler_step_fails_its_own_state_only(
     def fail(*args: object, **kwargs: object) -> object:
         raise RuntimeError("boom")
 
-    broken.step = fail  # type: ignore[method-assign]
+    broken.step = fail  # type: ignore[method-assign,assignment]
     first, second = dit.step(states)
     assert first.step_index == 0 and first.error is not None and "boom" in first.error
     assert second.step_index == 1 and second.error is None
@@ -472,3 +478,44 @@ async def test_a_preempted_request_resumes_and_gives_the_same_latents(
     assert isinstance(finished, Completed) and isinstance(urgent_done, Completed)
     assert (finished.result.latents - _solo(dit, low)).abs().max().item() <= TOLERANCE
     assert (urgent_done.result.latents - _solo(dit, urgent)).abs().max().item() <= TOLERANCE
+
+
+async def _until_done(stream: RequestStream[NoStream, DenoisedLatents]) -> None:
+    events = [event async for event in stream]
+    assert isinstance(events[-1], Completed), events
+
+
+async def test_an_idle_dit_starts_a_burst_in_one_forward_and_a_lone_request_after_the_window(
+    encoder: PromptEncoderAdapter, dit: DenoiseAdapter
+) -> None:
+    """Batch forming through the engine: requests sent a few ms apart to an idle stage share
+    its first forward; a lone request is held for the window, then the engine wakes itself."""
+    window = 0.3
+    payload = DenoiseInput(_embed(encoder, "a red circle", ""), SIZE, SIZE, 2, 4.0, 0)
+    calls: list[tuple[float, int]] = []  # (when, states) of every step call
+    step = dit.step
+
+    def recording_step(states: Sequence[DenoiseState]) -> list[StepOutput[NoStream]]:
+        calls.append((time.monotonic(), len(states)))
+        return step(states)
+
+    dit.step = recording_step  # type: ignore[method-assign]
+    engine = StepEngine(dit, max_running=8, admission_window=window,
+                        metrics=EngineMetrics("dit", Registry()))
+    engine.start()
+    try:
+        burst = []
+        for i in range(3):
+            burst.append(engine.submit(EngineRequest(f"burst-{i}", payload, StepBudget(2))))
+            await asyncio.sleep(0.01)
+        for stream in burst:
+            await _until_done(stream)
+        assert [states for _, states in calls] == [3, 3]  # never one running ahead alone
+        calls.clear()
+        sent = time.monotonic()
+        await _until_done(engine.submit(EngineRequest("lone", payload, StepBudget(2))))
+    finally:
+        await asyncio.to_thread(engine.shutdown, True, 10)
+        dit.step = step  # type: ignore[method-assign]
+    held = calls[0][0] - sent
+    assert window <= held < window + 2.0, held  # held no longer than the window (plus a tick)

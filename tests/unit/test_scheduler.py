@@ -17,6 +17,7 @@ from stagemesh.shared.engine.adapter import (
 )
 from stagemesh.shared.engine.request import AbortReason, RequestState
 from stagemesh.shared.engine.scheduler import (
+    MAX_FORMING_WINDOWS,
     MAX_TICKS_WITHOUT_STEP,
     MISSING_STEP_INDEX,
     PRIORITY_AGING_SECONDS,
@@ -739,3 +740,89 @@ def test_aborting_a_preempted_request_frees_its_holder_slot() -> None:
     scheduler.add_request(make_request("next"))
     assert scheduler.schedule().to_prepare == []  # high still runs: one run slot
     assert scheduler.num_holding == 1
+
+
+# -- batch forming (admission window) ------------------------------------------------------------
+
+
+def test_a_lone_request_waits_for_the_window_and_no_longer() -> None:
+    clock = Clock()
+    scheduler = Scheduler(max_running=4, admission_window=0.005, clock=clock)
+    scheduler.add_request(make_request("a"))
+    plan = scheduler.schedule()
+    assert plan.is_empty and plan.num_waiting == 1  # held: the engine may sleep ...
+    assert scheduler.next_deadline() == pytest.approx(clock.now + 0.005)  # ... until then
+    clock.now += 0.004
+    assert scheduler.schedule().to_prepare == []
+    clock.now += 0.001  # the window has passed: admitted however few came
+    assert scheduler.schedule().to_prepare == ["a"]
+    assert scheduler.next_deadline() is None
+
+
+def test_a_burst_arriving_less_than_a_window_apart_starts_in_one_batch() -> None:
+    clock = Clock()
+    scheduler = Scheduler(max_running=8, admission_window=0.005, clock=clock)
+    for rid in ("a", "b", "c"):  # spread over 8 ms, each within 5 ms of the one before
+        scheduler.add_request(make_request(rid))
+        assert schedule_and_prepare(scheduler).to_prepare == []
+        clock.now += 0.004
+    assert schedule_and_prepare(scheduler).to_prepare == []  # c came 4 ms ago
+    clock.now += 0.001  # nobody for a window: the burst is complete
+    assert schedule_and_prepare(scheduler).to_prepare == ["a", "b", "c"]
+    assert scheduler.schedule().batches == [["a", "b", "c"]]
+
+
+def test_a_batch_being_formed_is_admitted_by_the_forming_bound() -> None:
+    clock = Clock()
+    window = 0.005
+    scheduler = Scheduler(max_running=100, admission_window=window, clock=clock)
+    first = clock.now
+    for n in range(100):  # one arrival every 4 ms, never a window's pause
+        scheduler.add_request(make_request(f"r{n}"))
+        if schedule_and_prepare(scheduler).to_prepare:
+            break
+        clock.now += 0.004
+    assert clock.now - first == pytest.approx(MAX_FORMING_WINDOWS * window)
+    assert scheduler.num_running == n + 1
+
+
+def test_a_full_batch_is_admitted_at_once() -> None:
+    scheduler = Scheduler(max_running=8, max_batch=3, admission_window=10.0)
+    for rid in ("a", "b"):
+        scheduler.add_request(make_request(rid))
+    assert scheduler.schedule().to_prepare == []
+    scheduler.add_request(make_request("c"))
+    assert scheduler.schedule().to_prepare == ["a", "b", "c"]
+
+
+def test_a_request_arriving_while_others_run_is_never_held() -> None:
+    scheduler = Scheduler(max_running=4, admission_window=10.0)
+    scheduler.add_request(make_request("a"))
+    scheduler.add_request(make_request("b", priority=-1))
+    scheduler.add_request(make_request("c"))
+    scheduler.add_request(make_request("d"))  # a full batch: admitted at once
+    schedule_and_prepare(scheduler)
+    scheduler.finish_requests(["a", "b", "c"], RequestState.FINISHED_ABORTED)
+    scheduler.add_request(make_request("late"))  # d still runs: late joins it now
+    plan = schedule_and_prepare(scheduler)
+    assert plan.to_prepare == ["late"] and plan.batches == [["d"]]
+    assert scheduler.next_deadline() is None
+
+
+def test_without_a_window_a_lone_request_is_admitted_at_once() -> None:
+    scheduler = Scheduler(max_running=4)
+    scheduler.add_request(make_request("a"))
+    assert scheduler.schedule().to_prepare == ["a"]
+
+
+def test_a_cancelled_request_stops_holding_the_others_back() -> None:
+    clock = Clock()
+    scheduler = Scheduler(max_running=4, admission_window=0.005, clock=clock)
+    scheduler.add_request(make_request("old"))
+    clock.now += 0.004
+    scheduler.add_request(make_request("new"))
+    assert scheduler.schedule().to_prepare == []
+    scheduler.finish_requests("old", RequestState.FINISHED_ABORTED)
+    clock.now += 0.002  # old's window is over, but new's runs from new's arrival
+    assert scheduler.schedule().to_prepare == []
+    assert scheduler.next_deadline() == pytest.approx(clock.now + 0.003)
