@@ -58,6 +58,7 @@ class ImageFacts:
     max_steps: int
     max_true_cfg_scale: float
     max_images_per_request: int
+    min_steps: int
     execution_modes: tuple[ExecutionMode, ...]  # the first is the default
 
     @classmethod
@@ -70,6 +71,7 @@ class ImageFacts:
                    max_side=min(sides) if sides else 0, max_pixels=dit.max_pixels,
                    max_steps=dit.max_steps, max_true_cfg_scale=dit.max_true_cfg_scale,
                    max_images_per_request=dit.max_images_per_request,
+                   min_steps=max(1, dit.min_steps),
                    execution_modes=tuple(dit.execution_modes))
 
 

@@ -119,9 +119,9 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
     _check_size(width, height, facts)
     steps = (defaults.num_inference_steps if request.num_inference_steps is None
              else request.num_inference_steps)
-    if not 1 <= steps <= facts.max_steps:
-        raise InvalidRequest("num_inference_steps", f"num_inference_steps must be between 1 "
-                             f"and {facts.max_steps}, got {steps}")
+    if not facts.min_steps <= steps <= facts.max_steps:
+        raise InvalidRequest("num_inference_steps", f"num_inference_steps must be between "
+                             f"{facts.min_steps} and {facts.max_steps}, got {steps}")
     scale = defaults.true_cfg_scale if request.true_cfg_scale is None else request.true_cfg_scale
     if not 0.0 <= scale <= facts.max_true_cfg_scale:
         raise InvalidRequest("true_cfg_scale", f"true_cfg_scale must be in "

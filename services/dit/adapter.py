@@ -87,6 +87,7 @@ class DitLimits:
     max_steps: int
     max_true_cfg_scale: float
     max_images_per_request: int  # enforced by the caller: each image is its own DiT request
+    min_steps: int = 1  # 2 when the scheduler stretches to a terminal shift (see _min_steps)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ class DenoiseAdapter:
         factor = latent_factor(model_dir)
         limits = _limits(
             factor,
+            min_steps=_min_steps(scheduler),
             max_steps=max_steps,
             max_pixels=max_pixels,
             max_side=max_side,
@@ -224,10 +226,11 @@ class DenoiseAdapter:
         limits = self.limits
         self._check_size(payload.height, payload.width)
         steps = payload.num_inference_steps
-        if not 1 <= steps <= limits.max_steps:
+        if not limits.min_steps <= steps <= limits.max_steps:
             raise InvalidInputError(
                 "num_inference_steps",
-                f"num_inference_steps must be in [1, {limits.max_steps}], got {steps}",
+                f"num_inference_steps must be in [{limits.min_steps}, {limits.max_steps}], "
+                f"got {steps}",
             )
         if payload.sigmas is not None:
             _check_sigmas(payload.sigmas, steps)
@@ -500,9 +503,17 @@ def _check_sigmas(sigmas: list[float], steps: int) -> None:
         raise InvalidInputError("sigmas", "every sigma must be in (0, 1]")
 
 
+def _min_steps(scheduler: FlowMatchEulerDiscreteScheduler) -> int:
+    """A schedule stretched to a terminal shift divides by (1 - its last timestep) / (1 -
+    shift_terminal): with one step that is 0 / x and the latents become NaN (stock diffusers
+    too), so such a model needs two steps at least."""
+    return 2 if scheduler.config.get("shift_terminal") else 1
+
+
 def _limits(
     factor: int,
     *,
+    min_steps: int,
     max_steps: int,
     max_pixels: int,
     max_side: int,
@@ -523,6 +534,7 @@ def _limits(
             "max_true_cfg_scale", float(max_true_cfg_scale), MAX_TRUE_CFG_SCALE
         ),
         max_images_per_request=capped_option("max_images_per_request", max_images_per_request),
+        min_steps=min_steps,
     )
 
 

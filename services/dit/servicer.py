@@ -157,7 +157,7 @@ def _describe(
     return pb.DescribeDitResponse(
         stage=stage_description("dit", model_dir, engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side,
-        max_pixels=limits.max_pixels, max_steps=limits.max_steps,
+        max_pixels=limits.max_pixels, max_steps=limits.max_steps, min_steps=limits.min_steps,
         max_true_cfg_scale=limits.max_true_cfg_scale,
         max_images_per_request=limits.max_images_per_request,
         execution_modes=[MODE_TO_PROTO[other] for other in modes])

@@ -138,14 +138,20 @@ def test_openapi_lists_every_route(mesh: Mesh) -> None:
     assert {binding.path for binding in http_bindings()} <= paths
 
 
-@pytest.mark.xfail(strict=True, reason="found by this suite: with one step the DiT's flow-match "
-                   "schedule (shift_terminal) divides 0 by 0, the latents are NaN, and the VAE "
-                   "refuses them naming `latents`, a field the client never sent")
-def test_a_one_step_image_is_an_image(mesh: Mesh) -> None:
-    body = {"prompt": "a red circle", "size": "32x32", "num_inference_steps": 1}
-    response = httpx.post(f"{mesh.url}/v1/images/generations", json=body,
+def test_one_step_is_refused_up_front_and_two_steps_make_an_image(mesh: Mesh) -> None:
+    """Found by this suite: with one step the flow-match schedule stretched to its terminal
+    shift divides 0 by 0 and the latents were NaN, so the VAE refused them naming `latents`, a
+    field the client never sent. The DiT now publishes its minimum (2 for such a model) and a
+    1-step request is a 400 naming num_inference_steps before any stage runs."""
+    def generate(steps: int) -> httpx.Response:
+        body = {"prompt": "a red circle", "size": "32x32", "num_inference_steps": steps}
+        return httpx.post(f"{mesh.url}/v1/images/generations", json=body,
                           timeout=REQUEST_TIMEOUT_S)
-    assert response.status_code == 200, response.text
+
+    refused = generate(1)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "num_inference_steps"
+    assert generate(2).status_code == 200
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])

@@ -267,7 +267,7 @@ async def test_a_stage_restarted_with_new_options_is_read_again(
     first_server = await start_stage(first, port=port)
     async with open_gateway({"tiny": make_image_recipe(addresses, tiny_model_dir)}) as core:
         recipe = core.recipes["tiny"]
-        with pytest.raises(InvalidRequest, match="between 1 and 3") as refused:
+        with pytest.raises(InvalidRequest, match="and 3, got 4") as refused:
             await generate(core, num_inference_steps=4)
         assert refused.value.field_name == "num_inference_steps"
         await stop_stage(first, first_server, grace=0.5)

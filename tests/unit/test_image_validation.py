@@ -28,6 +28,7 @@ DEFAULTS = ImageDefaults(width=32, height=48, num_inference_steps=7, true_cfg_sc
                          negative_prompt="")
 FACTS = ImageFacts(max_prompt_chars=2000, size_multiple=16, max_side=96, max_pixels=64 * 64,
                    max_steps=20, max_true_cfg_scale=20.0, max_images_per_request=2,
+                   min_steps=2,
                    execution_modes=(common_pb2.EXECUTION_MODE_STEP,
                                     common_pb2.EXECUTION_MODE_REQUEST))
 
@@ -125,11 +126,18 @@ def test_facts_combine_what_each_stage_publishes() -> None:
         tokenizer_service_pb2.DescribeTokenizerResponse(max_prompt_chars=100),
         dit_service_pb2.DescribeDitResponse(
             size_multiple=16, max_side=2048, max_pixels=1 << 20, max_steps=50,
-            max_true_cfg_scale=7.5, max_images_per_request=3,
+            max_true_cfg_scale=7.5, max_images_per_request=3, min_steps=2,
             execution_modes=[common_pb2.EXECUTION_MODE_REQUEST, common_pb2.EXECUTION_MODE_STEP]),
         vae_service_pb2.DescribeVaeResponse(size_multiple=8, max_side=1024))
     assert facts == ImageFacts(max_prompt_chars=100, size_multiple=16, max_side=1024,
                                max_pixels=1 << 20, max_steps=50, max_true_cfg_scale=7.5,
-                               max_images_per_request=3,
+                               max_images_per_request=3, min_steps=2,
                                execution_modes=(common_pb2.EXECUTION_MODE_REQUEST,
                                                 common_pb2.EXECUTION_MODE_STEP))
+
+
+def test_steps_below_the_published_minimum_are_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidRequest, match="between 2 and 20, got 1") as error:
+        resolve(num_inference_steps=1)
+    assert error.value.field_name == "num_inference_steps"
+    assert resolve(num_inference_steps=2).num_inference_steps == 2

@@ -231,6 +231,7 @@ class DescribeDitResponse(_message.Message):
     MAX_TRUE_CFG_SCALE_FIELD_NUMBER: _builtins.int
     MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _builtins.int
     EXECUTION_MODES_FIELD_NUMBER: _builtins.int
+    MIN_STEPS_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -243,6 +244,10 @@ class DescribeDitResponse(_message.Message):
     """Largest classifier-free guidance scale."""
     max_images_per_request: _builtins.int
     """Images one client request may ask for (each is its own DiT request)."""
+    min_steps: _builtins.int
+    """Fewest denoising steps per request (2 when the model's scheduler stretches its schedule to
+    a terminal value: one step would divide by zero).
+    """
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -262,10 +267,11 @@ class DescribeDitResponse(_message.Message):
         max_true_cfg_scale: _builtins.float = ...,
         max_images_per_request: _builtins.int = ...,
         execution_modes: _abc.Iterable[_common_pb2.ExecutionMode.ValueType] | None = ...,
+        min_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_modes", b"execution_modes", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_modes", b"execution_modes", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
