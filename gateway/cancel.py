@@ -10,6 +10,11 @@ Triggers and what they do:
 - deadline: every stage call gets `timeout = remaining budget`, so the stage drops the request
   itself when it passes (grpc-python does not propagate deadlines).
 Once cancelled, no later stage is started for the request.
+
+Requests and their ids belong to the owner (API key) that started them: two owners may run
+requests of the same id at once. The registry keys scopes by (owner, id), and the stages know a
+request by its owner-qualified id (`stage_request_id`), so their engines never mix the two up;
+with API keys off (owner "") the stages see the client's id unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
+from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS, OWNER_ID_CHARS
 from stagemesh.shared.proto.v1 import common_pb2
 
 #: A common_pb2.RequestState value.
@@ -69,6 +74,18 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
+def stage_request_id(request_id: str, owner: str) -> str:
+    """The id the stages know `owner`'s request `request_id` by: `<request_id>:<owner>`, or the
+    id itself for owner "" (API keys off). Every owner id of an API key has the same length
+    (shared/limits.OWNER_ID_CHARS, the most the stages make room for) and no '.', so the ids
+    of two owners never meet at a stage, nor with a part's suffix added (`sub_request_id`)."""
+    if not owner:
+        return request_id
+    if len(owner) > OWNER_ID_CHARS:
+        raise ValueError(f"owner id {owner!r} is longer than {OWNER_ID_CHARS} characters")
+    return f"{request_id}:{owner}"
+
+
 def sub_request_id(request_id: str, index: int, parts: int) -> str:
     """The id the stages know part `index` of a request by: the request's own id when it has
     one part, else `<request_id>.<index>` (each image of an n > 1 request runs as its own
@@ -97,12 +114,15 @@ class CancelScope:
 
     def __init__(self, request_id: str, timeout: float | None, parts: int = 1,
                  owner: str = "") -> None:
+        #: The client's id: what responses, logs and cancel by id name the request by.
         self.request_id = request_id
         #: Who may cancel it by id: the API key's owner id ("" with API keys off). Stage calls
         #: carry it, so a cancel from another gateway stops it only for the same owner.
         self.owner = owner
-        #: The id each part (image) runs under in the stages; [request_id] for one part.
-        self.sub_request_ids = sub_request_ids(request_id, parts)
+        #: The id every stage start gives the stages (see `stage_request_id`).
+        self.stage_request_id = stage_request_id(request_id, owner)
+        #: The id each part (image) runs under in the stages; [stage_request_id] for one part.
+        self.sub_request_ids = sub_request_ids(self.stage_request_id, parts)
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.outcome: CancelOutcome | None = None
         self._open: list[OpenCall] = []  # every stage call in progress, oldest first
@@ -192,14 +212,16 @@ def max_request_id_chars(parts: int) -> int:
 
 
 class ScopeRegistry:
-    """The live scopes by request id, for cancel-by-id.
+    """The live scopes by owner and request id, for cancel-by-id: an id is taken only for the
+    owner whose request holds it (another owner may run a request of the same id).
 
     A request of several parts also holds its parts' sub-ids, so that no other request can
-    take an id the stages already know (e.g. a client's "a.1" while request "a" has n=2).
+    take an id the stages already know (e.g. a client's "a.1" while request "a" has n=2, with
+    API keys off; an owner's ids are qualified, see `stage_request_id`, and never meet).
     """
 
     def __init__(self) -> None:
-        self._scopes: dict[str, CancelScope] = {}
+        self._scopes: dict[tuple[str, str], CancelScope] = {}  # by (owner, client id)
         self._taken: set[str] = set()  # the ids the live requests give the stages
 
     def open(self, request_id: str | None, timeout: float | None, parts: int = 1,
@@ -208,30 +230,29 @@ class ScopeRegistry:
         started by `owner` (see CancelScope.owner).
 
         Raises ValueError for an id too long for the stages (once suffixed, with parts > 1),
-        KeyError for an id (or one of its sub-ids) a live request uses.
+        KeyError for an id (or one of its sub-ids) a live request of the same owner uses.
         """
         request_id = request_id or new_request_id()
         limit = max_request_id_chars(parts)
         if len(request_id) > limit:
             suffixed = f" (a request of {parts} images gives each a suffix)" if parts > 1 else ""
             raise ValueError(f"request id longer than {limit} characters{suffixed}")
-        ids = {request_id, *sub_request_ids(request_id, parts)}
-        if request_id in self._scopes or not ids.isdisjoint(self._taken):
+        stage_id = stage_request_id(request_id, owner)
+        ids = {stage_id, *sub_request_ids(stage_id, parts)}
+        if (owner, request_id) in self._scopes or not ids.isdisjoint(self._taken):
             raise KeyError(request_id)
         scope = CancelScope(request_id, timeout, parts, owner)
-        self._scopes[request_id] = scope
+        self._scopes[owner, request_id] = scope
         self._taken |= ids
         return scope
 
     def close(self, scope: CancelScope) -> None:
-        if self._scopes.get(scope.request_id) is scope:
-            del self._scopes[scope.request_id]
-            self._taken -= {scope.request_id, *scope.sub_request_ids}
+        key = (scope.owner, scope.request_id)
+        if self._scopes.get(key) is scope:
+            del self._scopes[key]
+            self._taken -= {scope.stage_request_id, *scope.sub_request_ids}
 
-    def get(self, request_id: str, owner: str | None = None) -> CancelScope | None:
-        """The live scope of `request_id`; with `owner` given, only if that owner started it
-        (a request of another owner is not found: its id says nothing to this caller)."""
-        scope = self._scopes.get(request_id)
-        if scope is None or (owner is not None and scope.owner != owner):
-            return None
-        return scope
+    def get(self, request_id: str, owner: str = "") -> CancelScope | None:
+        """The live scope of `owner`'s request `request_id` (a request of another owner is
+        not found: its id says nothing to this caller)."""
+        return self._scopes.get((owner, request_id))

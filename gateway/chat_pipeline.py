@@ -259,7 +259,7 @@ def thinker_stub(core: GatewayCore, recipe: Recipe) -> ThinkerServiceAsyncStub:
 
 def _thinker_start(scope: CancelScope, job: ChatJob) -> pb.GenerateTokensRequest:
     return pb.GenerateTokensRequest(start=pb.GenerateTokensStart(
-        request_id=scope.request_id, sampling=job.sampling, priority=job.priority,
+        request_id=scope.stage_request_id, sampling=job.sampling, priority=job.priority,
         messages=[pb.ChatMessage(role=t.role, content=t.content) for t in job.messages]))
 
 

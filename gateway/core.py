@@ -21,6 +21,7 @@ from stagemesh.gateway.cancel import (
     RequestCancelled,
     ScopeRegistry,
     new_request_id,
+    stage_request_id,
 )
 from stagemesh.gateway.catalog import StageCatalog
 from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
@@ -180,8 +181,10 @@ class GatewayCore:
         scope = self.scopes.get(request_id, owner)
         if scope is not None:
             return await scope.cancel(reason)
-        outcome = remote_outcome(request_id, self.mesh,
-                                 await self.mesh.cancel_everywhere(request_id, reason, owner))
+        # the stages know the request by its owner-qualified id (cancel.stage_request_id)
+        replies = await self.mesh.cancel_everywhere(stage_request_id(request_id, owner), reason,
+                                                    owner)
+        outcome = remote_outcome(request_id, self.mesh, replies)
         if outcome is None:
             raise GatewayError(grpc.StatusCode.NOT_FOUND,
                                f"no running request with id {request_id!r}", "request_id")

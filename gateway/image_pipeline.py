@@ -78,7 +78,7 @@ class _Progress:
 
 async def _encode_prompt(params: ImageParams, scope: CancelScope, stubs: ImageStubs,
                          progress: _Progress) -> tokenizer_service_pb2.EncodePromptResult:
-    start = tokenizer_service_pb2.EncodePromptStart(request_id=scope.request_id,
+    start = tokenizer_service_pb2.EncodePromptStart(request_id=scope.stage_request_id,
                                                     prompt=params.prompt)
     if params.negative_prompt is not None:
         start.negative_prompt = params.negative_prompt

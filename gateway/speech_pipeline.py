@@ -49,7 +49,7 @@ async def _encode_reference(scope: CancelScope, stubs: SpeechStubs,
     encoded = await call_stage(
         scope, "codec", stubs.codec.EncodeAudio, codec_service_pb2.EncodeAudioRequest(
             start=codec_service_pb2.EncodeAudioStart(
-                request_id=scope.request_id, pcm=array_to_proto(reference.samples),
+                request_id=scope.stage_request_id, pcm=array_to_proto(reference.samples),
                 sample_rate=reference.sample_rate)),
         codec_service_pb2.EncodeAudioRequest)
     return encoded.result.codes
@@ -59,7 +59,7 @@ def _talker_start(scope: CancelScope, params: SpeechParams,
                   reference_codes: common_pb2.Tensor | None
                   ) -> talker_service_pb2.GenerateFramesRequest:
     start = talker_service_pb2.GenerateFramesStart(
-        request_id=scope.request_id, text=params.input, voice=params.voice,
+        request_id=scope.stage_request_id, text=params.input, voice=params.voice,
         sampling=talker_service_pb2.SamplingParams(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             seed=params.seed, max_new_frames=params.max_new_frames),
@@ -122,7 +122,7 @@ async def synthesize(params: SpeechParams, scope: CancelScope, stubs: SpeechStub
     async def run_codec() -> codec_service_pb2.DecodeAudioResult:
         decoded = await call_stage(
             scope, "codec", stubs.codec.DecodeAudio, codec_service_pb2.DecodeAudioRequest(
-                start=codec_service_pb2.DecodeAudioStart(request_id=scope.request_id)),
+                start=codec_service_pb2.DecodeAudioStart(request_id=scope.stage_request_id)),
             codec_service_pb2.DecodeAudioRequest, on_event=relay.on_codec_event,
             pump_inputs=relay.pump_frames)
         return decoded.result

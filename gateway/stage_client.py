@@ -97,7 +97,8 @@ async def call_stage(
 
     A stage of several replicas (`rpc` from a balancer.ReplicaChannel) gets the call on its
     least-loaded ready replica; a start refused before the stage accepted it (no connection,
-    draining, queue full) goes to the next replica, each replica once. A request never runs
+    draining, queue full, or cancelled by a server that stops) goes to the next replica, each
+    replica once. A request never runs
     on two replicas: once a start is sent on a live connection, any other failure is final.
     """
     call = _Call(scope, stage, start, cancel_message, request_id, on_event, pump_inputs)
@@ -149,7 +150,7 @@ class _Call(Generic[RequestT, ResponseT]):
         self.scope, self.stage, self.start = scope, stage, start
         self.cancel_message = cancel_message
         self.on_event, self.pump_inputs = on_event, pump_inputs
-        metadata = [("x-request-id", request_id or scope.request_id), *outgoing_metadata()]
+        metadata = [("x-request-id", request_id or scope.stage_request_id), *outgoing_metadata()]
         if scope.owner:
             metadata.append((OWNER_METADATA_KEY, scope.owner))
         self.metadata = tuple(metadata)
@@ -185,6 +186,10 @@ class _Call(Generic[RequestT, ResponseT]):
             error = parse_rpc_error(failed)
             if not answered and _refusal(error):
                 raise _Refused(error) from None
+            if not answered and self._cut_unseen(error):
+                raise _Refused(StageError(
+                    grpc.StatusCode.UNAVAILABLE, f"replica {replica or '(unknown)'} stopped "
+                    f"before it accepted the start ({error.message})")) from None
             raise StageCallError(self.stage, error, replica) from None
         finally:
             if opened is not None:
@@ -192,6 +197,17 @@ class _Call(Generic[RequestT, ResponseT]):
             if pump is not None:
                 pump.cancel()
             call.cancel()
+
+    def _cut_unseen(self, error: StageError) -> bool:
+        """The stream ended before any event, without a word from the stage: a CANCELLED this
+        gateway did not ask for, or UNAVAILABLE with no reason of the stage's. That is what
+        gRPC gives a stream that reaches a server as it stops (a replica ending its drain),
+        before a handler saw it, or one sent as the connection went away. An admitted
+        request's first event is `queued`, and a draining stage stops its server only after
+        its engines stopped, so the start did not run there and may go to another replica."""
+        if error.code is grpc.StatusCode.CANCELLED:
+            return not self.scope.cancel_requested
+        return error.code is grpc.StatusCode.UNAVAILABLE and not error.reason
 
     def _aborted(self, aborted: common_pb2.Aborted, answered: bool, replica: str) -> Never:
         """The stage ended the request with `aborted`: a cancel's acknowledgement, or the

@@ -7,7 +7,10 @@ out to every replica of every stage, and the replica holding the request stops i
 with where it stopped. A replica that does not hold it keeps the cancel pending (the engine's
 tombstones: at most MAX_TOMBSTONES per engine, for TOMBSTONE_TTL_SECONDS), so a request between
 two stages is dropped when it reaches the next one. Only the owner that started a request (the
-API key's id; "" when keys are off) may cancel it: for any other owner it does not exist.
+API key's id; "" when keys are off) may cancel it: for any other owner it does not exist. With
+keys on, the stages know a request by its owner-qualified id (`<id>:<owner>`,
+gateway/cancel.py `stage_request_id`), so two owners' requests of one client id stay apart,
+and a gateway's cancel names that id.
 
 The load report is what a gateway routes by: the requests a replica holds from every gateway,
 and whether it drains. `stagemesh serve` also reads the pid from it, to check that the process
@@ -27,7 +30,7 @@ import grpc
 from stagemesh.shared.engine.events import Aborted, Completed, Failed
 from stagemesh.shared.engine.request import AbortReason
 from stagemesh.shared.errors import abort_with
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
+from stagemesh.shared.limits import MAX_STAGE_REQUEST_ID_CHARS
 from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2_grpc
 from stagemesh.shared.proto.v1 import control_service_pb2 as pb
 
@@ -97,9 +100,9 @@ class StageControl(control_service_pb2_grpc.StageControlServiceServicer):
         self, request: pb.CancelStageRequestRequest, context: Context,
     ) -> pb.CancelStageRequestResponse:
         request_id = request.request_id
-        if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+        if not request_id or len(request_id) > MAX_STAGE_REQUEST_ID_CHARS:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters",
+                             f"request_id must be 1..{MAX_STAGE_REQUEST_ID_CHARS} characters",
                              reason="INVALID_ARGUMENT", field_name="request_id")
         waits: list[Awaitable[Ending]] = []
         for engine in self.engines:

@@ -8,8 +8,18 @@ from __future__ import annotations
 
 import re
 
-#: Longest request id accepted anywhere (gateway routes, gRPC API, stage streams).
+#: Longest request id a client may choose (gateway routes, gRPC API).
 MAX_REQUEST_ID_CHARS = 128
+
+#: Length of an owner id: an API key's, "key-" + 16 hex digits (gateway/auth.py `owner_id`).
+#: Every owner id has this one length, so that an owner-qualified id cannot be confused.
+OWNER_ID_CHARS = 20
+
+#: Longest request id a stage accepts (stage streams, cancel by id at a stage). With API keys
+#: on, the stages know a request by its owner-qualified id, `<client id>:<owner>`
+#: (gateway/cancel.py `stage_request_id`): the client's id, whose parts' suffixes (`.<i>`) the
+#: gateway already fits within MAX_REQUEST_ID_CHARS, plus ":" and the owner id.
+MAX_STAGE_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS + 1 + OWNER_ID_CHARS
 
 #: The characters a request id may hold, everywhere: ASCII letters, digits and . _ : - (an id
 #: travels in gRPC metadata, HTTP headers and log lines). Match it only after the length check.

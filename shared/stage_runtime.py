@@ -7,9 +7,11 @@ Drain (SIGTERM, as Kubernetes sends before it removes a pod): health turns NOT_S
 (gateways stop routing here), new starts are refused with UNAVAILABLE (a gateway retries them
 on another replica), requests already admitted run to their end for up to `drain_grace_s`
 (option, default 30 s), then those left are aborted with reason SHUTDOWN (a gateway reports
-them UNAVAILABLE, naming the stage), and the process exits. Cancel and load RPCs keep working
-while it drains. An engine thread that dies turns health NOT_SERVING too, and the process exits
-with status 1 so that its supervisor (`stagemesh serve`, Kubernetes) restarts it.
+them UNAVAILABLE, naming the stage), the server keeps refusing starts until every stream has
+ended and starts have stopped coming (a server that stops cuts both), and the process exits.
+Cancel and load RPCs keep working while it drains. An engine thread that dies turns health
+NOT_SERVING too, and the process exits with status 1 so that its supervisor (`stagemesh
+serve`, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import enum
 import logging
 import signal
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ from stagemesh.shared.limits import MAX_STAGE_MESSAGE_BYTES
 from stagemesh.shared.mesh_auth import mesh_token, server_interceptors
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.server import RunningServer, start_server
+from stagemesh.shared.stage_stream import open_streams
 
 if TYPE_CHECKING:  # torch stays out of processes that only import the runtime's constants
     from stagemesh.shared.devices import Placement
@@ -43,8 +47,19 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 #: A draining stage lets admitted requests run this long unless its `drain_grace_s` says.
 DEFAULT_DRAIN_GRACE_S = 30.0
-#: After the engines stopped, open RPCs get this long to send their last event.
-FLUSH_GRACE_S = 2.0
+#: After the engines stopped, open RPCs get this long to send their last event; the server
+#: keeps refusing starts (UNAVAILABLE, DRAINING: a gateway retries them elsewhere) meanwhile.
+FLUSH_GRACE_S = 3.0
+#: The last part of FLUSH_GRACE_S, left to the server's own stop, so that the statuses of
+#: streams whose handler just returned are written before it cancels what is left.
+STOP_GRACE_S = 0.5
+#: The server stops only once it has refused starts, and no stage stream has opened, for this
+#: long: a gateway that has not yet polled the NOT_SERVING health (gateway/balancer.py polls
+#: each second) gets a clean refusal, which it retries elsewhere. A stream that reaches a server
+#: already stopping is cut by gRPC (CANCELLED, or UNAVAILABLE without the stage's reason).
+QUIET_S = 1.0
+#: How often the drain looks at the open streams.
+FLUSH_POLL_S = 0.05
 #: How often the runtime checks that every engine thread is alive.
 ENGINE_WATCH_S = 0.5
 #: The option every stage takes besides its own (read here, not by the stage's builder).
@@ -141,9 +156,10 @@ async def stop_stage(bundle: StageBundle, server: RunningServer,
 
 async def drain_stage(bundle: StageBundle, server: RunningServer, grace: float) -> bool:
     """NOT_SERVING, refuse new starts, let admitted requests finish within `grace` seconds,
-    abort the rest (reason SHUTDOWN), then stop the server. Returns whether every request
-    finished within the grace period."""
+    abort the rest (reason SHUTDOWN), then stop the server once their streams have ended
+    (`_flush`). Returns whether every request finished within the grace period."""
     await server.set_serving(False)
+    refusing_since = time.monotonic()
     drained = await asyncio.gather(*(asyncio.to_thread(engine.shutdown, False, grace)
                                      for engine in bundle.engines))
     if not all(drained):
@@ -151,8 +167,31 @@ async def drain_stage(bundle: StageBundle, server: RunningServer, grace: float) 
                     bundle.name, grace)
         await asyncio.gather(*(asyncio.to_thread(engine.shutdown, True, SHUTDOWN_GRACE_S)
                                for engine in bundle.engines))
-    await server.stop(FLUSH_GRACE_S)
+    await _flush(bundle, server, refusing_since)
     return all(drained)
+
+
+async def _flush(bundle: StageBundle, server: RunningServer, refusing_since: float) -> None:
+    """Stop the server once every stage stream has ended, and neither a stream opened nor the
+    health turned NOT_SERVING (at `refusing_since`, monotonic) in the last QUIET_S; all within
+    FLUSH_GRACE_S. Until then the server answers: results and aborts still being written
+    reach their gateways, and a start gets a refusal (the engines are closed) that its gateway
+    retries on another replica. gRPC would cut both, stopping at once."""
+    end = time.monotonic() + FLUSH_GRACE_S
+    streams = [open_streams(engine) for engine in bundle.engines]
+
+    def settled() -> bool:
+        quiet_since = time.monotonic() - QUIET_S
+        return refusing_since <= quiet_since and all(
+            s.count == 0 and s.last_opened <= quiet_since for s in streams)
+
+    while not settled() and time.monotonic() < end - STOP_GRACE_S:
+        await asyncio.sleep(FLUSH_POLL_S)
+    if not settled():
+        log.warning("stage %s: stopping with %d stage streams open, %.1f s after the last "
+                    "one opened", bundle.name, sum(s.count for s in streams),
+                    time.monotonic() - max(s.last_opened for s in streams))
+    await server.stop(max(end - time.monotonic(), STOP_GRACE_S))
 
 
 class Ending(enum.Enum):

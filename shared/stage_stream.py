@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Generic, Literal, Never, Protocol, TypeVar
 
@@ -59,7 +61,7 @@ from stagemesh.shared.engine.events import (
 )
 from stagemesh.shared.engine.request import AbortReason
 from stagemesh.shared.errors import abort_with
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
+from stagemesh.shared.limits import MAX_STAGE_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.stage_trace import OFF, StageTrace, start_stage_trace
@@ -193,9 +195,9 @@ def _check_start(first: RequestT | None) -> RequestT:
         raise StreamError(Fault.MISSING_START,
                           "the first message on a stage stream must be `start`", "start")
     request_id = first.start.request_id
-    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+    if not request_id or len(request_id) > MAX_STAGE_REQUEST_ID_CHARS:
         raise StreamError(Fault.BAD_ARGUMENT,
-                          f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters",
+                          f"request_id must be 1..{MAX_STAGE_REQUEST_ID_CHARS} characters",
                           "request_id")
     if not REQUEST_ID_PATTERN.fullmatch(request_id):
         raise StreamError(Fault.BAD_ARGUMENT, "request_id may hold only ASCII letters, digits "
@@ -327,13 +329,48 @@ def _end_of_stream(
 # -- the loop ---------------------------------------------------------------------------------
 
 
+@dataclass
+class OpenStreams:
+    """The stage streams of one engine whose handler runs, and when the last one opened: a
+    draining stage keeps its server up until they end (shared/stage_runtime.py)."""
+
+    count: int = 0
+    last_opened: float = -math.inf  # time.monotonic()
+
+
+_open_streams: weakref.WeakKeyDictionary[object, OpenStreams] = weakref.WeakKeyDictionary()
+
+
+def open_streams(engine: object) -> OpenStreams:
+    """The stage streams open on `engine` (a StepEngine)."""
+    return _open_streams.setdefault(engine, OpenStreams())
+
+
 async def serve_stage_stream(
     engine: StepEngine[InputT, StreamT, StateT, PartialT, ResultT],
     wire: StageWire[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT],
     requests: AsyncIterator[RequestT],
     context: grpc.aio.ServicerContext[RequestT, ResponseT],
 ) -> AsyncIterator[ResponseT]:
-    """Run one bidi stage stream to its terminal event (see the module docstring)."""
+    """Run one bidi stage stream to its terminal event (see the module docstring), counted in
+    `open_streams(engine)` while it runs."""
+    streams = open_streams(engine)
+    streams.count += 1
+    streams.last_opened = time.monotonic()
+    try:
+        async with contextlib.aclosing(_serve(engine, wire, requests, context)) as responses:
+            async for response in responses:
+                yield response
+    finally:
+        streams.count -= 1
+
+
+async def _serve(
+    engine: StepEngine[InputT, StreamT, StateT, PartialT, ResultT],
+    wire: StageWire[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT],
+    requests: AsyncIterator[RequestT],
+    context: grpc.aio.ServicerContext[RequestT, ResponseT],
+) -> AsyncGenerator[ResponseT, None]:
     trace: StageTrace = OFF  # its trace (shared/stage_trace.py): a no-op while traces are off
     try:
         start = _check_start(await anext(requests, None))

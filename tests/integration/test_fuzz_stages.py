@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.shared.errors import parse_rpc_error
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
+from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS, MAX_STAGE_REQUEST_ID_CHARS
 from stagemesh.shared.proto.v1 import codec_service_pb2 as codec
 from stagemesh.shared.proto.v1 import (
     codec_service_pb2_grpc,
@@ -354,7 +354,8 @@ def test_a_tiny_temperature_fails_alone_not_its_batch(stages: dict[str, grpc.Cha
     assert (failure.code, failure.field_name) == (grpc.StatusCode.INVALID_ARGUMENT, "temperature")
 
 
-@pytest.mark.parametrize("request_id", ["line\nbreak", "caf\u00e9", "tab\tid", "a" * 129, ""])
+@pytest.mark.parametrize("request_id", ["line\nbreak", "caf\u00e9", "tab\tid",
+                                        "a" * (MAX_STAGE_REQUEST_ID_CHARS + 1), ""])
 def test_a_stage_refuses_a_bad_request_id(stages: dict[str, grpc.Channel],
                                          request_id: str) -> None:
     """Ids travel in metadata and logs: control and non-ASCII characters are refused at every

@@ -33,7 +33,7 @@ from stagemesh.gateway.app import (
     open_gateway,
     run_gateway,
 )
-from stagemesh.gateway.auth import ApiKeys
+from stagemesh.gateway.auth import ApiKeys, owner_id
 from stagemesh.gateway.http_io import MAX_BODY_BYTES
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.serve import free_port
@@ -60,6 +60,8 @@ pytestmark = pytest.mark.timeout(60)
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
 AUTH_A = {"authorization": f"Bearer {KEY_A}"}
 AUTH_B = {"authorization": f"Bearer {KEY_B}"}
+#: The id the stages know a request by, per key: qualified by its owner (gateway/cancel.py).
+AT_STAGE_A, AT_STAGE_B = f":{owner_id(KEY_A)}", f":{owner_id(KEY_B)}"
 
 
 # -- fake stages ------------------------------------------------------------------------------
@@ -308,14 +310,50 @@ async def test_a_request_can_be_cancelled_only_with_the_key_that_started_it(
         running = asyncio.create_task(alpha.post(
             "/v1/images/generations", json={**IMAGE, "num_inference_steps": 50},
             headers={"x-request-id": "mine-1"}))
-        await wait_until(lambda: "mine-1" in gw.dit.running, what="the DiT running mine-1")
+        await wait_until(lambda: "mine-1" + AT_STAGE_A in gw.dit.running,
+                         what="the DiT running mine-1")
         stranger = await bravo.post("/v1/requests/mine-1/cancel")
         assert stranger.status_code == 404 and error_of(stranger)["param"] == "request_id"
-        assert "mine-1" in gw.dit.running
+        assert "mine-1" + AT_STAGE_A in gw.dit.running
         owner = await alpha.post("/v1/requests/mine-1/cancel")
         assert owner.status_code == 200, owner.text
         assert owner.json()["state"] == "REQUEST_STATE_ABORTED"
         assert (await running).status_code == 499  # the cancelled request's own answer
+
+
+async def test_two_keys_run_requests_of_the_same_id_side_by_side(
+    gw: Gateway, wait_until: Any,
+) -> None:
+    """An id belongs to the key that started the request: another key may use it at the same
+    time (both run, each stage request apart), and its cancel stops only its own request.
+    The same key cannot run two requests of one id."""
+    gw.dit.step_seconds = 0.1
+    same = {"x-request-id": "same"}
+    a_ids = {f"same{AT_STAGE_A}.0", f"same{AT_STAGE_A}.1"}  # A's two images: two DiT requests
+    async with gw.client(AUTH_A) as alpha, gw.client(AUTH_B) as bravo:
+        b_running = asyncio.create_task(bravo.post(
+            "/v1/images/generations", json={**IMAGE, "num_inference_steps": 100}, headers=same))
+        a_running = asyncio.create_task(alpha.post(
+            "/v1/images/generations", json={**IMAGE, "num_inference_steps": 30, "n": 2},
+            headers=same))
+        await wait_until(lambda: {f"same{AT_STAGE_B}", *a_ids} <= gw.dit.running,
+                         what="the DiT running both keys' requests `same`")
+        again = await alpha.post("/v1/images/generations", json=IMAGE, headers=same)
+        assert again.status_code == 409, again.text
+        assert error_of(again)["param"] == "request_id"
+        cancelled = await bravo.post("/v1/requests/same/cancel")
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["state"] == "REQUEST_STATE_ABORTED"
+        assert cancelled.json()["request_id"] == "same"  # the client's id, not the stages'
+        b_answer = await b_running
+        assert b_answer.status_code == 499
+        await wait_until(lambda: f"same{AT_STAGE_B}" not in gw.dit.running,
+                         what="B's request gone from the DiT")
+        assert a_ids <= gw.dit.running  # B's cancel left A's request running
+        a_answer = await a_running
+        assert a_answer.status_code == 200, a_answer.text
+        assert a_answer.headers["x-request-id"] == "same"
+        assert len(a_answer.json()["data"]) == 2
 
 
 # -- bounded cost before allocation ---------------------------------------------------------

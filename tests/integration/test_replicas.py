@@ -15,16 +15,27 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from stagemesh.gateway.app import open_gateway
-from stagemesh.gateway.balancer import HEALTH_CHECK
+from stagemesh.gateway.balancer import (
+    HEALTH_CHECK,
+    Replica,
+    ReplicaSet,
+    ReplicaState,
+    RoutedStreamStream,
+)
+from stagemesh.gateway.cancel import CancelScope
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.image_params import ImageRequest
 from stagemesh.gateway.image_pipeline import GeneratedImage
-from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
+from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task, parse_target
+from stagemesh.gateway.stage_client import StageCallError, call_stage
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.engine.engine import StepEngine
-from stagemesh.shared.proto.v1 import common_pb2
+from stagemesh.shared.errors import StageError, parse_rpc_error
+from stagemesh.shared.proto.v1 import common_pb2, tokenizer_service_pb2
+from stagemesh.shared.server import open_channel
 from stagemesh.shared.stage_runtime import (
+    FLUSH_GRACE_S,
     Ending,
     drain_stage,
     start_stage,
@@ -94,6 +105,15 @@ def _both_running(stages: dict[str, RunningStage]) -> Callable[[], bool]:
     return lambda: _dit(stages["dit_a"]).num_running == _dit(stages["dit_b"]).num_running == 1
 
 
+def _stepped(stages: dict[str, RunningStage]) -> Callable[[], bool]:
+    """Whether every request on the DiT replicas has completed a step (the engines' own
+    bookkeeping: no event says it to the gateway's caller)."""
+    def stepped(engine: StepEngine[Any, Any, Any, Any, Any]) -> bool:
+        records = [engine._scheduler.get(rid) for rid in list(engine._streams)]
+        return all(record is not None and record.step_index > 0 for record in records)
+    return lambda: all(stepped(_dit(stages[key])) for key in ("dit_a", "dit_b"))
+
+
 async def test_a_start_refused_by_a_draining_replica_runs_on_the_other(
         gateways: tuple[GatewayCore, GatewayCore], stages: dict[str, RunningStage]) -> None:
     core, _ = gateways
@@ -137,6 +157,120 @@ async def test_a_draining_replica_finishes_its_requests_and_takes_no_new_ones(
     assert await drained  # every admitted request finished within the grace period
 
 
+async def _start_on(channel: grpc.aio.Channel, request_id: str) -> StageError:
+    """Send a start to a draining tokenizer; the status its stream ends with."""
+    encode = channel.stream_stream(
+        "/stagemesh.v1.TokenizerService/EncodePrompt",
+        request_serializer=tokenizer_service_pb2.EncodePromptRequest.SerializeToString,
+        response_deserializer=tokenizer_service_pb2.EncodePromptResponse.FromString)
+    call = encode(timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await call.write(tokenizer_service_pb2.EncodePromptRequest(
+            start=tokenizer_service_pb2.EncodePromptStart(request_id=request_id, prompt="late")))
+        async for response in call:
+            raise AssertionError(f"a draining stage answered {response}")
+    return parse_rpc_error(ended.value)
+
+
+async def test_a_draining_stage_refuses_starts_until_they_stop_coming_then_stops(
+        stages: dict[str, RunningStage], wait_until: Callable[..., Any]) -> None:
+    """Gateways that have not yet polled its NOT_SERVING health still send it starts: each gets
+    a refusal they retry on another replica (UNAVAILABLE, DRAINING), never a stream cut by the
+    server's stop (CANCELLED), though its idle engines stopped at once."""
+    stage = stages["tokenizer"]
+    channel = open_channel(stage.address)
+    try:
+        await channel.channel_ready()
+        drained = asyncio.create_task(drain_stage(stage.bundle, stage.server, grace=5))
+        await wait_until(lambda: all(engine.stopped for engine in stage.bundle.engines),
+                         what="the idle engines stopped")
+        ends = []
+        for i in range(3):
+            ends.append(await _start_on(channel, f"late-{i}"))
+            await asyncio.sleep(0.1)
+        assert {(end.code, end.reason) for end in ends} == {
+            (grpc.StatusCode.UNAVAILABLE, "DRAINING")}, ends
+        assert await asyncio.wait_for(drained, FLUSH_GRACE_S + 5)
+    finally:
+        await channel.close()
+
+
+class _Replica:
+    """A tokenizer replica that answers every stream the same way (`queued` first, when
+    `accept`), then a result, or `cut` (the status gRPC gives a stream that reaches a server as
+    it stops); it counts the starts it got."""
+
+    def __init__(self, *, accept: bool, cut: bool) -> None:
+        self.accept, self.cut, self.starts = accept, cut, 0
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "stagemesh.v1.TokenizerService", {"EncodePrompt": grpc.stream_stream_rpc_method_handler(
+                self._encode,
+                request_deserializer=tokenizer_service_pb2.EncodePromptRequest.FromString,
+                response_serializer=tokenizer_service_pb2.EncodePromptResponse.SerializeToString,
+            )}),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+
+    async def _encode(self, requests: AsyncIterator[tokenizer_service_pb2.EncodePromptRequest],
+                      context: grpc.aio.ServicerContext[Any, Any]
+                      ) -> AsyncIterator[tokenizer_service_pb2.EncodePromptResponse]:
+        await anext(requests)
+        self.starts += 1
+        if self.accept:
+            yield tokenizer_service_pb2.EncodePromptResponse(queued=common_pb2.Queued())
+        if self.cut:
+            await context.abort(grpc.StatusCode.CANCELLED, "cancelled by the server's stop")
+        yield tokenizer_service_pb2.EncodePromptResponse(
+            result=tokenizer_service_pb2.EncodePromptResult())
+
+
+Encoded = tokenizer_service_pb2.EncodePromptResponse | StageCallError
+
+
+async def _encode_on(first: _Replica, second: _Replica) -> tuple[Encoded, ReplicaState]:
+    """One stage call over the two replicas, `first` picked first: its response (or error),
+    and what the balancer then thinks of `first`."""
+    await first.server.start()
+    await second.server.start()
+    replicas = ReplicaSet("tokenizer", "two", parse_target("127.0.0.1:1"))
+    replicas.replicas = [Replica(r.address, open_channel(r.address), i)
+                         for i, r in enumerate((first, second))]
+    rpc = RoutedStreamStream(
+        replicas, "/stagemesh.v1.TokenizerService/EncodePrompt",
+        tokenizer_service_pb2.EncodePromptRequest.SerializeToString,
+        tokenizer_service_pb2.EncodePromptResponse.FromString)
+    start = tokenizer_service_pb2.EncodePromptRequest(
+        start=tokenizer_service_pb2.EncodePromptStart(request_id="r1", prompt="a cat"))
+    try:
+        outcome: Encoded = await call_stage(CancelScope("r1", 10), "tokenizer", rpc, start,
+                                            tokenizer_service_pb2.EncodePromptRequest)
+    except StageCallError as failed:
+        outcome = failed
+    finally:
+        first_state = replicas.replicas[0].state
+        await replicas.close()
+        await first.server.stop(0)
+        await second.server.stop(0)
+    return outcome, first_state
+
+
+async def test_a_start_cut_by_a_stopping_replica_before_it_was_accepted_runs_on_another() -> None:
+    stopping, serving = _Replica(accept=False, cut=True), _Replica(accept=False, cut=False)
+    response, stopping_state = await _encode_on(stopping, serving)
+    assert not isinstance(response, StageCallError), response
+    assert response.WhichOneof("event") == "result"
+    assert (stopping.starts, serving.starts) == (1, 1)
+    assert stopping_state is ReplicaState.NOT_SERVING  # nothing new until a poll says SERVING
+
+
+async def test_a_stream_cut_after_the_replica_accepted_it_is_not_run_again() -> None:
+    cut, other = _Replica(accept=True, cut=True), _Replica(accept=False, cut=False)
+    failed, _ = await _encode_on(cut, other)
+    assert isinstance(failed, StageCallError)
+    assert failed.error.code is grpc.StatusCode.CANCELLED
+    assert (cut.starts, other.starts) == (1, 0)  # never on two replicas
+
+
 async def test_requests_spread_over_the_replicas_and_any_gateway_cancels_them(
         gateways: tuple[GatewayCore, GatewayCore], stages: dict[str, RunningStage],
         wait_until: Callable[..., Any]) -> None:
@@ -144,6 +278,7 @@ async def test_requests_spread_over_the_replicas_and_any_gateway_cancels_them(
     runs = {f"far-{i}": asyncio.create_task(_image(first, f"far-{i}", steps=LONG, seed=i,
                                                    owner="key-a")) for i in range(2)}
     await wait_until(_both_running(stages), what="one request running on each DiT replica")
+    await wait_until(_stepped(stages), what="a step of each request")  # then cancel
     with pytest.raises(GatewayError) as foreign:  # another API key's cancel: not found
         await second.cancel("far-0", owner="key-b")
     assert foreign.value.code is grpc.StatusCode.NOT_FOUND and not runs["far-0"].done()

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from stagemesh.gateway.auth import owner_id
 from stagemesh.gateway.cancel import (
     CancelScope,
     DeadlineExceeded,
@@ -14,9 +15,15 @@ from stagemesh.gateway.cancel import (
     ScopeRegistry,
     SendCancel,
     side_by_side,
+    stage_request_id,
     sub_request_ids,
 )
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
+from stagemesh.shared.limits import (
+    MAX_REQUEST_ID_CHARS,
+    MAX_STAGE_REQUEST_ID_CHARS,
+    OWNER_ID_CHARS,
+    REQUEST_ID_PATTERN,
+)
 from stagemesh.shared.proto.v1 import common_pb2
 
 
@@ -65,7 +72,8 @@ async def test_a_second_cancel_returns_the_same_outcome() -> None:
 
 def test_remaining_budget_and_its_end() -> None:
     assert CancelScope("r", timeout=None).remaining() is None
-    assert 0 < CancelScope("r", timeout=5).remaining() <= 5
+    left = CancelScope("r", timeout=5).remaining()
+    assert left is not None and 0 < left <= 5
     with pytest.raises(DeadlineExceeded):
         CancelScope("r", timeout=-1).remaining()
 
@@ -145,6 +153,59 @@ def test_registry_keeps_a_live_requests_sub_ids_for_it() -> None:
     assert registry.get("a.1") is None  # cancel-by-id knows requests, not their parts
     registry.close(scope)
     registry.close(registry.open("a.1", None))
+
+
+OWNER_A, OWNER_B = owner_id("sk-a"), owner_id("sk-b")
+
+
+def test_two_owners_hold_the_same_id_apart_and_one_owner_holds_it_once() -> None:
+    registry = ScopeRegistry()
+    mine, theirs = registry.open("x", None, owner=OWNER_A), registry.open("x", None, owner=OWNER_B)
+    with pytest.raises(KeyError):
+        registry.open("x", None, owner=OWNER_A)
+    assert registry.get("x", OWNER_A) is mine and registry.get("x", OWNER_B) is theirs
+    assert registry.get("x") is None  # nor does API keys off find a keyed request
+    assert mine.request_id == theirs.request_id == "x"
+    assert mine.stage_request_id != theirs.stage_request_id  # the stages keep them apart
+    registry.close(theirs)
+    assert registry.get("x", OWNER_B) is None and registry.get("x", OWNER_A) is mine
+    registry.close(registry.open("x", None, owner=OWNER_B))  # free again for B alone
+    with pytest.raises(KeyError):
+        registry.open("x", None, owner=OWNER_A)
+
+
+def test_the_stages_know_an_owners_request_by_its_qualified_id() -> None:
+    assert stage_request_id("job", "") == "job"  # API keys off: the wire is unchanged
+    assert stage_request_id("job", OWNER_A) == f"job:{OWNER_A}"
+    scope = CancelScope("job", None, parts=2, owner=OWNER_A)
+    assert scope.request_id == "job"
+    assert scope.sub_request_ids == [f"job:{OWNER_A}.0", f"job:{OWNER_A}.1"]
+    with pytest.raises(ValueError, match="owner id"):
+        stage_request_id("job", "k" * (OWNER_ID_CHARS + 1))
+
+
+def test_the_longest_qualified_ids_fit_the_stages_limit() -> None:
+    assert len(OWNER_A) == OWNER_ID_CHARS  # every API key's owner id has this length
+    registry = ScopeRegistry()
+    for parts in (1, 4):
+        longest = "x" * (MAX_REQUEST_ID_CHARS - (2 if parts > 1 else 0))
+        scope = registry.open(longest, None, parts=parts, owner=OWNER_A)
+        assert max(len(rid) for rid in [scope.stage_request_id, *scope.sub_request_ids]) <= (
+            MAX_STAGE_REQUEST_ID_CHARS)
+        assert all(REQUEST_ID_PATTERN.fullmatch(rid) for rid in scope.sub_request_ids)
+        registry.close(scope)
+
+
+def test_an_owners_ids_never_meet_another_owners_at_the_stages() -> None:
+    """A client id that spells another owner's qualified id stays apart from it."""
+    registry = ScopeRegistry()
+    registry.open("a", None, parts=2, owner=OWNER_A)  # the stages run a:<A>.0 and a:<A>.1
+    for owner, request_id in ((OWNER_B, f"a:{OWNER_A}.1"), (OWNER_B, f"a:{OWNER_A}"),
+                              (OWNER_A, "a.1")):
+        scope = registry.open(request_id, None, owner=owner)
+        assert scope.stage_request_id not in {f"a:{OWNER_A}", f"a:{OWNER_A}.0", f"a:{OWNER_A}.1"}
+    with pytest.raises(KeyError):  # unqualified (keys off), that id is the stages' already
+        registry.open(f"a:{OWNER_A}.0", None)
 
 
 async def test_side_by_side_raises_the_first_failure_and_cancels_the_others() -> None:

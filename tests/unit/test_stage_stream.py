@@ -27,7 +27,7 @@ from stagemesh.shared.engine.events import Aborted
 from stagemesh.shared.engine.metrics import EngineMetrics
 from stagemesh.shared.engine.request import AbortReason
 from stagemesh.shared.errors import read_details
-from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS
+from stagemesh.shared.limits import MAX_STAGE_REQUEST_ID_CHARS
 from stagemesh.shared.proto.v1 import common_pb2, tokenizer_service_pb2
 from stagemesh.shared.proto.v1 import talker_service_pb2 as pb
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
@@ -357,16 +357,16 @@ async def test_the_first_message_must_be_start(
         grpc.StatusCode.INVALID_ARGUMENT, "MISSING_START", "start")
 
 
-@pytest.mark.parametrize("request_id", ["", "x" * (MAX_REQUEST_ID_CHARS + 1)])
+@pytest.mark.parametrize("request_id", ["", "x" * (MAX_STAGE_REQUEST_ID_CHARS + 1)])
 async def test_a_bad_request_id_is_refused(engine: EchoEngine, request_id: str) -> None:
     status = await failure(engine, Client(start(request_id, steps=1)))
     assert (status.code, status.reason, status.field_name) == (
         grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", "request_id")
-    assert str(MAX_REQUEST_ID_CHARS) in status.message
+    assert str(MAX_STAGE_REQUEST_ID_CHARS) in status.message
 
 
 async def test_the_longest_request_id_is_accepted(engine: EchoEngine) -> None:
-    responses = await run(engine, Client(start("x" * MAX_REQUEST_ID_CHARS, steps=1)))
+    responses = await run(engine, Client(start("x" * MAX_STAGE_REQUEST_ID_CHARS, steps=1)))
     assert kinds(responses)[-1] == "result"
 
 
