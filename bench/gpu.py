@@ -63,6 +63,7 @@ from stagemesh.services.dit.adapter import (
     DenoiseInput,
     DenoiseState,
     DitLimits,
+    scheduler_min_steps,
 )
 from stagemesh.shared.devices import DTYPES, Placement, resolve_device, synchronize
 from stagemesh.shared.engine.adapter import (
@@ -164,7 +165,8 @@ def build_adapter(settings: Settings) -> DenoiseAdapter:
     side = max(settings.sizes)
     limits = DitLimits(size_multiple=LATENT_FACTOR, max_side=side, max_pixels=side * side,
                        max_steps=MAX_STEPS, max_true_cfg_scale=MAX_TRUE_CFG_SCALE,
-                       max_images_per_request=max(settings.batches))
+                       max_images_per_request=max(settings.batches),
+                       min_steps=scheduler_min_steps(scheduler))
     return DenoiseAdapter.from_components(transformer, scheduler, limits)
 
 

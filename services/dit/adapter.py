@@ -87,7 +87,7 @@ class DitLimits:
     max_steps: int
     max_true_cfg_scale: float
     max_images_per_request: int  # enforced by the caller: each image is its own DiT request
-    min_steps: int = 1  # 2 when the scheduler stretches to a terminal shift (see _min_steps)
+    min_steps: int  # 2 when the scheduler stretches to a terminal shift (see scheduler_min_steps)
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class DenoiseAdapter:
         factor = latent_factor(model_dir)
         limits = _limits(
             factor,
-            min_steps=_min_steps(scheduler),
+            min_steps=scheduler_min_steps(scheduler),
             max_steps=max_steps,
             max_pixels=max_pixels,
             max_side=max_side,
@@ -503,7 +503,7 @@ def _check_sigmas(sigmas: list[float], steps: int) -> None:
         raise InvalidInputError("sigmas", "every sigma must be in (0, 1]")
 
 
-def _min_steps(scheduler: FlowMatchEulerDiscreteScheduler) -> int:
+def scheduler_min_steps(scheduler: FlowMatchEulerDiscreteScheduler) -> int:
     """A schedule stretched to a terminal shift divides by (1 - its last timestep) / (1 -
     shift_terminal): with one step that is 0 / x and the latents become NaN (stock diffusers
     too), so such a model needs two steps at least."""
