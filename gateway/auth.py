@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
-from grpc_health.v1 import health
-from grpc_reflection.v1alpha import reflection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stagemesh.gateway.errors import Unauthenticated
+from stagemesh.shared.mesh_auth import is_infrastructure
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +42,6 @@ AUTHORIZATION = "authorization"
 BEARER = "bearer"
 #: REST paths any caller may read (probes, Prometheus).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-#: gRPC services any caller may call (the kubelet's gRPC probe, grpcurl's reflection).
-OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME,
-                           "grpc.reflection.v1.ServerReflection"})
 #: The owner of every request when authentication is off.
 ANONYMOUS = ""
 #: Hex digits of the key's hash that name its owner (64 bits: unique among any real key set).
@@ -176,11 +172,6 @@ def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, name: str
     return None
 
 
-def _service(method: str) -> str:
-    """'/pkg.Service/Method' -> 'pkg.Service'."""
-    return method.lstrip("/").split("/", 1)[0]
-
-
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """gRPC: UNAUTHENTICATED without a valid `authorization: Bearer KEY` metadata entry,
     before the request message is read (an unauthenticated message is never parsed).
@@ -199,7 +190,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
         handler = await continuation(handler_call_details)
-        if handler is None or _service(handler_call_details.method) in OPEN_SERVICES:
+        if handler is None or is_infrastructure(handler_call_details.method):
             return handler
         try:
             self.keys.owner(metadata_value(handler_call_details.invocation_metadata,

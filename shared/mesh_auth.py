@@ -47,10 +47,17 @@ TOKEN_ENV = "STAGEMESH_MESH_TOKEN"
 TOKEN_FILE_ENV = "STAGEMESH_MESH_TOKEN_FILE"
 #: The metadata key a mesh call carries its token in (lower case, as gRPC requires).
 METADATA_KEY = "x-stagemesh-mesh-token"
-#: Methods every caller may reach: the gRPC health service (kubelet probes, `serve`'s wait)
-#: and reflection (the public schema only).
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                        "/grpc.reflection.v1.ServerReflection/")
+#: gRPC's own services, which every caller may reach and nothing traces: health (the kubelet's
+#: probes, `serve`'s wait) and reflection (the public schema only). The one list the mesh
+#: token, the gateway's API keys and the server spans all consult.
+INFRASTRUCTURE_SERVICES = frozenset({"grpc.health.v1.Health",
+                                     "grpc.reflection.v1alpha.ServerReflection",
+                                     "grpc.reflection.v1.ServerReflection"})
+
+
+def is_infrastructure(method: str) -> bool:
+    """Whether '/pkg.Service/Method' belongs to one of INFRASTRUCTURE_SERVICES."""
+    return method.lstrip("/").split("/", 1)[0] in INFRASTRUCTURE_SERVICES
 #: Shortest token accepted: a guessable token is no credential.
 MIN_TOKEN_CHARS = 16
 
@@ -214,7 +221,7 @@ class MeshTokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = token.encode("ascii")
 
     def is_authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        if details.method.startswith(OPEN_METHOD_PREFIXES):
+        if is_infrastructure(details.method):
             return True
         given = b""
         for key, value in details.invocation_metadata or ():

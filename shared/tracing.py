@@ -37,6 +37,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stagemesh.shared.mesh_auth import is_infrastructure
+
 log = logging.getLogger(__name__)
 
 #: `service.name` of a process is this prefix + its component (gateway, tokenizer, dit, ...).
@@ -285,8 +287,6 @@ class GrpcServerSpans(grpc.aio.ServerInterceptor):
     handler back untouched. Health and reflection calls get no span.
     """
 
-    SKIPPED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
-
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails],
@@ -295,7 +295,7 @@ class GrpcServerSpans(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if _tracer is None or handler is None or method.startswith(self.SKIPPED_PREFIXES):
+        if _tracer is None or handler is None or is_infrastructure(method):
             return handler
         metadata = {key: value for key, value in handler_call_details.invocation_metadata or ()
                     if isinstance(value, str)}
