@@ -195,7 +195,9 @@ async def test_cancel_by_id_stops_talker_and_codec(speech: Speech, wait_until: A
                                    max_new_tokens=200))
     await asyncio.wait_for(got_audio.wait(), 30)
     outcome = await speech.core.cancel("tts-cancel-1")
-    assert outcome.stage == "codec" and outcome.step_index >= 1
+    # Both stages hold the request and get the cancel at once; the first to acknowledge answers,
+    # and either has taken steps by the time audio arrived.
+    assert outcome.stage in ("talker", "codec") and outcome.step_index >= 1
     with pytest.raises(GatewayError) as raised:
         await task
     assert raised.value.code.name == "CANCELLED"
