@@ -66,6 +66,11 @@ class DenoiseStart(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     EXECUTION_MODE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
+    CONDITION_LATENTS_FIELD_NUMBER: _builtins.int
+    GUIDANCE_SCALE_2_FIELD_NUMBER: _builtins.int
+    BOUNDARY_RATIO_FIELD_NUMBER: _builtins.int
+    FLOW_SHIFT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     height: _builtins.int
@@ -81,6 +86,16 @@ class DenoiseStart(_message.Message):
     """Step or request execution; unspecified = the stage's default."""
     priority: _builtins.int
     """Scheduling priority: lower runs sooner (as in vLLM); 0 is the default."""
+    num_frames: _builtins.int
+    """Frames of a video (the model's rule, e.g. Wan's 4k+1); 0 for an image model."""
+    guidance_scale_2: _builtins.float
+    """Guidance scale of a second, low-noise transformer (Wan 2.2); only when the model has one."""
+    boundary_ratio: _builtins.float
+    """Fraction of the schedule (by timestep) run by the high-noise transformer (Wan 2.2); only
+    when the model has two transformers.
+    """
+    flow_shift: _builtins.float
+    """Shift of the flow-matching schedule; only when the model's scheduler has one (Wan)."""
     @_builtins.property
     def prompt_embeds(self) -> _common_pb2.Tensor:
         """Prompt embeddings from the Tokenizer stage [batch, tokens, dim]."""
@@ -101,6 +116,13 @@ class DenoiseStart(_message.Message):
     def sigmas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Explicit sigma schedule; its length decides the number of steps."""
 
+    @_builtins.property
+    def condition_latents(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]:
+        """Conditioning from the VAE stage's EncodeImage (image edit: the input image; image-to-video:
+        the first frame and its padding): normalized latents [1, channels, frames, height, width].
+        At most DescribeDitResponse.max_condition_images.
+        """
+
     def __init__(
         self,
         *,
@@ -117,12 +139,28 @@ class DenoiseStart(_message.Message):
         seed: _builtins.int = ...,
         execution_mode: _common_pb2.ExecutionMode.ValueType = ...,
         priority: _builtins.int = ...,
+        num_frames: _builtins.int = ...,
+        condition_latents: _abc.Iterable[_common_pb2.Tensor] | None = ...,
+        guidance_scale_2: _builtins.float | None = ...,
+        boundary_ratio: _builtins.float | None = ...,
+        flow_shift: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_mode", b"execution_mode", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "boundary_ratio", b"boundary_ratio", "condition_latents", b"condition_latents", "execution_mode", b"execution_mode", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
+    _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__flow_shift: _TypeAlias = _typing.Literal["flow_shift"]  # noqa: Y015
+    _WhichOneofArgType__flow_shift: _TypeAlias = _typing.Literal["_flow_shift", b"_flow_shift"]  # noqa: Y015
+    _WhichOneofReturnType__guidance_scale_2: _TypeAlias = _typing.Literal["guidance_scale_2"]  # noqa: Y015
+    _WhichOneofArgType__guidance_scale_2: _TypeAlias = _typing.Literal["_guidance_scale_2", b"_guidance_scale_2"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__boundary_ratio) -> _WhichOneofReturnType__boundary_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__flow_shift) -> _WhichOneofReturnType__flow_shift | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guidance_scale_2) -> _WhichOneofReturnType__guidance_scale_2 | None: ...
 
 Global___DenoiseStart: _TypeAlias = DenoiseStart  # noqa: Y015
 
@@ -176,13 +214,18 @@ class DenoiseResult(_message.Message):
     HEIGHT_FIELD_NUMBER: _builtins.int
     WIDTH_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
     height: _builtins.int
     width: _builtins.int
     steps: _builtins.int
     """Steps run."""
+    num_frames: _builtins.int
+    """Video frames the latents decode to; 0 for an image."""
     @_builtins.property
     def latents(self) -> _common_pb2.Tensor:
-        """Packed latents as the transformer produces them [batch, patches, channels]."""
+        """Latents as the model's VAE takes them: packed [batch, patches, channels] for Qwen-Image,
+        [batch, channels, frames, height, width] for a video model.
+        """
 
     def __init__(
         self,
@@ -191,10 +234,11 @@ class DenoiseResult(_message.Message):
         height: _builtins.int = ...,
         width: _builtins.int = ...,
         steps: _builtins.int = ...,
+        num_frames: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["latents", b"latents"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "latents", b"latents", "steps", b"steps", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "latents", b"latents", "num_frames", b"num_frames", "steps", b"steps", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -232,6 +276,12 @@ class DescribeDitResponse(_message.Message):
     MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _builtins.int
     EXECUTION_MODES_FIELD_NUMBER: _builtins.int
     MIN_STEPS_FIELD_NUMBER: _builtins.int
+    MAX_FRAMES_FIELD_NUMBER: _builtins.int
+    FRAME_MULTIPLE_FIELD_NUMBER: _builtins.int
+    MAX_CONDITION_IMAGES_FIELD_NUMBER: _builtins.int
+    HAS_SECOND_TRANSFORMER_FIELD_NUMBER: _builtins.int
+    ACCEPTS_FLOW_SHIFT_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -248,6 +298,20 @@ class DescribeDitResponse(_message.Message):
     """Fewest denoising steps per request (2 when the model's scheduler stretches its schedule to
     a terminal value: one step would divide by zero).
     """
+    max_frames: _builtins.int
+    """Most video frames per request; 0 for an image model."""
+    frame_multiple: _builtins.int
+    """A video's frame count must be frame_multiple * k + 1 (Wan: 4); 0 for an image model."""
+    max_condition_images: _builtins.int
+    """Most condition_latents one request may carry (0: the model takes no image input; it is
+    refused, and an image-to-video model needs exactly one).
+    """
+    has_second_transformer: _builtins.bool
+    """True when the model has a second transformer: guidance_scale_2 and boundary_ratio apply."""
+    accepts_flow_shift: _builtins.bool
+    """True when the scheduler's flow shift may be set per request (flow_shift)."""
+    task: _builtins.str
+    """What the model does: "text-to-image", "image-edit", "text-to-video", "image-to-video"."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -268,10 +332,16 @@ class DescribeDitResponse(_message.Message):
         max_images_per_request: _builtins.int = ...,
         execution_modes: _abc.Iterable[_common_pb2.ExecutionMode.ValueType] | None = ...,
         min_steps: _builtins.int = ...,
+        max_frames: _builtins.int = ...,
+        frame_multiple: _builtins.int = ...,
+        max_condition_images: _builtins.int = ...,
+        has_second_transformer: _builtins.bool = ...,
+        accepts_flow_shift: _builtins.bool = ...,
+        task: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_modes", b"execution_modes", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

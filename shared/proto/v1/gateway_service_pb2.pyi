@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from . import common_pb2 as _common_pb2
 from . import thinker_service_pb2 as _thinker_service_pb2
 import builtins as _builtins
@@ -21,6 +22,40 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _VideoJobState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _VideoJobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VideoJobState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    VIDEO_JOB_STATE_UNSPECIFIED: _VideoJobState.ValueType  # 0
+    VIDEO_JOB_STATE_QUEUED: _VideoJobState.ValueType  # 1
+    """Waiting for the stages."""
+    VIDEO_JOB_STATE_RUNNING: _VideoJobState.ValueType  # 2
+    """Denoising or decoding."""
+    VIDEO_JOB_STATE_SUCCEEDED: _VideoJobState.ValueType  # 3
+    """Done: the MP4 can be downloaded."""
+    VIDEO_JOB_STATE_FAILED: _VideoJobState.ValueType  # 4
+    """Ended with an error (`error` says which), or lost in a gateway restart."""
+    VIDEO_JOB_STATE_CANCELLED: _VideoJobState.ValueType  # 5
+    """Stopped by DeleteVideo or a cancel."""
+
+class VideoJobState(_VideoJobState, metaclass=_VideoJobStateEnumTypeWrapper):
+    """Where a video job is."""
+
+VIDEO_JOB_STATE_UNSPECIFIED: VideoJobState.ValueType  # 0
+VIDEO_JOB_STATE_QUEUED: VideoJobState.ValueType  # 1
+"""Waiting for the stages."""
+VIDEO_JOB_STATE_RUNNING: VideoJobState.ValueType  # 2
+"""Denoising or decoding."""
+VIDEO_JOB_STATE_SUCCEEDED: VideoJobState.ValueType  # 3
+"""Done: the MP4 can be downloaded."""
+VIDEO_JOB_STATE_FAILED: VideoJobState.ValueType  # 4
+"""Ended with an error (`error` says which), or lost in a gateway restart."""
+VIDEO_JOB_STATE_CANCELLED: VideoJobState.ValueType  # 5
+"""Stopped by DeleteVideo or a cancel."""
+Global___VideoJobState: _TypeAlias = VideoJobState  # noqa: Y015
 
 @_typing.final
 class GenerateImageRequest(_message.Message):
@@ -712,3 +747,404 @@ class RecipeInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RecipeInfo: _TypeAlias = RecipeInfo  # noqa: Y015
+
+@_typing.final
+class EditImageRequest(_message.Message):
+    """Parameters of an image edit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
+    NEGATIVE_PROMPT_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _builtins.int
+    TRUE_CFG_SCALE_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Recipe (served model) name; empty = the default image-edit recipe."""
+    prompt: _builtins.str
+    """What to change."""
+    negative_prompt: _builtins.str
+    """What not to draw; enables classifier-free guidance together with true_cfg_scale > 1."""
+    n: _builtins.int
+    """Images to generate (seeds seed, seed+1, ...); 0 = 1."""
+    width: _builtins.int
+    """Output size in pixels; 0 = the size the model derives from the input image."""
+    height: _builtins.int
+    num_inference_steps: _builtins.int
+    """Denoising steps; 0 = the recipe's default."""
+    true_cfg_scale: _builtins.float
+    """Guidance scale; unset = the recipe's default."""
+    seed: _builtins.int
+    """Seed of the first image; unset = random."""
+    request_id: _builtins.str
+    """Client-chosen id for cancel-by-id and logs; empty = the gateway assigns one."""
+    @_builtins.property
+    def images(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The image(s) to edit: PNG, JPEG or WebP bytes (at most the model's limit; most take one)."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        images: _abc.Iterable[_builtins.bytes] | None = ...,
+        negative_prompt: _builtins.str | None = ...,
+        n: _builtins.int = ...,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+        num_inference_steps: _builtins.int = ...,
+        true_cfg_scale: _builtins.float | None = ...,
+        seed: _builtins.int | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "height", b"height", "images", b"images", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
+    _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__true_cfg_scale: _TypeAlias = _typing.Literal["true_cfg_scale"]  # noqa: Y015
+    _WhichOneofArgType__true_cfg_scale: _TypeAlias = _typing.Literal["_true_cfg_scale", b"_true_cfg_scale"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__negative_prompt) -> _WhichOneofReturnType__negative_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__true_cfg_scale) -> _WhichOneofReturnType__true_cfg_scale | None: ...
+
+Global___EditImageRequest: _TypeAlias = EditImageRequest  # noqa: Y015
+
+@_typing.final
+class VideoJob(_message.Message):
+    """A video job: an AIP-151 long-running resource."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    COMPLETE_TIME_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
+    FPS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The job's id ("video_..."), also its request id for cancel-by-id."""
+    model: _builtins.str
+    """The recipe that makes it."""
+    state: Global___VideoJobState.ValueType
+    progress: _builtins.float
+    """Fraction done, 0 to 1 (denoising steps, then decoded frames)."""
+    create_time: _builtins.int
+    """Creation and completion times, seconds since the Unix epoch (completion 0 while running)."""
+    complete_time: _builtins.int
+    width: _builtins.int
+    """The video's size, frame count and frame rate."""
+    height: _builtins.int
+    num_frames: _builtins.int
+    fps: _builtins.int
+    error: _builtins.str
+    """What went wrong (FAILED) or why it stopped (CANCELLED)."""
+    size_bytes: _builtins.int
+    """Bytes of the finished MP4."""
+    prompt: _builtins.str
+    """The prompt it was made from."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        model: _builtins.str = ...,
+        state: Global___VideoJobState.ValueType = ...,
+        progress: _builtins.float = ...,
+        create_time: _builtins.int = ...,
+        complete_time: _builtins.int = ...,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+        num_frames: _builtins.int = ...,
+        fps: _builtins.int = ...,
+        error: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        prompt: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_time", b"complete_time", "create_time", b"create_time", "error", b"error", "fps", b"fps", "height", b"height", "id", b"id", "model", b"model", "num_frames", b"num_frames", "progress", b"progress", "prompt", b"prompt", "size_bytes", b"size_bytes", "state", b"state", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VideoJob: _TypeAlias = VideoJob  # noqa: Y015
+
+@_typing.final
+class CreateVideoRequest(_message.Message):
+    """Parameters of a video."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    NEGATIVE_PROMPT_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
+    FPS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _builtins.int
+    GUIDANCE_SCALE_FIELD_NUMBER: _builtins.int
+    GUIDANCE_SCALE_2_FIELD_NUMBER: _builtins.int
+    BOUNDARY_RATIO_FIELD_NUMBER: _builtins.int
+    FLOW_SHIFT_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    INPUT_REFERENCE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Recipe (served model) name; empty = the default text-to-video recipe (image-to-video when
+    an input image is given).
+    """
+    prompt: _builtins.str
+    """What to show."""
+    negative_prompt: _builtins.str
+    """What not to show."""
+    width: _builtins.int
+    """Frame size in pixels; 0 = the recipe's default."""
+    height: _builtins.int
+    num_frames: _builtins.int
+    """Frames (4k+1 for Wan); 0 = from seconds x fps, rounded up to the model's rule."""
+    fps: _builtins.int
+    """Frames per second of the MP4; 0 = the recipe's default."""
+    seconds: _builtins.float
+    """Length in seconds (used when num_frames is 0); 0 = the recipe's default."""
+    num_inference_steps: _builtins.int
+    """Denoising steps; 0 = the recipe's default."""
+    guidance_scale: _builtins.float
+    """Guidance scale; unset = the recipe's default."""
+    guidance_scale_2: _builtins.float
+    """Wan 2.2 only: guidance of the low-noise transformer and where it takes over."""
+    boundary_ratio: _builtins.float
+    flow_shift: _builtins.float
+    """Shift of the flow-matching schedule; unset = the model's."""
+    seed: _builtins.int
+    """Seed; unset = random."""
+    input_reference: _builtins.bytes
+    """Image-to-video: the first frame, PNG/JPEG/WebP bytes."""
+    request_id: _builtins.str
+    """Client-chosen job id; empty = the gateway assigns one."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        negative_prompt: _builtins.str | None = ...,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+        num_frames: _builtins.int = ...,
+        fps: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+        num_inference_steps: _builtins.int = ...,
+        guidance_scale: _builtins.float | None = ...,
+        guidance_scale_2: _builtins.float | None = ...,
+        boundary_ratio: _builtins.float | None = ...,
+        flow_shift: _builtins.float | None = ...,
+        seed: _builtins.int | None = ...,
+        input_reference: _builtins.bytes = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "negative_prompt", b"negative_prompt", "seed", b"seed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
+    _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
+    _WhichOneofReturnType__flow_shift: _TypeAlias = _typing.Literal["flow_shift"]  # noqa: Y015
+    _WhichOneofArgType__flow_shift: _TypeAlias = _typing.Literal["_flow_shift", b"_flow_shift"]  # noqa: Y015
+    _WhichOneofReturnType__guidance_scale: _TypeAlias = _typing.Literal["guidance_scale"]  # noqa: Y015
+    _WhichOneofArgType__guidance_scale: _TypeAlias = _typing.Literal["_guidance_scale", b"_guidance_scale"]  # noqa: Y015
+    _WhichOneofReturnType__guidance_scale_2: _TypeAlias = _typing.Literal["guidance_scale_2"]  # noqa: Y015
+    _WhichOneofArgType__guidance_scale_2: _TypeAlias = _typing.Literal["_guidance_scale_2", b"_guidance_scale_2"]  # noqa: Y015
+    _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
+    _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__boundary_ratio) -> _WhichOneofReturnType__boundary_ratio | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__flow_shift) -> _WhichOneofReturnType__flow_shift | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guidance_scale) -> _WhichOneofReturnType__guidance_scale | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__guidance_scale_2) -> _WhichOneofReturnType__guidance_scale_2 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__negative_prompt) -> _WhichOneofReturnType__negative_prompt | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+
+Global___CreateVideoRequest: _TypeAlias = CreateVideoRequest  # noqa: Y015
+
+@_typing.final
+class GetVideoRequest(_message.Message):
+    """Asks for one video job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetVideoRequest: _TypeAlias = GetVideoRequest  # noqa: Y015
+
+@_typing.final
+class ListVideosRequest(_message.Message):
+    """Asks for the caller's video jobs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """Most jobs per page; 0 = 20."""
+    page_token: _builtins.str
+    """From a previous response's next_page_token; empty = the first page."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListVideosRequest: _TypeAlias = ListVideosRequest  # noqa: Y015
+
+@_typing.final
+class ListVideosResponse(_message.Message):
+    """A page of video jobs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOBS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty on the last page."""
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___VideoJob]: ...
+    def __init__(
+        self,
+        *,
+        jobs: _abc.Iterable[Global___VideoJob] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListVideosResponse: _TypeAlias = ListVideosResponse  # noqa: Y015
+
+@_typing.final
+class DeleteVideoRequest(_message.Message):
+    """Deletes (and stops) a video job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteVideoRequest: _TypeAlias = DeleteVideoRequest  # noqa: Y015
+
+@_typing.final
+class WatchVideoRequest(_message.Message):
+    """Follows a video job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchVideoRequest: _TypeAlias = WatchVideoRequest  # noqa: Y015
+
+@_typing.final
+class DownloadVideoRequest(_message.Message):
+    """Downloads a finished video."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DownloadVideoRequest: _TypeAlias = DownloadVideoRequest  # noqa: Y015
+
+@_typing.final
+class DownloadVideoResponse(_message.Message):
+    """A piece of an MP4, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DownloadVideoResponse: _TypeAlias = DownloadVideoResponse  # noqa: Y015

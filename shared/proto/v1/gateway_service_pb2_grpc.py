@@ -40,6 +40,41 @@ class GatewayServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageResponse.FromString,
                 _registered_method=True)
+        self.EditImage = channel.unary_stream(
+                '/stagemesh.v1.GatewayService/EditImage',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.EditImageRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageResponse.FromString,
+                _registered_method=True)
+        self.CreateVideo = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/CreateVideo',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.CreateVideoRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+                _registered_method=True)
+        self.GetVideo = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/GetVideo',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.GetVideoRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+                _registered_method=True)
+        self.ListVideos = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/ListVideos',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListVideosRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListVideosResponse.FromString,
+                _registered_method=True)
+        self.DeleteVideo = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/DeleteVideo',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.DeleteVideoRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+                _registered_method=True)
+        self.WatchVideo = channel.unary_stream(
+                '/stagemesh.v1.GatewayService/WatchVideo',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.WatchVideoRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+                _registered_method=True)
+        self.DownloadVideo = channel.unary_stream(
+                '/stagemesh.v1.GatewayService/DownloadVideo',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.DownloadVideoRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.DownloadVideoResponse.FromString,
+                _registered_method=True)
         self.SynthesizeSpeech = channel.unary_stream(
                 '/stagemesh.v1.GatewayService/SynthesizeSpeech',
                 request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechRequest.SerializeToString,
@@ -73,6 +108,58 @@ class GatewayServiceServicer:
 
     def GenerateImage(self, request, context):
         """Generates images from a prompt, streaming queue position and per-step progress first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EditImage(self, request, context):
+        """Edits images: an instruction and the image to change, streaming queue position and
+        per-step progress first, like GenerateImage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateVideo(self, request, context):
+        """Starts a video job (text-to-video, or image-to-video with an input image) and returns it
+        at once, queued; poll it with GetVideo or follow it with WatchVideo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetVideo(self, request, context):
+        """A video job's state and progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVideos(self, request, context):
+        """The caller's video jobs, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVideo(self, request, context):
+        """Deletes a video job and its file; a running job stops at its next step, a queued one never
+        starts. Returns the job as it ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchVideo(self, request, context):
+        """Streams a video job each time its state or progress changes, until it ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadVideo(self, request, context):
+        """The MP4 of a finished video job, in chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +209,41 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.GenerateImage,
                     request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageResponse.SerializeToString,
+            ),
+            'EditImage': grpc.unary_stream_rpc_method_handler(
+                    servicer.EditImage,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.EditImageRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageResponse.SerializeToString,
+            ),
+            'CreateVideo': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateVideo,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.CreateVideoRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.SerializeToString,
+            ),
+            'GetVideo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVideo,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.GetVideoRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.SerializeToString,
+            ),
+            'ListVideos': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVideos,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListVideosRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListVideosResponse.SerializeToString,
+            ),
+            'DeleteVideo': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVideo,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.DeleteVideoRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.SerializeToString,
+            ),
+            'WatchVideo': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchVideo,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.WatchVideoRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.SerializeToString,
+            ),
+            'DownloadVideo': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadVideo,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.DownloadVideoRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.DownloadVideoResponse.SerializeToString,
             ),
             'SynthesizeSpeech': grpc.unary_stream_rpc_method_handler(
                     servicer.SynthesizeSpeech,
@@ -177,6 +299,195 @@ class GatewayService:
             '/stagemesh.v1.GatewayService/GenerateImage',
             stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageRequest.SerializeToString,
             stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EditImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/EditImage',
+            stagemesh_dot_v1_dot_gateway__service__pb2.EditImageRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.GenerateImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/CreateVideo',
+            stagemesh_dot_v1_dot_gateway__service__pb2.CreateVideoRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/GetVideo',
+            stagemesh_dot_v1_dot_gateway__service__pb2.GetVideoRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVideos(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/ListVideos',
+            stagemesh_dot_v1_dot_gateway__service__pb2.ListVideosRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.ListVideosResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/DeleteVideo',
+            stagemesh_dot_v1_dot_gateway__service__pb2.DeleteVideoRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/WatchVideo',
+            stagemesh_dot_v1_dot_gateway__service__pb2.WatchVideoRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.VideoJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/DownloadVideo',
+            stagemesh_dot_v1_dot_gateway__service__pb2.DownloadVideoRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.DownloadVideoResponse.FromString,
             options,
             channel_credentials,
             insecure,

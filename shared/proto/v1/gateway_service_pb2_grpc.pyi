@@ -37,6 +37,26 @@ class GatewayServiceStub:
     def __new__(cls, channel: _aio.Channel) -> GatewayServiceAsyncStub: ...
     GenerateImage: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.GenerateImageRequest, _gateway_service_pb2.GenerateImageResponse]
     """Generates images from a prompt, streaming queue position and per-step progress first."""
+    EditImage: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.EditImageRequest, _gateway_service_pb2.GenerateImageResponse]
+    """Edits images: an instruction and the image to change, streaming queue position and
+    per-step progress first, like GenerateImage.
+    """
+    CreateVideo: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.CreateVideoRequest, _gateway_service_pb2.VideoJob]
+    """Starts a video job (text-to-video, or image-to-video with an input image) and returns it
+    at once, queued; poll it with GetVideo or follow it with WatchVideo.
+    """
+    GetVideo: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.GetVideoRequest, _gateway_service_pb2.VideoJob]
+    """A video job's state and progress."""
+    ListVideos: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.ListVideosRequest, _gateway_service_pb2.ListVideosResponse]
+    """The caller's video jobs, newest first."""
+    DeleteVideo: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.DeleteVideoRequest, _gateway_service_pb2.VideoJob]
+    """Deletes a video job and its file; a running job stops at its next step, a queued one never
+    starts. Returns the job as it ended.
+    """
+    WatchVideo: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.WatchVideoRequest, _gateway_service_pb2.VideoJob]
+    """Streams a video job each time its state or progress changes, until it ends."""
+    DownloadVideo: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.DownloadVideoRequest, _gateway_service_pb2.DownloadVideoResponse]
+    """The MP4 of a finished video job, in chunks."""
     SynthesizeSpeech: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.SynthesizeSpeechRequest, _gateway_service_pb2.SynthesizeSpeechResponse]
     """Synthesizes speech from text, streaming audio as it is produced."""
     Chat: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.ChatRequest, _gateway_service_pb2.ChatResponse]
@@ -59,6 +79,26 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GenerateImage: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.GenerateImageRequest, _gateway_service_pb2.GenerateImageResponse]  # type: ignore[assignment]
     """Generates images from a prompt, streaming queue position and per-step progress first."""
+    EditImage: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.EditImageRequest, _gateway_service_pb2.GenerateImageResponse]  # type: ignore[assignment]
+    """Edits images: an instruction and the image to change, streaming queue position and
+    per-step progress first, like GenerateImage.
+    """
+    CreateVideo: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.CreateVideoRequest, _gateway_service_pb2.VideoJob]  # type: ignore[assignment]
+    """Starts a video job (text-to-video, or image-to-video with an input image) and returns it
+    at once, queued; poll it with GetVideo or follow it with WatchVideo.
+    """
+    GetVideo: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.GetVideoRequest, _gateway_service_pb2.VideoJob]  # type: ignore[assignment]
+    """A video job's state and progress."""
+    ListVideos: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.ListVideosRequest, _gateway_service_pb2.ListVideosResponse]  # type: ignore[assignment]
+    """The caller's video jobs, newest first."""
+    DeleteVideo: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.DeleteVideoRequest, _gateway_service_pb2.VideoJob]  # type: ignore[assignment]
+    """Deletes a video job and its file; a running job stops at its next step, a queued one never
+    starts. Returns the job as it ended.
+    """
+    WatchVideo: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.WatchVideoRequest, _gateway_service_pb2.VideoJob]  # type: ignore[assignment]
+    """Streams a video job each time its state or progress changes, until it ends."""
+    DownloadVideo: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.DownloadVideoRequest, _gateway_service_pb2.DownloadVideoResponse]  # type: ignore[assignment]
+    """The MP4 of a finished video job, in chunks."""
     SynthesizeSpeech: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.SynthesizeSpeechRequest, _gateway_service_pb2.SynthesizeSpeechResponse]  # type: ignore[assignment]
     """Synthesizes speech from text, streaming audio as it is produced."""
     Chat: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.ChatRequest, _gateway_service_pb2.ChatResponse]  # type: ignore[assignment]
@@ -84,6 +124,68 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.GenerateImageResponse], _abc.AsyncIterator[_gateway_service_pb2.GenerateImageResponse]]:
         """Generates images from a prompt, streaming queue position and per-step progress first."""
+
+    @_abc_1.abstractmethod
+    def EditImage(
+        self,
+        request: _gateway_service_pb2.EditImageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.GenerateImageResponse], _abc.AsyncIterator[_gateway_service_pb2.GenerateImageResponse]]:
+        """Edits images: an instruction and the image to change, streaming queue position and
+        per-step progress first, like GenerateImage.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateVideo(
+        self,
+        request: _gateway_service_pb2.CreateVideoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.VideoJob, _abc.Awaitable[_gateway_service_pb2.VideoJob]]:
+        """Starts a video job (text-to-video, or image-to-video with an input image) and returns it
+        at once, queued; poll it with GetVideo or follow it with WatchVideo.
+        """
+
+    @_abc_1.abstractmethod
+    def GetVideo(
+        self,
+        request: _gateway_service_pb2.GetVideoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.VideoJob, _abc.Awaitable[_gateway_service_pb2.VideoJob]]:
+        """A video job's state and progress."""
+
+    @_abc_1.abstractmethod
+    def ListVideos(
+        self,
+        request: _gateway_service_pb2.ListVideosRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.ListVideosResponse, _abc.Awaitable[_gateway_service_pb2.ListVideosResponse]]:
+        """The caller's video jobs, newest first."""
+
+    @_abc_1.abstractmethod
+    def DeleteVideo(
+        self,
+        request: _gateway_service_pb2.DeleteVideoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.VideoJob, _abc.Awaitable[_gateway_service_pb2.VideoJob]]:
+        """Deletes a video job and its file; a running job stops at its next step, a queued one never
+        starts. Returns the job as it ended.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchVideo(
+        self,
+        request: _gateway_service_pb2.WatchVideoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.VideoJob], _abc.AsyncIterator[_gateway_service_pb2.VideoJob]]:
+        """Streams a video job each time its state or progress changes, until it ends."""
+
+    @_abc_1.abstractmethod
+    def DownloadVideo(
+        self,
+        request: _gateway_service_pb2.DownloadVideoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.DownloadVideoResponse], _abc.AsyncIterator[_gateway_service_pb2.DownloadVideoResponse]]:
+        """The MP4 of a finished video job, in chunks."""
 
     @_abc_1.abstractmethod
     def SynthesizeSpeech(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$stagemesh/v1/tokenizer_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"w\n\x13\x45ncodePromptRequest\x12\x30\n\x05start\x18\x01 \x01(\x0b\x32\x1f.stagemesh.v1.EncodePromptStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\x86\x01\n\x11\x45ncodePromptStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1c\n\x0fnegative_prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x13max_sequence_length\x18\x04 \x01(\x05\x42\x12\n\x10_negative_prompt\"\xa5\x01\n\x14\x45ncodePromptResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x32\n\x06result\x18\x02 \x01(\x0b\x32 .stagemesh.v1.EncodePromptResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"\x8d\x02\n\x12\x45ncodePromptResult\x12+\n\rprompt_embeds\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x30\n\x12prompt_embeds_mask\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x34\n\x16negative_prompt_embeds\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x39\n\x1bnegative_prompt_embeds_mask\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\'\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\x1a\n\x18\x44\x65scribeTokenizerRequest\"\x81\x01\n\x19\x44\x65scribeTokenizerResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x18\n\x10max_prompt_chars\x18\x02 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x32\xd3\x01\n\x10TokenizerService\x12Y\n\x0c\x45ncodePrompt\x12!.stagemesh.v1.EncodePromptRequest\x1a\".stagemesh.v1.EncodePromptResponse(\x01\x30\x01\x12\x64\n\x11\x44\x65scribeTokenizer\x12&.stagemesh.v1.DescribeTokenizerRequest\x1a\'.stagemesh.v1.DescribeTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$stagemesh/v1/tokenizer_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"w\n\x13\x45ncodePromptRequest\x12\x30\n\x05start\x18\x01 \x01(\x0b\x32\x1f.stagemesh.v1.EncodePromptStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\xac\x01\n\x11\x45ncodePromptStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x1c\n\x0fnegative_prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1b\n\x13max_sequence_length\x18\x04 \x01(\x05\x12$\n\x06images\x18\x05 \x03(\x0b\x32\x14.stagemesh.v1.TensorB\x12\n\x10_negative_prompt\"\xa5\x01\n\x14\x45ncodePromptResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x32\n\x06result\x18\x02 \x01(\x0b\x32 .stagemesh.v1.EncodePromptResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"\x8d\x02\n\x12\x45ncodePromptResult\x12+\n\rprompt_embeds\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x30\n\x12prompt_embeds_mask\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x34\n\x16negative_prompt_embeds\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x39\n\x1bnegative_prompt_embeds_mask\x18\x04 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\'\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\x1a\n\x18\x44\x65scribeTokenizerRequest\"\xaf\x01\n\x19\x44\x65scribeTokenizerResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x18\n\x10max_prompt_chars\x18\x02 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\x03 \x01(\x05\x12\x12\n\nmax_images\x18\x04 \x01(\x05\x12\x18\n\x10max_image_pixels\x18\x05 \x01(\x03\x32\xd3\x01\n\x10TokenizerService\x12Y\n\x0c\x45ncodePrompt\x12!.stagemesh.v1.EncodePromptRequest\x1a\".stagemesh.v1.EncodePromptResponse(\x01\x30\x01\x12\x64\n\x11\x44\x65scribeTokenizer\x12&.stagemesh.v1.DescribeTokenizerRequest\x1a\'.stagemesh.v1.DescribeTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEPROMPTREQUEST']._serialized_start=81
   _globals['_ENCODEPROMPTREQUEST']._serialized_end=200
   _globals['_ENCODEPROMPTSTART']._serialized_start=203
-  _globals['_ENCODEPROMPTSTART']._serialized_end=337
-  _globals['_ENCODEPROMPTRESPONSE']._serialized_start=340
-  _globals['_ENCODEPROMPTRESPONSE']._serialized_end=505
-  _globals['_ENCODEPROMPTRESULT']._serialized_start=508
-  _globals['_ENCODEPROMPTRESULT']._serialized_end=777
-  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_start=779
-  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_end=805
-  _globals['_DESCRIBETOKENIZERRESPONSE']._serialized_start=808
-  _globals['_DESCRIBETOKENIZERRESPONSE']._serialized_end=937
-  _globals['_TOKENIZERSERVICE']._serialized_start=940
-  _globals['_TOKENIZERSERVICE']._serialized_end=1151
+  _globals['_ENCODEPROMPTSTART']._serialized_end=375
+  _globals['_ENCODEPROMPTRESPONSE']._serialized_start=378
+  _globals['_ENCODEPROMPTRESPONSE']._serialized_end=543
+  _globals['_ENCODEPROMPTRESULT']._serialized_start=546
+  _globals['_ENCODEPROMPTRESULT']._serialized_end=815
+  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_start=817
+  _globals['_DESCRIBETOKENIZERREQUEST']._serialized_end=843
+  _globals['_DESCRIBETOKENIZERRESPONSE']._serialized_start=846
+  _globals['_DESCRIBETOKENIZERRESPONSE']._serialized_end=1021
+  _globals['_TOKENIZERSERVICE']._serialized_start=1024
+  _globals['_TOKENIZERSERVICE']._serialized_end=1235
 # @@protoc_insertion_point(module_scope)

@@ -3,8 +3,10 @@
 isort:skip_file
 The Tokenizer stage: text to token ids and text-encoder embeddings."""
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from . import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -55,6 +57,7 @@ class EncodePromptStart(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     NEGATIVE_PROMPT_FIELD_NUMBER: _builtins.int
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request; logs, metrics and cancel-by-id use it."""
     prompt: _builtins.str
@@ -63,6 +66,13 @@ class EncodePromptStart(_message.Message):
     """Optional text for classifier-free guidance; encoded only when set."""
     max_sequence_length: _builtins.int
     """Upper bound on prompt tokens kept (0 = the model's default)."""
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]:
+        """Images the text encoder reads together with the prompt (image edit: the image to change),
+        uint8 RGB [height, width, 3] each, as the client sent them; the stage resizes them the way
+        its model's pipeline does. At most DescribeTokenizerResponse.max_images.
+        """
+
     def __init__(
         self,
         *,
@@ -70,10 +80,11 @@ class EncodePromptStart(_message.Message):
         prompt: _builtins.str = ...,
         negative_prompt: _builtins.str | None = ...,
         max_sequence_length: _builtins.int = ...,
+        images: _abc.Iterable[_common_pb2.Tensor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "negative_prompt", b"negative_prompt"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "max_sequence_length", b"max_sequence_length", "negative_prompt", b"negative_prompt", "prompt", b"prompt", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "images", b"images", "max_sequence_length", b"max_sequence_length", "negative_prompt", b"negative_prompt", "prompt", b"prompt", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
@@ -187,10 +198,16 @@ class DescribeTokenizerResponse(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     MAX_PROMPT_CHARS_FIELD_NUMBER: _builtins.int
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _builtins.int
+    MAX_IMAGES_FIELD_NUMBER: _builtins.int
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _builtins.int
     max_prompt_chars: _builtins.int
     """Longest prompt (and negative prompt) accepted, in characters."""
     max_sequence_length: _builtins.int
     """Most prompt tokens the text encoder keeps; longer prompts are refused."""
+    max_images: _builtins.int
+    """Most images one request may carry (0: the model reads text only)."""
+    max_image_pixels: _builtins.int
+    """Largest height x width of one input image, in pixels."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -201,10 +218,12 @@ class DescribeTokenizerResponse(_message.Message):
         stage: _common_pb2.StageDescription | None = ...,
         max_prompt_chars: _builtins.int = ...,
         max_sequence_length: _builtins.int = ...,
+        max_images: _builtins.int = ...,
+        max_image_pixels: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_prompt_chars", b"max_prompt_chars", "max_sequence_length", b"max_sequence_length", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_image_pixels", b"max_image_pixels", "max_images", b"max_images", "max_prompt_chars", b"max_prompt_chars", "max_sequence_length", b"max_sequence_length", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estagemesh/v1/vae_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"y\n\x14\x44\x65\x63odeLatentsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .stagemesh.v1.DecodeLatentsStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"n\n\x12\x44\x65\x63odeLatentsStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07latents\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\"\xa7\x01\n\x15\x44\x65\x63odeLatentsResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x33\n\x06result\x18\x02 \x01(\x0b\x32!.stagemesh.v1.DecodeLatentsResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\";\n\x13\x44\x65\x63odeLatentsResult\x12$\n\x06pixels\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\x14\n\x12\x44\x65scribeVaeRequest\"m\n\x13\x44\x65scribeVaeResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x15\n\rsize_multiple\x18\x02 \x01(\x05\x12\x10\n\x08max_side\x18\x03 \x01(\x05\x32\xbe\x01\n\nVaeService\x12\\\n\rDecodeLatents\x12\".stagemesh.v1.DecodeLatentsRequest\x1a#.stagemesh.v1.DecodeLatentsResponse(\x01\x30\x01\x12R\n\x0b\x44\x65scribeVae\x12 .stagemesh.v1.DescribeVaeRequest\x1a!.stagemesh.v1.DescribeVaeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1estagemesh/v1/vae_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"y\n\x14\x44\x65\x63odeLatentsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .stagemesh.v1.DecodeLatentsStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\x82\x01\n\x12\x44\x65\x63odeLatentsStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x07latents\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x12\n\nnum_frames\x18\x05 \x01(\x05\"\xd6\x01\n\x15\x44\x65\x63odeLatentsResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x33\n\x06result\x18\x02 \x01(\x0b\x32!.stagemesh.v1.DecodeLatentsResultH\x00\x12(\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x12-\n\x06\x66rames\x18\x04 \x01(\x0b\x32\x1b.stagemesh.v1.DecodedFramesH\x00\x42\x07\n\x05\x65vent\"P\n\rDecodedFrames\x12$\n\x06pixels\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x19\n\x11\x66irst_frame_index\x18\x02 \x01(\x05\"O\n\x13\x44\x65\x63odeLatentsResult\x12$\n\x06pixels\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x12\n\nnum_frames\x18\x02 \x01(\x05\"u\n\x12\x45ncodeImageRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.EncodeImageStartH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"~\n\x10\x45ncodeImageStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05image\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x12\n\nnum_frames\x18\x05 \x01(\x05\"\xcf\x01\n\x13\x45ncodeImageResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12*\n\x08progress\x18\x02 \x01(\x0b\x32\x16.stagemesh.v1.ProgressH\x00\x12\x31\n\x06result\x18\x03 \x01(\x0b\x32\x1f.stagemesh.v1.EncodeImageResultH\x00\x12(\n\x07\x61\x62orted\x18\x04 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\":\n\x11\x45ncodeImageResult\x12%\n\x07latents\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\"\x14\n\x12\x44\x65scribeVaeRequest\"\x95\x01\n\x13\x44\x65scribeVaeResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x15\n\rsize_multiple\x18\x02 \x01(\x05\x12\x10\n\x08max_side\x18\x03 \x01(\x05\x12\x12\n\ncan_encode\x18\x04 \x01(\x08\x12\x12\n\nmax_frames\x18\x05 \x01(\x05\x32\x96\x02\n\nVaeService\x12\\\n\rDecodeLatents\x12\".stagemesh.v1.DecodeLatentsRequest\x1a#.stagemesh.v1.DecodeLatentsResponse(\x01\x30\x01\x12V\n\x0b\x45ncodeImage\x12 .stagemesh.v1.EncodeImageRequest\x1a!.stagemesh.v1.EncodeImageResponse(\x01\x30\x01\x12R\n\x0b\x44\x65scribeVae\x12 .stagemesh.v1.DescribeVaeRequest\x1a!.stagemesh.v1.DescribeVaeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,16 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODELATENTSREQUEST']._serialized_start=75
   _globals['_DECODELATENTSREQUEST']._serialized_end=196
-  _globals['_DECODELATENTSSTART']._serialized_start=198
-  _globals['_DECODELATENTSSTART']._serialized_end=308
-  _globals['_DECODELATENTSRESPONSE']._serialized_start=311
-  _globals['_DECODELATENTSRESPONSE']._serialized_end=478
-  _globals['_DECODELATENTSRESULT']._serialized_start=480
-  _globals['_DECODELATENTSRESULT']._serialized_end=539
-  _globals['_DESCRIBEVAEREQUEST']._serialized_start=541
-  _globals['_DESCRIBEVAEREQUEST']._serialized_end=561
-  _globals['_DESCRIBEVAERESPONSE']._serialized_start=563
-  _globals['_DESCRIBEVAERESPONSE']._serialized_end=672
-  _globals['_VAESERVICE']._serialized_start=675
-  _globals['_VAESERVICE']._serialized_end=865
+  _globals['_DECODELATENTSSTART']._serialized_start=199
+  _globals['_DECODELATENTSSTART']._serialized_end=329
+  _globals['_DECODELATENTSRESPONSE']._serialized_start=332
+  _globals['_DECODELATENTSRESPONSE']._serialized_end=546
+  _globals['_DECODEDFRAMES']._serialized_start=548
+  _globals['_DECODEDFRAMES']._serialized_end=628
+  _globals['_DECODELATENTSRESULT']._serialized_start=630
+  _globals['_DECODELATENTSRESULT']._serialized_end=709
+  _globals['_ENCODEIMAGEREQUEST']._serialized_start=711
+  _globals['_ENCODEIMAGEREQUEST']._serialized_end=828
+  _globals['_ENCODEIMAGESTART']._serialized_start=830
+  _globals['_ENCODEIMAGESTART']._serialized_end=956
+  _globals['_ENCODEIMAGERESPONSE']._serialized_start=959
+  _globals['_ENCODEIMAGERESPONSE']._serialized_end=1166
+  _globals['_ENCODEIMAGERESULT']._serialized_start=1168
+  _globals['_ENCODEIMAGERESULT']._serialized_end=1226
+  _globals['_DESCRIBEVAEREQUEST']._serialized_start=1228
+  _globals['_DESCRIBEVAEREQUEST']._serialized_end=1248
+  _globals['_DESCRIBEVAERESPONSE']._serialized_start=1251
+  _globals['_DESCRIBEVAERESPONSE']._serialized_end=1400
+  _globals['_VAESERVICE']._serialized_start=1403
+  _globals['_VAESERVICE']._serialized_end=1681
 # @@protoc_insertion_point(module_scope)

@@ -55,11 +55,14 @@ class DecodeLatentsStart(_message.Message):
     LATENTS_FIELD_NUMBER: _builtins.int
     HEIGHT_FIELD_NUMBER: _builtins.int
     WIDTH_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     height: _builtins.int
     """Image size in pixels."""
     width: _builtins.int
+    num_frames: _builtins.int
+    """Video frames to decode (the DiT's DenoiseResult.num_frames); 0 for an image."""
     @_builtins.property
     def latents(self) -> _common_pb2.Tensor:
         """Packed latents from the DiT stage."""
@@ -71,10 +74,11 @@ class DecodeLatentsStart(_message.Message):
         latents: _common_pb2.Tensor | None = ...,
         height: _builtins.int = ...,
         width: _builtins.int = ...,
+        num_frames: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["latents", b"latents"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "latents", b"latents", "request_id", b"request_id", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "latents", b"latents", "num_frames", b"num_frames", "request_id", b"request_id", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -89,28 +93,60 @@ class DecodeLatentsResponse(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     ABORTED_FIELD_NUMBER: _builtins.int
+    FRAMES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def queued(self) -> _common_pb2.Queued: ...
     @_builtins.property
     def result(self) -> Global___DecodeLatentsResult: ...
     @_builtins.property
     def aborted(self) -> _common_pb2.Aborted: ...
+    @_builtins.property
+    def frames(self) -> Global___DecodedFrames: ...
     def __init__(
         self,
         *,
         queued: _common_pb2.Queued | None = ...,
         result: Global___DecodeLatentsResult | None = ...,
         aborted: _common_pb2.Aborted | None = ...,
+        frames: Global___DecodedFrames | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "frames", b"frames", "queued", b"queued", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "frames", b"frames", "queued", b"queued", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "result", "aborted"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "result", "aborted", "frames"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___DecodeLatentsResponse: _TypeAlias = DecodeLatentsResponse  # noqa: Y015
+
+@_typing.final
+class DecodedFrames(_message.Message):
+    """A chunk of decoded video frames, in order; the result follows the last chunk."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIXELS_FIELD_NUMBER: _builtins.int
+    FIRST_FRAME_INDEX_FIELD_NUMBER: _builtins.int
+    first_frame_index: _builtins.int
+    """Index of the chunk's first frame in the video."""
+    @_builtins.property
+    def pixels(self) -> _common_pb2.Tensor:
+        """RGB pixels, uint8 [frames, height, width, 3]."""
+
+    def __init__(
+        self,
+        *,
+        pixels: _common_pb2.Tensor | None = ...,
+        first_frame_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pixels", b"pixels"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_frame_index", b"first_frame_index", "pixels", b"pixels"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodedFrames: _TypeAlias = DecodedFrames  # noqa: Y015
 
 @_typing.final
 class DecodeLatentsResult(_message.Message):
@@ -119,22 +155,157 @@ class DecodeLatentsResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PIXELS_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
+    num_frames: _builtins.int
+    """Frames decoded (video); 0 for an image."""
     @_builtins.property
     def pixels(self) -> _common_pb2.Tensor:
-        """RGB pixels, uint8 [batch, height, width, 3]."""
+        """RGB pixels, uint8 [batch, height, width, 3]; empty for a video (its frames came as
+        `frames` events).
+        """
 
     def __init__(
         self,
         *,
         pixels: _common_pb2.Tensor | None = ...,
+        num_frames: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pixels", b"pixels"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pixels", b"pixels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_frames", b"num_frames", "pixels", b"pixels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecodeLatentsResult: _TypeAlias = DecodeLatentsResult  # noqa: Y015
+
+@_typing.final
+class EncodeImageRequest(_message.Message):
+    """A client message on an EncodeImage stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def start(self) -> Global___EncodeImageStart: ...
+    @_builtins.property
+    def cancel(self) -> _common_pb2.Cancel: ...
+    def __init__(
+        self,
+        *,
+        start: Global___EncodeImageStart | None = ...,
+        cancel: _common_pb2.Cancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["start", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___EncodeImageRequest: _TypeAlias = EncodeImageRequest  # noqa: Y015
+
+@_typing.final
+class EncodeImageStart(_message.Message):
+    """Starts an EncodeImage request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Caller-chosen id, unique per request."""
+    height: _builtins.int
+    """Size to resize it to before encoding, in pixels (multiples of size_multiple)."""
+    width: _builtins.int
+    num_frames: _builtins.int
+    """Video conditioning: encode a clip of this many frames, the image first and the rest zeros
+    (Wan's image-to-video); 0 or 1 encodes the image alone.
+    """
+    @_builtins.property
+    def image(self) -> _common_pb2.Tensor:
+        """The image, uint8 RGB [height, width, 3], as the client sent it."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        image: _common_pb2.Tensor | None = ...,
+        height: _builtins.int = ...,
+        width: _builtins.int = ...,
+        num_frames: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["image", b"image"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "image", b"image", "num_frames", b"num_frames", "request_id", b"request_id", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EncodeImageStart: _TypeAlias = EncodeImageStart  # noqa: Y015
+
+@_typing.final
+class EncodeImageResponse(_message.Message):
+    """A server message on an EncodeImage stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    ABORTED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def queued(self) -> _common_pb2.Queued: ...
+    @_builtins.property
+    def progress(self) -> _common_pb2.Progress: ...
+    @_builtins.property
+    def result(self) -> Global___EncodeImageResult: ...
+    @_builtins.property
+    def aborted(self) -> _common_pb2.Aborted: ...
+    def __init__(
+        self,
+        *,
+        queued: _common_pb2.Queued | None = ...,
+        progress: _common_pb2.Progress | None = ...,
+        result: Global___EncodeImageResult | None = ...,
+        aborted: _common_pb2.Aborted | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "progress", "result", "aborted"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___EncodeImageResponse: _TypeAlias = EncodeImageResponse  # noqa: Y015
+
+@_typing.final
+class EncodeImageResult(_message.Message):
+    """The encoded image."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LATENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def latents(self) -> _common_pb2.Tensor:
+        """Normalized latents (the mode of the posterior) [1, channels, frames, height, width]."""
+
+    def __init__(
+        self,
+        *,
+        latents: _common_pb2.Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["latents", b"latents"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["latents", b"latents"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EncodeImageResult: _TypeAlias = EncodeImageResult  # noqa: Y015
 
 @_typing.final
 class DescribeVaeRequest(_message.Message):
@@ -162,10 +333,16 @@ class DescribeVaeResponse(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     SIZE_MULTIPLE_FIELD_NUMBER: _builtins.int
     MAX_SIDE_FIELD_NUMBER: _builtins.int
+    CAN_ENCODE_FIELD_NUMBER: _builtins.int
+    MAX_FRAMES_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this."""
     max_side: _builtins.int
     """Largest height or width in pixels."""
+    can_encode: _builtins.bool
+    """True when the VAE can encode images (EncodeImage)."""
+    max_frames: _builtins.int
+    """Most video frames one request may decode or encode; 0 for an image VAE."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -176,10 +353,12 @@ class DescribeVaeResponse(_message.Message):
         stage: _common_pb2.StageDescription | None = ...,
         size_multiple: _builtins.int = ...,
         max_side: _builtins.int = ...,
+        can_encode: _builtins.bool = ...,
+        max_frames: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_side", b"max_side", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["can_encode", b"can_encode", "max_frames", b"max_frames", "max_side", b"max_side", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

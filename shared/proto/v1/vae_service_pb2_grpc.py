@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class VaeServiceStub:
-    """Decodes latents into images.
+    """Decodes latents into images or video frames, and encodes images into latents.
     """
 
     def __init__(self, channel):
@@ -40,6 +40,11 @@ class VaeServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsResponse.FromString,
                 _registered_method=True)
+        self.EncodeImage = channel.stream_stream(
+                '/stagemesh.v1.VaeService/EncodeImage',
+                request_serializer=stagemesh_dot_v1_dot_vae__service__pb2.EncodeImageRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.EncodeImageResponse.FromString,
+                _registered_method=True)
         self.DescribeVae = channel.unary_unary(
                 '/stagemesh.v1.VaeService/DescribeVae',
                 request_serializer=stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeRequest.SerializeToString,
@@ -48,11 +53,21 @@ class VaeServiceStub:
 
 
 class VaeServiceServicer:
-    """Decodes latents into images.
+    """Decodes latents into images or video frames, and encodes images into latents.
     """
 
     def DecodeLatents(self, request_iterator, context):
         """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it.
+        A video's frames stream back in chunks (`frames` events) before the result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EncodeImage(self, request_iterator, context):
+        """Encodes an image (or the first frame of a video) into normalized latents, the conditioning
+        of image edit and image-to-video. The first client message is `start`; a later `cancel`
+        stops it between chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,6 +88,11 @@ def add_VaeServiceServicer_to_server(servicer, server):
                     request_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsResponse.SerializeToString,
             ),
+            'EncodeImage': grpc.stream_stream_rpc_method_handler(
+                    servicer.EncodeImage,
+                    request_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.EncodeImageRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_vae__service__pb2.EncodeImageResponse.SerializeToString,
+            ),
             'DescribeVae': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeVae,
                     request_deserializer=stagemesh_dot_v1_dot_vae__service__pb2.DescribeVaeRequest.FromString,
@@ -87,7 +107,7 @@ def add_VaeServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VaeService:
-    """Decodes latents into images.
+    """Decodes latents into images or video frames, and encodes images into latents.
     """
 
     @staticmethod
@@ -107,6 +127,33 @@ class VaeService:
             '/stagemesh.v1.VaeService/DecodeLatents',
             stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsRequest.SerializeToString,
             stagemesh_dot_v1_dot_vae__service__pb2.DecodeLatentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeImage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stagemesh.v1.VaeService/EncodeImage',
+            stagemesh_dot_v1_dot_vae__service__pb2.EncodeImageRequest.SerializeToString,
+            stagemesh_dot_v1_dot_vae__service__pb2.EncodeImageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,29 +27,43 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class VaeServiceStub:
-    """Decodes latents into images."""
+    """Decodes latents into images or video frames, and encodes images into latents."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> VaeServiceAsyncStub: ...
     DecodeLatents: _grpc.StreamStreamMultiCallable[_vae_service_pb2.DecodeLatentsRequest, _vae_service_pb2.DecodeLatentsResponse]
-    """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it."""
+    """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it.
+    A video's frames stream back in chunks (`frames` events) before the result.
+    """
+    EncodeImage: _grpc.StreamStreamMultiCallable[_vae_service_pb2.EncodeImageRequest, _vae_service_pb2.EncodeImageResponse]
+    """Encodes an image (or the first frame of a video) into normalized latents, the conditioning
+    of image edit and image-to-video. The first client message is `start`; a later `cancel`
+    stops it between chunks.
+    """
     DescribeVae: _grpc.UnaryUnaryMultiCallable[_vae_service_pb2.DescribeVaeRequest, _vae_service_pb2.DescribeVaeResponse]
     """What this stage accepts: image sizes."""
 
 @_typing.type_check_only
 class VaeServiceAsyncStub(VaeServiceStub):
-    """Decodes latents into images."""
+    """Decodes latents into images or video frames, and encodes images into latents."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     DecodeLatents: _aio.StreamStreamMultiCallable[_vae_service_pb2.DecodeLatentsRequest, _vae_service_pb2.DecodeLatentsResponse]  # type: ignore[assignment]
-    """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it."""
+    """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it.
+    A video's frames stream back in chunks (`frames` events) before the result.
+    """
+    EncodeImage: _aio.StreamStreamMultiCallable[_vae_service_pb2.EncodeImageRequest, _vae_service_pb2.EncodeImageResponse]  # type: ignore[assignment]
+    """Encodes an image (or the first frame of a video) into normalized latents, the conditioning
+    of image edit and image-to-video. The first client message is `start`; a later `cancel`
+    stops it between chunks.
+    """
     DescribeVae: _aio.UnaryUnaryMultiCallable[_vae_service_pb2.DescribeVaeRequest, _vae_service_pb2.DescribeVaeResponse]  # type: ignore[assignment]
     """What this stage accepts: image sizes."""
 
 class VaeServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Decodes latents into images."""
+    """Decodes latents into images or video frames, and encodes images into latents."""
 
     @_abc_1.abstractmethod
     def DecodeLatents(
@@ -57,7 +71,20 @@ class VaeServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_vae_service_pb2.DecodeLatentsRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_vae_service_pb2.DecodeLatentsResponse], _abc.AsyncIterator[_vae_service_pb2.DecodeLatentsResponse]]:
-        """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it."""
+        """Decodes one batch of latents. The first client message is `start`; a later `cancel` stops it.
+        A video's frames stream back in chunks (`frames` events) before the result.
+        """
+
+    @_abc_1.abstractmethod
+    def EncodeImage(
+        self,
+        request_iterator: _MaybeAsyncIterator[_vae_service_pb2.EncodeImageRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_vae_service_pb2.EncodeImageResponse], _abc.AsyncIterator[_vae_service_pb2.EncodeImageResponse]]:
+        """Encodes an image (or the first frame of a video) into normalized latents, the conditioning
+        of image edit and image-to-video. The first client message is `start`; a later `cancel`
+        stops it between chunks.
+        """
 
     @_abc_1.abstractmethod
     def DescribeVae(
