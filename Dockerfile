@@ -20,10 +20,14 @@ WORKDIR /src
 COPY . .
 # The repository root is the `stagemesh` package (setup.py lists every package folder); the
 # shipped tiny-shapes weights (assets/) are package data, installed next to the code where
-# stagemesh.models.registry looks for them. No extras: bench charts and training progress bars
+# stagemesh.models.registry looks for them. Bench charts and training progress bars
 # (`stagemesh[bench,train]`) are not needed to serve; built-in models are built into
-# $STAGEMESH_CACHE.
-RUN pip install . && cd / && rm -rf /src
+# $STAGEMESH_CACHE. The GPL extras are installed as `make serve` installs them: `voice-gpl`
+# (piper-tts: espeak-ng, GPL-3.0-or-later), the default voice's phonemizer, and `video-gpl`
+# (PyAV: FFmpeg linked with libx264), the MP4 encoder. `--build-arg EXTRAS=` builds an image
+# without them (the Piper talker then refuses to start, the video routes answer 503; both say why).
+ARG EXTRAS=voice-gpl,video-gpl
+RUN pip install ".${EXTRAS:+[$EXTRAS]}" && cd / && rm -rf /src
 
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin stagemesh
 USER 10001:10001

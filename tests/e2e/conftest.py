@@ -48,12 +48,17 @@ class Served:
         stages = httpx.get(f"{self.http_url}/v1/stages", timeout=10).json()["stages"]
         return {s["name"]: s for s in stages}
 
-    def metrics(self, stage: str) -> dict[str, float]:
-        """One stage's /metrics as {'name{label="v",...}': value}, labels sorted."""
-        if stage not in self._metrics_urls:
+    def metrics(self, stage: str, recipe: str = "") -> dict[str, float]:
+        """One stage's /metrics as {'name{label="v",...}': value}, labels sorted. `recipe`
+        picks that recipe's stage where several recipes have a stage of this name."""
+        where = f"{recipe}/{stage}" if recipe else stage
+        if where not in self._metrics_urls:
             self._metrics_urls.update({n: s["metrics_url"] for n, s in self.stages().items()})
+            listed = httpx.get(f"{self.http_url}/v1/stages", timeout=10).json()["stages"]
+            self._metrics_urls.update({f"{s['recipe']}/{s['name']}": s["metrics_url"]
+                                       for s in listed})
         samples = {}
-        for line in httpx.get(self._metrics_urls[stage], timeout=10).text.splitlines():
+        for line in httpx.get(self._metrics_urls[where], timeout=10).text.splitlines():
             if line and not line.startswith("#"):
                 series, value = line.rsplit(" ", 1)
                 name, _, labels = series.partition("{")
@@ -61,10 +66,10 @@ class Served:
                 samples[key] = float(value)
         return samples
 
-    def metric(self, stage: str, name: str, **labels: str) -> float:
+    def metric(self, stage: str, name: str, *, recipe: str = "", **labels: str) -> float:
         """One sample of a stage's metrics (0 when the series does not exist yet)."""
         wanted = ",".join(f'{k}="{v}"' for k, v in sorted({"stage": stage, **labels}.items()))
-        return self.metrics(stage).get(f"{name}{{{wanted}}}", 0.0)
+        return self.metrics(stage, recipe).get(f"{name}{{{wanted}}}", 0.0)
 
 
 def start_serve(*extra: str) -> Served:

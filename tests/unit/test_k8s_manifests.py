@@ -7,6 +7,7 @@ Services, autoscalers, policies and recipes agree with each other and with how t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import re
@@ -21,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from stagemesh.gateway.recipes import load_recipes
+from stagemesh.gateway.recipes import DEFAULT_RECIPES, Recipe, load_recipes
 from stagemesh.shared.engine.metrics import EngineMetrics
 from stagemesh.shared.stage_runtime import (
     DEFAULT_DRAIN_GRACE_S,
@@ -36,15 +37,30 @@ KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None,
                                 reason="kubectl is not on PATH (needed for `kubectl kustomize`)")
 
-STAGES = ("tokenizer", "dit", "vae", "talker", "codec")
-#: The stages that compute on a GPU in the gpu overlay (the real Qwen-Image text encoder is a
-#: 7B-parameter Qwen2.5-VL, so the tokenizer needs one too; the codec stays on CPU).
-GPU_STAGES = {"tokenizer", "dit", "vae", "talker"}
+#: Stage Deployments, named <recipe>-<role>: each recipe's stages run its own model, so two
+#: recipes with a talker have two talker Deployments.
+IMAGE_AND_VIDEO_STAGES = tuple(
+    f"{recipe}-{role}" for recipe in ("tiny-shapes", "qwen-image-edit-tiny", "wan-t2v-tiny",
+                                      "wan-i2v-tiny")
+    for role in ("tokenizer", "dit", "vae"))
+STAGES = (*IMAGE_AND_VIDEO_STAGES, "piper-joe-talker", "piper-joe-codec", "csm-tiny-talker",
+          "csm-tiny-codec", "smollm2-thinker")
+#: The stages that compute on a GPU in the gpu overlay (the real Qwen-Image and Wan text
+#: encoders are billions of parameters, so the tokenizers need one too; the codecs stay on CPU).
+GPU_STAGES = {*IMAGE_AND_VIDEO_STAGES, "csm-tiny-talker", "smollm2-thinker"}
+#: Stages that run on ONNX Runtime's CPU provider: they have no `device` option at all.
+ONNX_STAGES = {"piper-joe-talker", "piper-joe-codec"}
+#: Options only the gpu overlay adds (where a stage computes), on top of default.yaml's.
+PLACEMENT_OPTIONS = {"device", "dtype"}
 #: The gauges a stage's autoscaler sums: its engines' queue (waiting) and what they run.
 QUEUE_METRICS = {"stagemesh_requests_waiting", "stagemesh_requests_running"}
-#: The `stage` label values of each stage pod's engines (the codec runs two).
-ENGINE_LABELS = {"tokenizer": {"tokenizer"}, "dit": {"dit"}, "vae": {"vae"},
-                 "talker": {"talker"}, "codec": {"codec", "codec-encode"}}
+#: The `stage` label values of each stage pod's engines, by role (the VAE and the CSM codec run
+#: two: decode, and encode for conditioning images or voice-clone references).
+ENGINE_LABELS = {"tokenizer": {"tokenizer"}, "dit": {"dit"}, "vae": {"vae", "vae-encode"},
+                 "talker": {"talker"}, "codec": {"codec", "codec-encode"},
+                 "thinker": {"thinker"}}
+#: The engines of a Piper codec (it decodes only: a Piper voice cannot clone).
+PIPER_CODEC_LABELS = {"codec"}
 #: The gateway's own shutdown: up to 10 s for HTTP requests, then 5 s for gRPC (gateway/app.py).
 GATEWAY_DRAIN_S = 15
 #: What a stage needs after its drain grace: abort what is left, let the aborts reach the
@@ -82,6 +98,16 @@ def stage_deployments(overlay: str) -> dict[str, Doc]:
 
 def pod_labels(deployment: Doc) -> dict[str, str]:
     return {str(k): str(v) for k, v in deployment["spec"]["template"]["metadata"]["labels"].items()}
+
+
+def role(deployment: Doc) -> str:
+    """The stage role a Deployment runs (`stagemesh stage <role>`), from its pod label."""
+    return pod_labels(deployment)["stagemesh.io/role"]
+
+
+def pod_name(deployment: str) -> str:
+    """A name the ReplicaSet controller gives a pod of the Deployment."""
+    return f"{deployment}-5d8f7b9c4-x7k2p"
 
 
 def container(deployment: Doc, name: str) -> Doc:
@@ -134,7 +160,7 @@ def test_every_resource_validates_against_its_schema(overlay: str) -> None:
 def test_the_crd_check_refuses_what_the_api_server_would() -> None:
     """The vendored CRD check fails on an unknown field, a wrong type and a kind it has no
     schema for (kubernetes-validate alone would only warn about all three)."""
-    scaled = of_kind("base", "ScaledObject")["dit"]
+    scaled = of_kind("base", "ScaledObject")["tiny-shapes-dit"]
     misspelt = {**scaled, "spec": {**scaled["spec"], "minReplicas": 1}}
     wrong_type = {**scaled, "spec": {**scaled["spec"], "maxReplicaCount": "8"}}
     unknown_kind = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
@@ -169,7 +195,10 @@ def test_stage_probes_ports_and_scrape_annotations_agree(overlay: str) -> None:
     for stage, deployment in stage_deployments(overlay).items():
         stage_container = container(deployment, "stage")
         args = stage_container["args"]
-        assert args[:2] == ["stage", stage]
+        assert args[:2] == ["stage", role(deployment)]
+        # Named <recipe>-<role>, and labelled with the model folder it loads.
+        assert stage.endswith(f"-{role(deployment)}"), stage
+        assert flag(args, "--model") == f"/models/{pod_labels(deployment)['stagemesh.io/model']}"
         grpc_port = int(flag(args, "--port"))
         metrics_port = int(flag(args, "--metrics-port"))
         # `stagemesh stage` binds loopback unless told otherwise; a pod must be reachable.
@@ -275,19 +304,48 @@ def test_recipes_resolve_every_pod_of_the_stage_services(overlay: str, tmp_path:
     used = set()
     for recipe in recipes.values():
         for stage, endpoint in recipe.stages.items():
-            used.add(stage)
             host, port = _dns_target(endpoint.address)
-            service = services[f"stagemesh-{stage}"]
+            service = services[host.split(".")[0]]
             namespace = service["metadata"]["namespace"]
-            assert host == f"stagemesh-{stage}.{namespace}.svc.cluster.local"
+            name = f"{recipe.name}-{stage}"
+            assert host == f"stagemesh-{name}.{namespace}.svc.cluster.local"
             assert service["spec"]["clusterIP"] == "None"
             assert port == named(service["spec"]["ports"], "grpc")["port"]
             assert endpoint.metrics_port == named(service["spec"]["ports"], "metrics")["port"]
-            # The stage Deployment runs the recipe's model with the recipe's options.
-            args = container(deployments[stage], "stage")["args"]
+            # The Service selects the recipe's own stage Deployment, which runs the recipe's
+            # model in the right role with the recipe's options.
+            (deployment,) = [d for d in deployments.values()
+                             if selects(service["spec"]["selector"], pod_labels(d))]
+            used.add(deployment["metadata"]["name"])
+            args = container(deployment, "stage")["args"]
+            assert role(deployment) == stage, (recipe.name, stage)
             assert flag(args, "--model") == recipe.model, (recipe.name, stage)
-            assert _stage_options(deployments[stage]) == endpoint.options, (recipe.name, stage)
+            assert _stage_options(deployment) == endpoint.options, (recipe.name, stage)
     assert used == set(STAGES)
+
+
+def _comparable(recipe: Recipe, drop: frozenset[str] = frozenset()) -> Recipe:
+    """A recipe without what differs between meshes: its model folder, where each stage runs
+    (address, metrics ports) and the option keys in `drop`."""
+    stages = {name: dataclasses.replace(
+        endpoint, address="", metrics_port=None, replica_metrics_ports=(),
+        options={k: v for k, v in endpoint.options.items() if k not in drop})
+        for name, endpoint in recipe.stages.items()}
+    return dataclasses.replace(recipe, model="", stages=stages)
+
+
+def test_the_cluster_serves_the_recipes_of_the_embedded_mesh(overlay: str, tmp_path: Path) -> None:
+    """Every recipe of gateway/recipes/default.yaml, in its order (the first text-to-speech
+    recipe is the default voice), with the same task, stages, options and defaults; the gpu
+    overlay adds only where a stage computes (device, dtype)."""
+    (config_map,) = of_kind(overlay, "ConfigMap").values()
+    recipes_file = tmp_path / "recipes.yaml"
+    recipes_file.write_text(config_map["data"]["recipes.yaml"])
+    cluster, embedded = load_recipes(recipes_file), load_recipes(DEFAULT_RECIPES)
+    assert list(cluster) == list(embedded)
+    drop = frozenset(PLACEMENT_OPTIONS if overlay == "overlays/gpu" else ())
+    for name, recipe in cluster.items():
+        assert _comparable(recipe, drop) == _comparable(embedded[name]), name
 
 
 # --- autoscaling -------------------------------------------------------------------------------
@@ -307,6 +365,7 @@ def test_no_autoscaler_needs_a_metric_nothing_serves(overlay: str) -> None:
 def test_every_stage_scales_on_its_own_queue(overlay: str) -> None:
     scaled = of_kind(overlay, "ScaledObject")
     assert set(scaled) == set(STAGES)
+    deployments = stage_deployments(overlay)
     exported = _exported_metric_names()
     for stage, scaled_object in scaled.items():
         spec = scaled_object["spec"]
@@ -322,8 +381,14 @@ def test_every_stage_scales_on_its_own_queue(overlay: str) -> None:
         # The selector picks exactly the queue gauges among everything a stage exports.
         assert {name for name in exported if names.fullmatch(name)} == QUEUE_METRICS, stage
         assert labels["namespace"].fullmatch(scaled_object["metadata"]["namespace"])
+        engines = PIPER_CODEC_LABELS if stage == "piper-joe-codec" else \
+            ENGINE_LABELS[role(deployments[stage])]
         assert {label for label in _all_engine_labels() if labels["stage"].fullmatch(label)} \
-            == ENGINE_LABELS[stage]
+            == engines, stage
+        # Only this Deployment's pods: another recipe's stage of the same role has its own.
+        assert {other for other in deployments if labels["pod"].fullmatch(pod_name(other))} \
+            == {stage}, stage
+        assert not labels["pod"].fullmatch(f"{stage}-x-5d8f7b9c4-x7k2p"), stage
 
 
 def test_stage_autoscalers_share_one_prometheus_and_scaling_pace(overlay: str) -> None:
@@ -438,7 +503,7 @@ def test_network_policy_lets_only_gateways_and_prometheus_reach_stages(overlay: 
     stages = stage_deployments(overlay)
     for name, deployment in stages.items():
         stage = pod_labels(deployment)
-        other_stage = pod_labels(stages["vae" if name != "vae" else "dit"])
+        other_stage = pod_labels(next(d for n, d in stages.items() if n != name))
         assert _ingress_allowed(overlay, stage, "grpc", gateway, here), name
         assert _ingress_allowed(overlay, stage, "metrics", {}, monitoring), name
         assert not _ingress_allowed(overlay, stage, "metrics", gateway, here), name
@@ -454,12 +519,25 @@ def test_network_policy_lets_only_gateways_and_prometheus_reach_stages(overlay: 
 # --- overlays ----------------------------------------------------------------------------------
 
 
+def _expanded_args(each: Doc, labels: Mapping[str, str]) -> list[str]:
+    """A container's args as the kubelet runs them: $(VAR) replaced by the env variable, here
+    one read from a pod label (the downward API)."""
+    values = {}
+    for env in each.get("env", []):
+        field_path = env["valueFrom"]["fieldRef"]["fieldPath"]
+        match = re.fullmatch(r"metadata\.labels\['([^']+)'\]", field_path)
+        assert match, field_path
+        values[env["name"]] = labels[match.group(1)]
+    return [re.sub(r"\$\(([A-Z_]+)\)", lambda m: values[m.group(1)], arg) for arg in each["args"]]
+
+
 def test_cpu_tiny_builds_each_stage_model_where_the_stage_reads_it() -> None:
     for stage, deployment in stage_deployments("overlays/cpu-tiny").items():
         pod = deployment["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
-        spec, target = init["args"]
-        assert spec.startswith("builtin:")
+        spec, target = _expanded_args(init, pod_labels(deployment))
+        # The folder's name is the built-in model's: builtin:<name> -> /models/<name>.
+        assert spec == "builtin:" + Path(target).name, stage
         assert init["command"][:2] == ["sh", "-ec"], stage
         assert 'stagemesh model prepare "$0"' in init["command"][2], stage
         assert target == flag(container(deployment, "stage")["args"], "--model"), stage
@@ -490,6 +568,8 @@ def test_gpu_overlay_stages_compute_where_their_hardware_is() -> None:
         options = _stage_options(deployment)
         if name in GPU_STAGES:
             assert (options["device"], options["dtype"]) == ("cuda", "bfloat16"), name
+        elif name in ONNX_STAGES:
+            assert not PLACEMENT_OPTIONS & set(options), name  # ONNX Runtime's CPU provider
         else:
             assert options["device"] == "cpu", name
 
