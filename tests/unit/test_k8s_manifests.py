@@ -276,12 +276,25 @@ def test_gateway_serves_the_recipes_config_map_on_its_service_ports(overlay: str
 
 def test_the_gateway_reads_no_model_folder(overlay: str) -> None:
     """Voices, limits and devices come from the stages' Describe RPC: the gateway pod mounts
-    only its recipes and a scratch /tmp."""
+    only its recipes, a scratch /tmp and the video job store (never the models)."""
     gateway = of_kind(overlay, "Deployment")["gateway"]
     volumes = gateway["spec"]["template"]["spec"]["volumes"]
-    assert sorted(v["name"] for v in volumes) == ["recipes", "tmp"]
-    assert all("persistentVolumeClaim" not in v for v in volumes)
+    assert sorted(v["name"] for v in volumes) == ["recipes", "tmp", "videos"]
+    assert [v["persistentVolumeClaim"]["claimName"] for v in volumes
+            if "persistentVolumeClaim" in v] == ["stagemesh-videos"]
+    mounts = {m["name"]: m["mountPath"] for m in container(gateway, "gateway")["volumeMounts"]}
+    env = {e["name"]: e.get("value") for e in container(gateway, "gateway")["env"]}
+    assert env["STAGEMESH_VIDEO_STORE"] == mounts["videos"]
     assert "--model" not in container(gateway, "gateway")["args"]
+
+
+def test_the_video_store_is_shared_by_the_gateway_replicas() -> None:
+    """Any gateway replica answers for any job: a cluster's store is ReadWriteMany; a one-node
+    test cluster's is ReadWriteOnce (all its pods share the node)."""
+    for overlay, mode in (("base", "ReadWriteMany"), ("overlays/gpu", "ReadWriteMany"),
+                          ("overlays/cpu-tiny", "ReadWriteOnce")):
+        claims = of_kind(overlay, "PersistentVolumeClaim")
+        assert claims["stagemesh-videos"]["spec"]["accessModes"] == [mode], overlay
 
 
 # --- recipes -----------------------------------------------------------------------------------
@@ -413,7 +426,8 @@ def test_cpu_tiny_keeps_its_autoscalers_with_small_bounds() -> None:
     # every `kubectl apply`.
     for name, deployment in of_kind("overlays/cpu-tiny", "Deployment").items():
         assert "replicas" not in deployment["spec"], name
-    assert of_kind("overlays/cpu-tiny", "PersistentVolumeClaim") == {}
+    # models are built into each pod; only the video store is a claim
+    assert list(of_kind("overlays/cpu-tiny", "PersistentVolumeClaim")) == ["stagemesh-videos"]
 
 
 def _exported_metric_names() -> set[str]:
