@@ -8,8 +8,9 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 # dev: lint and test tools; bench: charts (`stagemesh bench`); train: progress bars (`stagemesh
-# train`); voice-gpl: the default voice's phonemizer (GPL-3.0-or-later, see the README's licences).
-EXTRAS := dev,bench,train,voice-gpl
+# train`); voice-gpl: the default voice's phonemizer, video-gpl: the MP4 encoder (both GPL, see
+# the README's licences).
+EXTRAS := dev,bench,train,voice-gpl,video-gpl
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 

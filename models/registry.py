@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TINY_SHAPES = REPO_ROOT / "assets" / "tiny-shapes"
@@ -26,6 +27,20 @@ def _qwen_image(preset: str) -> Callable[[], Path]:
         from stagemesh.models.qwen_image import ensure_model
 
         return ensure_model(preset)
+    return build
+
+
+def _qwen_image_edit() -> Path:
+    from stagemesh.models.qwen_image_edit import ensure_edit_model
+
+    return ensure_edit_model()
+
+
+def _wan(variant: Literal["t2v", "i2v"]) -> Callable[[], Path]:
+    def build() -> Path:
+        from stagemesh.models.wan import ensure_wan_model
+
+        return ensure_wan_model(variant)
     return build
 
 
@@ -51,6 +66,9 @@ BUILTIN: dict[str, Callable[[], Path]] = {
     "tiny-shapes": _tiny_shapes,
     "qwen-image-tiny": _qwen_image("tiny"),
     "qwen-image-bench": _qwen_image("bench"),
+    "qwen-image-edit-tiny": _qwen_image_edit,
+    "wan-t2v-tiny": _wan("t2v"),
+    "wan-i2v-tiny": _wan("i2v"),
     "csm-tiny": _speech,
     "piper-joe": _piper_joe,
     "smollm2-135m": _smollm2,

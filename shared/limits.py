@@ -28,6 +28,10 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]+")
 #: Seeds are proto int64 fields: [0, MAX_SEED].
 MAX_SEED = 2**63 - 1
 
+#: Largest flow shift a request may set (DenoiseStart.flow_shift; Wan uses 3 to 12): the DiT
+#: refuses more, and the gateway checks it before calling any stage.
+MAX_FLOW_SHIFT = 100.0
+
 #: The voice name that means "the recipe's default voice".
 DEFAULT_VOICE = "default"
 

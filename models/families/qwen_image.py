@@ -11,12 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 #: QwenImagePipeline's `tokenizer_max_length`: the most prompt tokens its text encoder keeps.
 PROMPT_MAX_TOKENS = 1024
 #: Largest image height or width any Qwen-Image stage accepts, in pixels; bounds the latent
 #: memory of one request (the DiT may be configured lower, never higher).
 MAX_IMAGE_SIDE = 2048
+#: `QwenImageEditPipeline` resizes its input image to about this many pixels (aspect ratio
+#: kept, sides multiples of 32) whatever output size is asked; the resized image is what both
+#: the vision-language processor (Tokenizer stage) and the VAE encoder (VAE stage) see.
+EDIT_IMAGE_AREA = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -57,3 +62,22 @@ def latent_factor(model_dir: str | Path) -> int:
         raise ValueError(f"{model_dir}/vae/config.json: temperal_downsample must be a list")
     spatial_factor: int = 2 ** len(downsample)  # one 2x downsample per entry
     return spatial_factor * 2
+
+
+def edit_image_size(width: int, height: int) -> tuple[int, int]:
+    """(width, height) the edit pipeline resizes a `width` x `height` input image to: its own
+    `calculate_dimensions(EDIT_IMAGE_AREA, width / height)` (called, not re-derived)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    new_width, new_height, _ = calculate_dimensions(EDIT_IMAGE_AREA, width / height)
+    return int(new_width), int(new_height)
+
+
+def resize_edit_image(image: Image.Image) -> Image.Image:
+    """The input image as the edit pipeline resizes it (PIL lanczos via `VaeImageProcessor`):
+    the image its processor reads, and the one its VAE encodes."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    width, height = edit_image_size(*image.size)
+    resized: Image.Image = VaeImageProcessor().resize(image, height, width)
+    return resized

@@ -14,15 +14,22 @@ scheduler; rows of different image sizes cannot share a forward (diffusers' rota
 takes the first row's image shape for all rows), so the batch key is the image size. A row's
 result matches the same request stepped alone within float rounding (< 1e-6 measured).
 
-Mid-step abort: once bound to a `StepInterrupt`, a pre-hook on every transformer block asks it
-whether the whole batch has been cancelled and raises `StepInterrupted` there; no state has
-been touched before the forward ends, so an interrupted step leaves every state as it was.
+Image edit (a `QwenImageEditPipeline` folder, told by its model_index.json): a request carries
+one condition image, the normalized latents [1, C, 1, h, w] of the VAE stage's EncodeImage.
+`prepare` packs them as the edit pipeline's `prepare_latents` does; every forward appends them
+to each row's noisy tokens (`hidden_states = cat([latents, image_latents])`, `img_shapes` lists
+the output and the condition image) and keeps only the output tokens of the prediction. The
+schedule's shift still follows the OUTPUT token count, as in the pipeline. Rows batch only when
+their condition shapes match too (the rotary embedding again takes the first row's shapes).
+
+Mid-step abort: `BlockInterruptHooks` on the transformer's blocks (no state has been touched
+before the forward ends, so an interrupted step leaves every state as it was).
 """
 
 from __future__ import annotations
 
 import copy
-import logging
+import json
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -41,7 +48,6 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
     FlowMatchEulerDiscreteScheduler,
 )
-from diffusers.utils.torch_utils import randn_tensor
 
 from stagemesh.models.families.qwen_image import (
     MAX_IMAGE_SIDE,
@@ -49,8 +55,18 @@ from stagemesh.models.families.qwen_image import (
     PromptEmbeddings,
     latent_factor,
 )
-from stagemesh.models.options import capped_option
-from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, LaunchPacer, Placement, synchronize
+from stagemesh.services.dit import checks
+from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
+
+# The limits live in services/dit/limits.py (every DiT adapter's); re-exported here, where the
+# Qwen-Image stage's users (bench/gpu.py, tests) have always read them.
+from stagemesh.services.dit.limits import MAX_STEPS as MAX_STEPS
+from stagemesh.services.dit.limits import MAX_TRUE_CFG_SCALE as MAX_TRUE_CFG_SCALE
+from stagemesh.services.dit.limits import DitLimits as DitLimits
+from stagemesh.services.dit.limits import image_limits
+from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
+from stagemesh.services.dit.stepping import StepState, check_one_batch, seeded_noise, step_batch
+from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     InvalidInputError,
@@ -59,13 +75,12 @@ from stagemesh.shared.engine.adapter import (
     StepOutput,
 )
 from stagemesh.shared.engine.interrupt import Interruptible, StepInterrupt
-from stagemesh.shared.limits import MAX_SEED
 
-logger = logging.getLogger(__name__)
-
-# The model's own caps: no option can raise a limit above these.
-MAX_STEPS = 1000
-MAX_TRUE_CFG_SCALE = 30.0
+#: model_index.json `_class_name` of an image-edit folder: its DiT takes one condition image.
+EDIT_PIPELINE_CLASS = "QwenImageEditPipeline"
+#: Pixels per vision token of Qwen2.5-VL (14 px patches merged 2x2): an edit prompt's embeddings
+#: hold the input image's vision tokens as well as the text's (the edit pipeline truncates none).
+VISION_TOKEN_SIDE = 28
 #: The stage's default dtype on a CPU (`stagemesh.shared.devices.CpuDtype`), from `stagemesh
 #: bench dtypes` (1 thread, 20 rounds interleaved) on 16 steps at 32x32 with true CFG with
 #: tiny-shapes' DiT; best float32 / best bfloat16, median per-round bf16 speed-up:
@@ -75,19 +90,6 @@ MAX_TRUE_CFG_SCALE = 30.0
 #: 147 ms in float32 and 87 ms in bfloat16 (1.64x); its recipe may set `dtype: bfloat16`.
 CPU_DTYPE = CpuDtype(with_native_bf16=torch.float32)
 CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class DitLimits:
-    """What the stage accepts (its Describe facts): options, tightened to the model's caps."""
-
-    size_multiple: int  # height and width are multiples of this (the latent factor)
-    max_side: int  # pixels, a multiple of size_multiple
-    max_pixels: int  # height x width
-    max_steps: int
-    max_true_cfg_scale: float
-    max_images_per_request: int  # enforced by the caller: each image is its own DiT request
-    min_steps: int  # 2 when the scheduler stretches to a terminal shift (see scheduler_min_steps)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ class DenoiseInput:
     true_cfg_scale: float
     seed: int
     sigmas: list[float] | None = None
+    #: Image edit: the input image's normalized latents [1, C, 1, h, w] (VAE EncodeImage);
+    #: exactly `DitLimits.max_condition_images` of them (none for a text-to-image model).
+    condition_latents: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class DenoisedLatents:
     latents: torch.Tensor
     height: int
     width: int
+    num_frames: int = 0  # video frames the latents decode to; 0 for an image
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,9 @@ class _Plan:
     """What a request fixes in `prepare` and every step reads."""
 
     timesteps: torch.Tensor
-    img_shape: tuple[int, int, int]  # (frames, latent rows, latent columns) for the rotary code
+    #: (frames, patch rows, patch columns) of the output, then of each condition image: the
+    #: rotary code's `img_shapes` entry, and (all of it) the batch key.
+    img_shapes: tuple[tuple[int, int, int], ...]
     do_true_cfg: bool
     true_cfg_scale: float
     height: int
@@ -131,18 +139,21 @@ class _Work:
     latents: torch.Tensor
     embeddings: PromptEmbeddings
     scheduler: FlowMatchEulerDiscreteScheduler  # a per-request copy: step() mutates it
+    condition: torch.Tensor | None = None  # packed condition tokens [1, tokens, C * 4]
+
+    def scheduler_step(self, noise_pred: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        # diffusers annotates the legacy torch.FloatTensor; any float tensor is what it takes.
+        stepped: torch.Tensor = self.scheduler.step(
+            noise_pred,  # type: ignore[arg-type]
+            t,  # type: ignore[arg-type]
+            self.latents,  # type: ignore[arg-type]
+            return_dict=False,
+        )[0]
+        return stepped
 
 
-@dataclass
-class DenoiseState:
-    plan: _Plan
-    work: _Work | None
-    step_index: int = 0  # denoise steps done
-
-    def live(self) -> _Work:
-        if self.work is None:
-            raise RuntimeError("denoise state used after release")
-        return self.work
+class DenoiseState(StepState[_Plan, _Work]):
+    """A text-to-image or edit request while it runs (`StepState`)."""
 
 
 class DenoiseAdapter:
@@ -155,14 +166,16 @@ class DenoiseAdapter:
         model_dir: str | Path,
         *,
         max_steps: int = 200,
-        max_pixels: int = 1024 * 1024,
+        max_pixels: int | None = None,
         max_side: int = MAX_IMAGE_SIDE,
         max_true_cfg_scale: float = 20.0,
         max_images_per_request: int = 4,
         placement: Placement = CPU_FLOAT32,
     ) -> None:
         """placement: where the transformer computes, and in what dtype; latents, timesteps and
-        embeddings of a request live there, latents leave on the CPU in that dtype."""
+        embeddings of a request live there, latents leave on the CPU in that dtype.
+        max_pixels: None = DEFAULT_MAX_PIXELS, or for an edit model every size its pipeline's
+        default-size rule makes within max_side (`edit_pixels_bound`)."""
         transformer = QwenImageTransformer2DModel.from_pretrained(
             model_dir,
             subfolder="transformer",
@@ -174,8 +187,9 @@ class DenoiseAdapter:
             model_dir, subfolder="scheduler", local_files_only=True
         )
         factor = latent_factor(model_dir)
-        limits = _limits(
+        limits = image_limits(
             factor,
+            edit=is_edit_folder(model_dir),
             min_steps=scheduler_min_steps(scheduler),
             max_steps=max_steps,
             max_pixels=max_pixels,
@@ -215,59 +229,70 @@ class DenoiseAdapter:
         self._device = self.placement.device
         self._dtype = self.placement.dtype
         self._text_dim: int = transformer.config["joint_attention_dim"]
-        self._interrupt_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._latent_channels: int = transformer.config["in_channels"] // 4
+        self._max_text_tokens = PROMPT_MAX_TOKENS + (
+            _vision_tokens_bound(limits.max_pixels, limits.max_side)
+            if limits.max_condition_images
+            else 0
+        )
         # Keeps the interrupt checks between blocks close to what the device is computing.
         self._pacer = LaunchPacer(self._device)
+        self._hooks = BlockInterruptHooks(self._pacer)
         self.limits = limits
 
     # -- validation ---------------------------------------------------------------------------
 
     def check_inputs(self, payload: DenoiseInput) -> None:
         limits = self.limits
-        self._check_size(payload.height, payload.width)
+        checks.check_size(limits, payload.height, payload.width)
         steps = payload.num_inference_steps
-        if not limits.min_steps <= steps <= limits.max_steps:
-            raise InvalidInputError(
-                "num_inference_steps",
-                f"num_inference_steps must be in [{limits.min_steps}, {limits.max_steps}], "
-                f"got {steps}",
-            )
+        checks.check_steps(limits, steps)
         if payload.sigmas is not None:
             _check_sigmas(payload.sigmas, steps)
-        scale = payload.true_cfg_scale
-        if not (math.isfinite(scale) and 0.0 <= scale <= limits.max_true_cfg_scale):
-            raise InvalidInputError(
-                "true_cfg_scale",
-                f"true_cfg_scale must be in [0, {limits.max_true_cfg_scale}], got {scale}",
-            )
-        if not 0 <= payload.seed <= MAX_SEED:
-            raise InvalidInputError("seed", f"seed must be in [0, {MAX_SEED}], got {payload.seed}")
+        checks.check_scale("true_cfg_scale", payload.true_cfg_scale, limits.max_true_cfg_scale)
+        checks.check_seed(payload.seed)
         self._check_embeddings(payload.embeddings)
-
-    def _check_size(self, height: int, width: int) -> None:
-        factor, max_side = self.limits.size_multiple, self.limits.max_side
-        for side in (height, width):
-            if not (0 < side <= max_side and side % factor == 0):
-                raise InvalidInputError(
-                    "size",
-                    f"height and width must be positive multiples of {factor} up to {max_side}, "
-                    f"got {height}x{width}",
-                )
-        if height * width > self.limits.max_pixels:
-            raise InvalidInputError(
-                "size",
-                f"{height}x{width} is more than {self.limits.max_pixels} pixels",
-            )
+        self._check_conditions(payload.condition_latents)
 
     def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
-        dim = self._text_dim
-        _check_embeds("prompt_embeds", embeddings.prompt_embeds, embeddings.prompt_embeds_mask, dim)
+        dim, most = self._text_dim, self._max_text_tokens
+        checks.check_embeds(
+            "prompt_embeds", embeddings.prompt_embeds, embeddings.prompt_embeds_mask, dim, most
+        )
         neg, neg_mask = embeddings.negative_prompt_embeds, embeddings.negative_prompt_embeds_mask
         if neg is not None:
-            _check_embeds("negative_prompt_embeds", neg, neg_mask, dim)
+            checks.check_embeds("negative_prompt_embeds", neg, neg_mask, dim, most)
         elif neg_mask is not None:
             raise InvalidInputError(
                 "embeddings", "negative_prompt_embeds_mask given without negative_prompt_embeds"
+            )
+
+    def _check_conditions(self, conditions: Sequence[torch.Tensor]) -> None:
+        """An edit model takes exactly its count of condition images, a text-to-image model
+        none; each is [1, C, 1, h, w] of the DiT's latent channels, within the size limits."""
+        want, task = self.limits.max_condition_images, self.limits.task
+        if len(conditions) != want:
+            raise InvalidInputError(
+                "condition_latents",
+                f"a {task} model takes {want} condition_latents, got {len(conditions)}",
+            )
+        scale = self.vae_scale_factor
+        for condition in conditions:
+            shape = tuple(condition.shape)
+            channels = self._latent_channels
+            if len(shape) != 5 or shape[:3] != (1, channels, 1) or shape[3] % 2 or shape[4] % 2:
+                raise InvalidInputError(
+                    "condition_latents",
+                    f"condition_latents must be [1, {channels}, 1, h, w] with even h and w, "
+                    f"got {list(shape)}",
+                )
+            checks.check_finite("condition_latents", "condition_latents", condition)
+            checks.check_size(
+                self.limits,
+                shape[3] * scale,
+                shape[4] * scale,
+                field="condition_latents",
+                what="the condition image (condition_latents x VAE factor): ",
             )
 
     # -- step machine -------------------------------------------------------------------------
@@ -282,15 +307,17 @@ class DenoiseAdapter:
         timesteps = self.prepare_timesteps(scheduler, payload, image_seq_len=latents.shape[1])
         has_negative = embeddings.negative_prompt_embeds is not None
         patches = (payload.height // self.latent_factor, payload.width // self.latent_factor)
+        conditions = [self.pack_condition(image) for image in payload.condition_latents]
         plan = _Plan(
             timesteps=timesteps,
-            img_shape=(1, *patches),
+            img_shapes=((1, *patches), *(shape for _, shape in conditions)),
             do_true_cfg=payload.true_cfg_scale > 1 and has_negative,
             true_cfg_scale=payload.true_cfg_scale,
             height=payload.height,
             width=payload.width,
         )
-        return DenoiseState(plan=plan, work=_Work(latents, embeddings, scheduler))
+        condition = torch.cat([packed for packed, _ in conditions], dim=1) if conditions else None
+        return DenoiseState(plan=plan, work=_Work(latents, embeddings, scheduler, condition))
 
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:
         assert_never(payload)  # the DiT stage takes no streamed input
@@ -303,14 +330,8 @@ class DenoiseAdapter:
         done: a forward that raises (StepInterrupted included) leaves all states as they were,
         so the engine may retry them one by one.
         """
-        if not states:
-            return []
-        self._check_batch(states)
-        predictions = self._predict(states)
-        outputs = [self._advance(state, pred) for state, pred in zip(states, predictions,
-                                                                      strict=True)]
-        synchronize(self._device)  # the step ends when the device has done it
-        return outputs
+        check_one_batch(states, _image_shapes, "image size")
+        return step_batch(states, self._predict, self._device)
 
     def finish(self, state: DenoiseState) -> DenoisedLatents:
         """The latents, handed over on the CPU (copied off an accelerator here, on the compute
@@ -322,23 +343,15 @@ class DenoiseAdapter:
         state.work = None
 
     def batch_key(self, state: DenoiseState) -> Hashable:
-        """The image size: rows of one forward must share it (guided or not does not matter)."""
-        return (state.plan.height, state.plan.width)
+        """The image size, and each condition image's: rows of one forward must share them
+        (guided or not does not matter)."""
+        return (state.plan.height, state.plan.width, *state.plan.img_shapes[1:])
 
     # -- mid-step abort -----------------------------------------------------------------------
 
     def bind_interrupt(self, interrupt: StepInterrupt) -> None:
         """Check `interrupt` before every transformer block (replaces an earlier binding)."""
-        for handle in self._interrupt_hooks:
-            handle.remove()
-
-        def check(module: torch.nn.Module, args: tuple[object, ...]) -> None:
-            self._pacer.mark()
-            interrupt.check()
-
-        self._interrupt_hooks = [
-            block.register_forward_pre_hook(check) for block in self.transformer.transformer_blocks
-        ]
+        self._hooks.bind(interrupt, self.transformer.transformer_blocks)
 
     # -- phases (QwenImagePipeline.__call__ steps 4-6) ----------------------------------------
 
@@ -347,12 +360,21 @@ class DenoiseAdapter:
         channels = self.transformer.config["in_channels"] // 4
         height = payload.height // self.vae_scale_factor
         width = payload.width // self.vae_scale_factor
-        generator = torch.Generator(device="cpu").manual_seed(payload.seed)
-        noise: torch.Tensor = randn_tensor(
-            (1, 1, channels, height, width), generator=generator, device=self._device, dtype=dtype
-        )
+        noise = seeded_noise((1, 1, channels, height, width), payload.seed, self._device, dtype)
         packed: torch.Tensor = QwenImagePipeline._pack_latents(noise, 1, channels, height, width)
         return packed
+
+    def pack_condition(
+        self, condition: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """A condition image's latents [1, C, 1, h, w] packed into 2x2 patches as the edit
+        pipeline's prepare_latents does, in the DiT's dtype, and its rotary shape."""
+        _, channels, _, height, width = condition.shape
+        latents = condition.to(device=self._device, dtype=self._dtype)
+        packed: torch.Tensor = QwenImagePipeline._pack_latents(
+            latents, 1, channels, height, width
+        )
+        return packed, (1, height // 2, width // 2)
 
     def prepare_timesteps(
         self, scheduler: FlowMatchEulerDiscreteScheduler, payload: DenoiseInput, image_seq_len: int
@@ -377,12 +399,6 @@ class DenoiseAdapter:
         scheduler.set_begin_index(0)
         return timesteps
 
-    @staticmethod
-    def _check_batch(states: Sequence[DenoiseState]) -> None:
-        sizes = {(state.plan.height, state.plan.width) for state in states}
-        if len(sizes) > 1:
-            raise ValueError(f"one step takes states of one image size, got {sorted(sizes)}")
-
     def _predict(self, states: Sequence[DenoiseState]) -> list[torch.Tensor]:
         """Each state's noise prediction (true CFG applied), from one transformer forward."""
         guided = [state for state in states if state.plan.do_true_cfg]
@@ -399,8 +415,10 @@ class DenoiseAdapter:
         return predictions
 
     def _forward(self, rows: Sequence[_Row]) -> torch.Tensor:
-        """One transformer forward over `rows` (all of one image size): [rows, tokens, C]."""
-        latents = torch.cat([row.latents for row in rows])
+        """One transformer forward over `rows` (all of one image size, and one condition size):
+        [rows, tokens, C], the output tokens only (condition tokens are input alone)."""
+        tokens = rows[0].latents.shape[1]
+        latents = torch.cat([row.model_input() for row in rows])
         timestep = torch.stack([row.timestep for row in rows]).to(latents.dtype)
         self._pacer.reset()
         embeds, mask = _padded_text(rows, self._device)
@@ -410,34 +428,10 @@ class DenoiseAdapter:
             guidance=None,
             encoder_hidden_states_mask=mask,
             encoder_hidden_states=embeds,
-            img_shapes=[[rows[0].img_shape]] * len(rows),
+            img_shapes=[list(rows[0].img_shapes)] * len(rows),
             return_dict=False,
         )[0]
-        return prediction
-
-    def _advance(self, state: DenoiseState, noise_pred: torch.Tensor) -> StepOutput[NoStream]:
-        """The scheduler step for one state (its own scheduler copy, its own timestep).
-
-        Runs after the shared forward, so a failure here is this state's error output: raising
-        would leave its batch mates half advanced."""
-        work, plan = state.live(), state.plan
-        t = plan.timesteps[state.step_index]
-        try:
-            # diffusers annotates the legacy torch.FloatTensor; any float tensor is what it takes.
-            stepped: torch.Tensor = work.scheduler.step(
-                noise_pred,  # type: ignore[arg-type]
-                t,  # type: ignore[arg-type]
-                work.latents,  # type: ignore[arg-type]
-                return_dict=False,
-            )[0]
-        except Exception as exc:
-            logger.exception("scheduler step %d failed", state.step_index)
-            return StepOutput(step_index=state.step_index, error=f"scheduler step failed: {exc}")
-        work.latents = stepped
-        state.step_index += 1
-        return StepOutput(
-            step_index=state.step_index, finished=state.step_index == len(plan.timesteps)
-        )
+        return prediction[:, :tokens]
 
 
 @dataclass(frozen=True)
@@ -448,7 +442,15 @@ class _Row:
     timestep: torch.Tensor  # scalar: the state's current timestep
     embeds: torch.Tensor  # [1, seq, hidden]
     mask: torch.Tensor | None  # [1, seq]; None = every token is valid
-    img_shape: tuple[int, int, int]
+    img_shapes: tuple[tuple[int, int, int], ...]
+    condition: torch.Tensor | None  # packed condition tokens, appended after the latents
+
+    def model_input(self) -> torch.Tensor:
+        """The transformer's hidden_states for this row: the noisy tokens, then (image edit)
+        the condition image's, as the edit pipeline's `cat([latents, image_latents], dim=1)`."""
+        if self.condition is None:
+            return self.latents
+        return torch.cat([self.latents, self.condition], dim=1)
 
 
 def _row(state: DenoiseState, *, negative: bool) -> _Row:
@@ -462,7 +464,14 @@ def _row(state: DenoiseState, *, negative: bool) -> _Row:
     )
     if embeds is None:
         raise RuntimeError("true CFG planned without negative embeddings")
-    return _Row(work.latents, plan.timesteps[state.step_index], embeds, mask, plan.img_shape)
+    return _Row(
+        work.latents,
+        state.timestep(),
+        embeds,
+        mask,
+        plan.img_shapes,
+        work.condition,
+    )
 
 
 def _padded_text(
@@ -486,6 +495,11 @@ def _padded_text(
     return embeds, mask
 
 
+def _image_shapes(state: DenoiseState) -> tuple[tuple[int, int, int], ...]:
+    """The output's and the condition images' rotary shapes: one forward's rows share them."""
+    return state.plan.img_shapes
+
+
 def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
     """Qwen-Image's true CFG: combine, then rescale to the conditional prediction's norm."""
     combined = uncond + scale * (cond - uncond)
@@ -503,54 +517,19 @@ def _check_sigmas(sigmas: list[float], steps: int) -> None:
         raise InvalidInputError("sigmas", "every sigma must be in (0, 1]")
 
 
-def scheduler_min_steps(scheduler: FlowMatchEulerDiscreteScheduler) -> int:
-    """A schedule stretched to a terminal shift divides by (1 - its last timestep) / (1 -
-    shift_terminal): with one step that is 0 / x and the latents become NaN (stock diffusers
-    too), so such a model needs two steps at least."""
-    return 2 if scheduler.config.get("shift_terminal") else 1
+def is_edit_folder(model_dir: str | Path) -> bool:
+    """Whether the folder is a Qwen-Image-Edit pipeline (its DiT takes a condition image)."""
+    index = json.loads((Path(model_dir) / "model_index.json").read_text())
+    return bool(index.get("_class_name") == EDIT_PIPELINE_CLASS)
 
 
-def _limits(
-    factor: int,
-    *,
-    min_steps: int,
-    max_steps: int,
-    max_pixels: int,
-    max_side: int,
-    max_true_cfg_scale: float,
-    max_images_per_request: int,
-) -> DitLimits:
-    """The operator's options, tightened to the model's caps; sides round down to a multiple
-    of the latent factor (a side that no size can reach would be a false promise)."""
-    side = capped_option("max_side", max_side, MAX_IMAGE_SIDE) // factor * factor
-    if side < factor:
-        raise ValueError(f"option max_side={max_side} is below the model's size multiple {factor}")
-    return DitLimits(
-        size_multiple=factor,
-        max_side=side,
-        max_pixels=capped_option("max_pixels", max_pixels, side * side),
-        max_steps=capped_option("max_steps", max_steps, MAX_STEPS),
-        max_true_cfg_scale=capped_option(
-            "max_true_cfg_scale", float(max_true_cfg_scale), MAX_TRUE_CFG_SCALE
-        ),
-        max_images_per_request=capped_option("max_images_per_request", max_images_per_request),
-        min_steps=min_steps,
-    )
-
-
-def _check_embeds(name: str, embeds: torch.Tensor, mask: torch.Tensor | None, dim: int) -> None:
-    shape = tuple(embeds.shape)
-    limit = PROMPT_MAX_TOKENS
-    if embeds.ndim != 3 or shape[0] != 1 or shape[2] != dim or not 1 <= shape[1] <= limit:
-        raise InvalidInputError(
-            "embeddings", f"{name} must be [1, 1..{limit}, {dim}], got {list(shape)}"
-        )
-    if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
-        raise InvalidInputError("embeddings", f"{name} must be finite floating-point values")
-    if mask is not None and tuple(mask.shape) != shape[:2]:
-        raise InvalidInputError(
-            "embeddings", f"{name} mask must be {list(shape[:2])}, got {list(mask.shape)}"
-        )
+def _vision_tokens_bound(max_pixels: int, max_side: int) -> int:
+    """The most vision tokens an edit prompt's input image may add to its embeddings when the
+    image is within the condition limits: Qwen2-VL rounds each side to a multiple of 28 (at
+    most 14 px more per side) and makes one token per 28x28; its smallest image is 2x2 tokens."""
+    half = VISION_TOKEN_SIDE // 2
+    rounded_up = max_pixels + half * 2 * max_side + half * half
+    return -(-rounded_up // VISION_TOKEN_SIDE**2) + 4
 
 
 #: The static proof that the adapter is the DiT stage's StageAdapter.

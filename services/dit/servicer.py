@@ -1,17 +1,24 @@
-"""DiT stage servicer: Denoise over the DenoiseAdapter, one engine step per denoise step.
+"""DiT stage servicer: Denoise over the model's adapter, one engine step per denoise step.
 
-Continuous batching: up to `max_batch` requests of one image size advance together, one
-transformer forward per tick; up to `max_running` hold state (the batch plus requests preempted
-by more urgent ones, lower `priority` first).
+The folder's model_index.json `_class_name` picks the adapter: QwenImage* pipelines run on
+`DenoiseAdapter` (text-to-image, image edit), Wan* pipelines on `WanDenoiseAdapter`
+(text-to-video, image-to-video). One engine either way; the wire differs only in which
+DenoiseStart fields the model takes (a field it does not take is INVALID_ARGUMENT naming it).
+
+Continuous batching: up to `max_batch` requests of one image size (video shape) advance
+together, one transformer forward per tick; up to `max_running` hold state (the batch plus
+requests preempted by more urgent ones, lower `priority` first).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import TypeAlias, TypedDict
+from typing import Generic, Literal, TypeAlias, TypedDict, TypeVar
 
 import grpc
+import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
@@ -23,12 +30,19 @@ from stagemesh.services.dit.adapter import (
     DenoiseState,
     DitLimits,
 )
+from stagemesh.services.dit.wan_adapter import (
+    WAN_TASKS,
+    VideoDenoiseInput,
+    VideoDenoiseState,
+    WanDenoiseAdapter,
+)
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     ExecutionMode,
     InvalidInputError,
     NoStream,
+    StageAdapter,
     StepBudget,
 )
 from stagemesh.shared.engine.engine import StepEngine
@@ -49,8 +63,13 @@ MODES = {common_pb2.EXECUTION_MODE_STEP: ExecutionMode.STEP,
          common_pb2.EXECUTION_MODE_REQUEST: ExecutionMode.REQUEST}
 MODE_TO_PROTO = {mode: value for value, mode in MODES.items()}
 
+InputT = TypeVar("InputT")
+StateT = TypeVar("StateT")
 DitEngine: TypeAlias = StepEngine[
     DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents
+]
+VideoEngine: TypeAlias = StepEngine[
+    VideoDenoiseInput, NoStream, VideoDenoiseState, NoStream, DenoisedLatents
 ]
 
 #: Requests that run at once (the most one forward advances) unless the recipe sets `max_batch`.
@@ -93,40 +112,116 @@ class DitLimitOptions(TypedDict, total=False):
     max_images_per_request: int
 
 
-def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineRequest[DenoiseInput]:
-    start = message.start
-    if start.execution_mode not in (common_pb2.EXECUTION_MODE_UNSPECIFIED, *MODES):
-        raise InvalidInputError("execution_mode",
-                                f"unknown execution_mode {start.execution_mode}")
-    sigmas = list(start.sigmas) or None
-    embeddings = PromptEmbeddings(
+class VideoLimitOptions(TypedDict, total=False):
+    """A Wan model's limits: WanDenoiseAdapter's keyword arguments (each capped by the model).
+    max_true_cfg_scale bounds guidance_scale and guidance_scale_2."""
+
+    max_steps: int
+    max_pixels: int
+    max_side: int
+    max_true_cfg_scale: float
+    max_frames: int
+    max_video_pixels: int  # num_frames x height x width
+
+
+class AnyLimitOptions(DitLimitOptions, VideoLimitOptions, total=False):
+    """Every limit any DiT model takes: what the options are checked against before the
+    folder (which decides the model, and so which limits apply) is read."""
+
+
+def _embeddings(start: pb.DenoiseStart) -> PromptEmbeddings:
+    return PromptEmbeddings(
         prompt_embeds=from_proto(start.prompt_embeds),
         prompt_embeds_mask=optional_from_proto(start.prompt_embeds_mask),
         negative_prompt_embeds=optional_from_proto(start.negative_prompt_embeds),
         negative_prompt_embeds_mask=optional_from_proto(start.negative_prompt_embeds_mask))
-    total = resolve_total_steps(None, sigmas, start.num_inference_steps)
+
+
+def _engine_request(start: pb.DenoiseStart, deadline: float | None, total: int | None,
+                    payload: InputT) -> EngineRequest[InputT]:
+    if start.execution_mode not in (common_pb2.EXECUTION_MODE_UNSPECIFIED, *MODES):
+        raise InvalidInputError("execution_mode",
+                                f"unknown execution_mode {start.execution_mode}")
     return EngineRequest(
         request_id=start.request_id, deadline=deadline, mode=MODES.get(start.execution_mode),
         budget=StepBudget(total_steps=total if total is not None else 0), priority=start.priority,
-        payload=DenoiseInput(embeddings=embeddings, height=start.height, width=start.width,
-                             num_inference_steps=start.num_inference_steps,
-                             true_cfg_scale=start.true_cfg_scale, seed=start.seed,
-                             sigmas=sigmas))
+        payload=payload)
+
+
+#: DenoiseStart's `optional` fields (set or not, whatever the value): only a video model's.
+OptionalField: TypeAlias = Literal["guidance_scale_2", "boundary_ratio", "flow_shift"]
+OPTIONAL_FIELDS: tuple[OptionalField, ...] = ("guidance_scale_2", "boundary_ratio", "flow_shift")
+
+
+def _optional(start: pb.DenoiseStart, name: OptionalField) -> float | None:
+    return float(getattr(start, name)) if start.HasField(name) else None
+
+
+def _refuse_video_fields(start: pb.DenoiseStart) -> None:
+    """An image model takes no frames, second transformer or flow shift."""
+    if start.num_frames:
+        raise InvalidInputError("num_frames", "num_frames: this is an image model")
+    for name in OPTIONAL_FIELDS:
+        if start.HasField(name):
+            raise InvalidInputError(name, f"{name}: this is an image model")
+
+
+def _condition_latents(start: pb.DenoiseStart) -> tuple[torch.Tensor, ...]:
+    """Decoded (the message size bounds them; the adapter checks how many its model takes)."""
+    return tuple(from_proto(latents) for latents in start.condition_latents)
+
+
+def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineRequest[DenoiseInput]:
+    """An image model's request (Qwen-Image, Qwen-Image-Edit)."""
+    start = message.start
+    _refuse_video_fields(start)
+    sigmas = list(start.sigmas) or None
+    total = resolve_total_steps(None, sigmas, start.num_inference_steps)
+    payload = DenoiseInput(embeddings=_embeddings(start), height=start.height, width=start.width,
+                           num_inference_steps=start.num_inference_steps,
+                           true_cfg_scale=start.true_cfg_scale, seed=start.seed, sigmas=sigmas,
+                           condition_latents=_condition_latents(start))
+    return _engine_request(start, deadline, total, payload)
+
+
+def _video_request(message: pb.DenoiseRequest,
+                   deadline: float | None) -> EngineRequest[VideoDenoiseInput]:
+    """A Wan model's request: true_cfg_scale is the pipeline's guidance_scale; the optional
+    fields stay None when unset (the model's own boundary, shift, guidance_scale_2)."""
+    start = message.start
+    if start.sigmas:
+        raise InvalidInputError("sigmas", "a Wan model takes num_inference_steps, not sigmas")
+    payload = VideoDenoiseInput(
+        embeddings=_embeddings(start), height=start.height, width=start.width,
+        num_frames=start.num_frames, num_inference_steps=start.num_inference_steps,
+        guidance_scale=start.true_cfg_scale, seed=start.seed,
+        condition_latents=_condition_latents(start),
+        guidance_scale_2=_optional(start, "guidance_scale_2"),
+        boundary_ratio=_optional(start, "boundary_ratio"),
+        flow_shift=_optional(start, "flow_shift"))
+    return _engine_request(start, deadline, start.num_inference_steps, payload)
 
 
 def _result(latents: DenoisedLatents) -> pb.DenoiseResult:
     return pb.DenoiseResult(latents=to_proto(latents.latents), height=latents.height,
-                            width=latents.width)
+                            width=latents.width, num_frames=latents.num_frames)
 
 
-WIRE: StageWire[pb.DenoiseRequest, pb.DenoiseResponse, DenoiseInput, NoStream, NoStream,
-                DenoisedLatents] = StageWire(
+DenoiseWire: TypeAlias = StageWire[pb.DenoiseRequest, pb.DenoiseResponse, InputT, NoStream,
+                                   NoStream, DenoisedLatents]
+WIRE: DenoiseWire[DenoiseInput] = StageWire(
     response_cls=pb.DenoiseResponse, make_request=_request, encode_result=_result)
+VIDEO_WIRE: DenoiseWire[VideoDenoiseInput] = StageWire(
+    response_cls=pb.DenoiseResponse, make_request=_video_request, encode_result=_result)
 
 
-class DitServicer(dit_service_pb2_grpc.DitServiceServicer):
-    def __init__(self, engine: DitEngine, description: pb.DescribeDitResponse) -> None:
+class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, StateT]):
+    def __init__(
+        self, engine: StepEngine[InputT, NoStream, StateT, NoStream, DenoisedLatents],
+        wire: DenoiseWire[InputT], description: pb.DescribeDitResponse,
+    ) -> None:
         self.engine = engine
+        self.wire = wire
         self.description = description
 
     async def Denoise(
@@ -134,7 +229,8 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer):
         request_iterator: AsyncIterator[pb.DenoiseRequest],
         context: grpc.aio.ServicerContext[pb.DenoiseRequest, pb.DenoiseResponse],
     ) -> AsyncIterator[pb.DenoiseResponse]:
-        async for response in serve_stage_stream(self.engine, WIRE, request_iterator, context):
+        async for response in serve_stage_stream(self.engine, self.wire, request_iterator,
+                                                 context):
             yield response
 
     async def DescribeDit(
@@ -146,8 +242,8 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer):
 
 
 def _describe(
-    model_dir: Path, engine: DitEngine, limits: DitLimits, mode: ExecutionMode,
-    placement: Placement, request_mode: bool = False,
+    model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, NoStream, DenoisedLatents],
+    limits: DitLimits, mode: ExecutionMode, placement: Placement, request_mode: bool = False,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first, and REQUEST only
     when it is the default or the `request_mode` option allows it."""
@@ -160,7 +256,12 @@ def _describe(
         max_pixels=limits.max_pixels, max_steps=limits.max_steps, min_steps=limits.min_steps,
         max_true_cfg_scale=limits.max_true_cfg_scale,
         max_images_per_request=limits.max_images_per_request,
-        execution_modes=[MODE_TO_PROTO[other] for other in modes])
+        execution_modes=[MODE_TO_PROTO[other] for other in modes],
+        max_frames=limits.max_frames, frame_multiple=limits.frame_multiple,
+        max_condition_images=limits.max_condition_images,
+        has_second_transformer=limits.has_second_transformer,
+        accepts_flow_shift=limits.accepts_flow_shift, task=limits.task,
+        max_video_pixels=limits.max_video_pixels)
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -172,24 +273,54 @@ def admission_window_seconds(options: DitEngineOptions) -> float:
     return window / 1000
 
 
+def pipeline_class(model_dir: Path) -> str:
+    """The folder's diffusers pipeline class (model_index.json `_class_name`): it picks the
+    adapter. QwenImage* folders run on DenoiseAdapter, Wan* (`WAN_TASKS`) on WanDenoiseAdapter."""
+    name = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", "")
+    if not isinstance(name, str) or not (name.startswith("QwenImage") or name in WAN_TASKS):
+        raise ValueError(f"{model_dir}: the DiT stage serves QwenImage* and {sorted(WAN_TASKS)} "
+                         f"pipelines, not {name!r}")
+    return name
+
+
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     """options: DitModeOptions, DitEngineOptions (max_batch 8, max_running 16, admission window
-    20 ms by default),
-    DitLimitOptions and DeviceOptions."""
+    20 ms by default), DeviceOptions, and the model's limits: DitLimitOptions for a Qwen-Image
+    folder, VideoLimitOptions for a Wan folder."""
+    # a bad key, device or dtype fails before the model folder is read
+    *_, device_options = parse_options("dit", options, DitModeOptions, DitEngineOptions,
+                                       AnyLimitOptions, DeviceOptions)
+    resolve_placement("dit", device_options, CPU_DTYPE)
+    if pipeline_class(model_dir) in WAN_TASKS:
+        mode_options, engine_options, video_options, device_options = parse_options(
+            "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
+        placement = resolve_placement("dit", device_options, CPU_DTYPE)
+        video = WanDenoiseAdapter(model_dir, **video_options, placement=placement)
+        return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
+                       placement)
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
+    image = DenoiseAdapter(model_dir, **limit_options, placement=placement)
+    return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement)
+
+
+def _bundle(
+    model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, NoStream, DenoisedLatents],
+    limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
+    engine_options: DitEngineOptions, placement: Placement,
+) -> StageBundle:
+    """The engine over `adapter`, its servicer and the stage bundle (any DiT model)."""
     step_execution = mode_options.get("step_execution", True)
     mode = ExecutionMode.STEP if step_execution else ExecutionMode.REQUEST
-    adapter = DenoiseAdapter(model_dir, **limit_options, placement=placement)
     engine = StepEngine(
         adapter, mode=mode,
         max_running=capped_option(
             "max_running", engine_options.get("max_running", DEFAULT_MAX_RUNNING)),
         max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)),
         admission_window=admission_window_seconds(engine_options))
-    servicer = DitServicer(engine, _describe(model_dir, engine, adapter.limits, mode,
-                                             placement, mode_options.get("request_mode", False)))
+    servicer = DitServicer(engine, wire, _describe(
+        model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False)))
     return StageBundle(
         name="dit", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(

@@ -1,25 +1,32 @@
-"""Tokenizer stage for Qwen-Image: prompt text -> text-encoder embeddings.
+"""Tokenizer stage: prompt text (and, for image edit, the input image) -> text-encoder embeddings.
 
-Loads the `tokenizer` and `text_encoder` components of a diffusers Qwen-Image folder and produces
-exactly what `QwenImagePipeline.encode_prompt` produces for each request alone, in a single engine
-step.
+`PromptAdapterBase` is the stage's step machine, the same for every model family: the cheap
+checks, the token count on the engine thread, one encoding step, the result. Each family's
+adapter adds only its model: `PromptEncoderAdapter` (Qwen-Image, here),
+`edit_adapter.EditPromptAdapter` (Qwen-Image-Edit: the prompt read together with the image) and
+`wan_adapter.WanPromptAdapter` (Wan: UMT5). `families.adapter_for` picks one by the folder's
+`model_index.json`.
 
-Batching: one step encodes every prompt and negative prompt of its batch in one text-encoder
-forward (the pipeline's own encode_prompt over a list: template, right padding to the longest,
-system-prefix drop), then hands each request its own rows cut to their valid length, which is
-what the request encoded alone gets (one prompt alone needs no mask: the pipeline drops an
-all-ones mask to None). Right padding keeps every valid token at the position it has alone, and
-the causal text encoder never lets a valid token see the padding after it.
+Qwen-Image batching: one step encodes every prompt and negative prompt of its batch in one
+text-encoder forward (the pipeline's own encode_prompt over a list: template, right padding to
+the longest, system-prefix drop), then hands each request its own rows cut to their valid
+length, which is what the request encoded alone gets (one prompt alone needs no mask: the
+pipeline drops an all-ones mask to None). Right padding keeps every valid token at the position
+it has alone, and the causal text encoder never lets a valid token see the padding after it.
 """
 
 from __future__ import annotations
 
+import abc
 import copy
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import assert_never
 
+import numpy as np
+import numpy.typing as npt
+import PIL.Image
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
@@ -38,6 +45,11 @@ from stagemesh.shared.engine.adapter import (
 #: QwenImagePipeline's default `max_sequence_length`: the stage's limit unless configured.
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 DEFAULT_MAX_PROMPT_CHARS = 2000
+#: Largest input image (height x width), the default and the most an operator may allow: a
+#: 16-megapixel photo, which as uint8 RGB (48 MiB) still fits one stage message
+#: (shared.limits.MAX_STAGE_MESSAGE_BYTES) beside its prompts. Edit models resize every image
+#: to about one megapixel first, so a larger one would buy nothing.
+MAX_IMAGE_PIXELS = 4096 * 4096
 #: Requests that hold state, and so share one encoding step, unless the engine is told
 #: otherwise: a burst of prompts is encoded in one forward, so the DiT gets them in one tick.
 DEFAULT_MAX_RUNNING = 8
@@ -49,6 +61,9 @@ DEFAULT_MAX_RUNNING = 8
 CPU_DTYPE = CpuDtype(with_native_bf16=torch.float32)
 CPU = torch.device("cpu")
 
+#: An input image as the client sent it: uint8 RGB [height, width, 3].
+RgbArray = npt.NDArray[np.uint8]
+
 
 @dataclass(frozen=True)
 class TokenizerLimits:
@@ -56,84 +71,77 @@ class TokenizerLimits:
 
     max_prompt_chars: int  # per prompt and per negative prompt
     max_sequence_length: int  # prompt tokens kept; longer prompts are refused
+    max_images: int = 0  # images one request may carry (0: the model reads text only)
+    max_image_pixels: int = 0  # height x width of one image (0 when max_images is 0)
+
+    @classmethod
+    def from_options(
+        cls,
+        max_prompt_chars: int,
+        max_sequence_length: int,
+        model_max_tokens: int,
+        *,
+        max_images: int = 0,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+    ) -> TokenizerLimits:
+        """The limits an operator's options give, each capped by the model (or the wire);
+        `max_image_pixels` counts only where the model reads images (max_images > 0)."""
+        return cls(
+            max_prompt_chars=capped_option("max_prompt_chars", max_prompt_chars),
+            max_sequence_length=capped_option(
+                "max_sequence_length", max_sequence_length, model_max_tokens
+            ),
+            max_images=max_images,
+            max_image_pixels=(
+                capped_option("max_image_pixels", max_image_pixels, MAX_IMAGE_PIXELS)
+                if max_images else 0
+            ),
+        )
 
 
 @dataclass(frozen=True)
 class PromptInput:
     """One prompt to encode. A negative prompt (even "") is what enables true CFG downstream.
 
-    max_sequence_length None = the stage's limit.
+    max_sequence_length None = the stage's limit. images: what the text encoder reads with the
+    prompt (image edit), uint8 RGB [H, W, 3] each, not resized yet.
     """
 
     prompt: str
     negative_prompt: str | None = None
     max_sequence_length: int | None = None
+    images: tuple[RgbArray, ...] = ()
 
 
 @dataclass
 class PromptState:
     request: PromptInput
     max_sequence_length: int
+    #: The input images, resized as the model's pipeline resizes them (in `prepare`).
+    images: tuple[PIL.Image.Image, ...] = field(default=(), repr=False)
     result: PromptEmbeddings | None = None
 
 
-class PromptEncoderAdapter:
-    """The Tokenizer stage's model: Qwen-Image's tokenizer + Qwen2.5-VL text encoder."""
+class PromptAdapterBase(abc.ABC):
+    """The Tokenizer stage's step machine; a subclass brings one model family's encoder.
+
+    A subclass sets `limits` and `placement` and implements `prompt_token_count` and
+    `_encode_batch`; a family that reads images also overrides `_condition_images`. Its
+    constructor takes the model folder, the options (`families.TokenizerOptions`) and
+    `placement`: where the text encoder computes, and in what dtype (the embeddings leave in
+    that dtype).
+    """
 
     stage = "tokenizer"
-
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
-        max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
-        placement: Placement = CPU_FLOAT32,
-    ) -> None:
-        """placement: where the text encoder computes, and in what dtype (the embeddings
-        leave in that dtype)."""
-        tokenizer = Qwen2Tokenizer.from_pretrained(
-            model_dir, subfolder="tokenizer", local_files_only=True
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            model_dir,
-            subfolder="text_encoder",
-            local_files_only=True,
-            dtype=placement.dtype,
-            device_map=placement.device_name,
-        )  # from_pretrained leaves it in eval mode
-        self.placement = placement
-        self._device = placement.device
-        # A text-only pipeline: its own encode_prompt (template, system-prefix drop, padding and
-        # mask rules) makes the embeddings the pipeline's by construction. diffusers types every
-        # component as required, but a pipeline may leave components out (None).
-        self._pipeline = QwenImagePipeline(
-            scheduler=None,  # type: ignore[arg-type]
-            vae=None,  # type: ignore[arg-type]
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            transformer=None,  # type: ignore[arg-type]
-        )
-        # Batched rows keep their tokens' positions (see the module docstring); the pipeline
-        # pads on the tokenizer's side.
-        tokenizer.padding_side = "right"
-        # Counting tokens must not touch the batch encoder's padding settings (a Rust
-        # tokenizer's are shared state), so the count has its own tokenizer.
-        self._tokenizer = copy.deepcopy(tokenizer)
-        self._template: str = self._pipeline.prompt_template_encode
-        self._template_start: int = self._pipeline.prompt_template_encode_start_idx
-        self.limits = TokenizerLimits(
-            max_prompt_chars=capped_option("max_prompt_chars", max_prompt_chars),
-            max_sequence_length=capped_option(
-                "max_sequence_length", max_sequence_length, PROMPT_MAX_TOKENS
-            ),
-        )
+    limits: TokenizerLimits
+    placement: Placement
 
     # -- validation ---------------------------------------------------------------------------
 
     def check_inputs(self, payload: PromptInput) -> None:
-        """The cheap checks, on the caller's (event loop) thread: lengths in characters and the
-        sequence length asked for. Tokens are counted in `prepare`, on the engine thread."""
+        """The cheap checks, on the caller's (event loop) thread: lengths in characters, the
+        sequence length asked for, the images' count and shapes. Tokens are counted and images
+        resized in `prepare`, on the engine thread."""
         limit = self.limits.max_sequence_length
         length = self._sequence_length(payload)
         if not 1 <= length <= limit:
@@ -144,6 +152,7 @@ class PromptEncoderAdapter:
             raise InvalidInputError("prompt", "prompt must not be empty")
         for field_name, text in self._texts(payload):
             self._check_chars(field_name, text)
+        self._check_images(payload.images)
 
     @staticmethod
     def _texts(payload: PromptInput) -> list[tuple[str, str]]:
@@ -152,10 +161,9 @@ class PromptEncoderAdapter:
             texts.append(("negative_prompt", payload.negative_prompt))
         return texts
 
+    @abc.abstractmethod
     def prompt_token_count(self, text: str) -> int:
-        """Tokens the text encoder keeps for `text` (the template's suffix included)."""
-        n_ids = len(self._tokenizer(self._template.format(text)).input_ids)
-        return n_ids - self._template_start
+        """Tokens of `text` that count against max_sequence_length."""
 
     def _sequence_length(self, payload: PromptInput) -> int:
         requested = payload.max_sequence_length
@@ -167,6 +175,18 @@ class PromptEncoderAdapter:
             raise InvalidInputError(
                 field_name, f"{field_name} is longer than {max_chars} characters"
             )
+
+    def _check_images(self, images: Sequence[RgbArray]) -> None:
+        """Count, dtype, shape and size of the input images (no pixel is read)."""
+        max_images = self.limits.max_images
+        if max_images == 0 and images:
+            raise InvalidInputError("images", "this model reads text only; it takes no images")
+        if len(images) > max_images:
+            raise InvalidInputError(
+                "images", f"at most {max_images} image(s) per request, got {len(images)}"
+            )
+        for index, image in enumerate(images):
+            check_rgb_image(image, self.limits.max_image_pixels, f"images[{index}]")
 
     def _check_tokens(self, field_name: str, text: str, max_sequence_length: int) -> None:
         # The pipeline would silently cut the embeddings; the mesh refuses instead.
@@ -180,14 +200,20 @@ class PromptEncoderAdapter:
     # -- step machine -------------------------------------------------------------------------
 
     def prepare(self, request: EngineRequest[PromptInput]) -> PromptState:
-        """Counts the prompts' tokens (CPU work: here, on the engine thread, never on the
-        event loop; check_inputs has bounded the text) and refuses a prompt that is too long
-        (InvalidInputError: the request fails naming the field)."""
+        """Counts the prompts' tokens and resizes the images (CPU work: here, on the engine
+        thread, never on the event loop; check_inputs has bounded both) and refuses a prompt
+        that is too long (InvalidInputError: the request fails naming the field)."""
         payload = request.payload
         length = self._sequence_length(payload)
         for field_name, text in self._texts(payload):
             self._check_tokens(field_name, text, length)
-        return PromptState(request=payload, max_sequence_length=length)
+        return PromptState(
+            request=payload, max_sequence_length=length, images=self._condition_images(payload)
+        )
+
+    def _condition_images(self, payload: PromptInput) -> tuple[PIL.Image.Image, ...]:
+        """The images the encoder reads, resized as the family's pipeline resizes them."""
+        return ()  # text-only families: check_inputs has refused any image
 
     def add_input(self, state: PromptState, payload: NoStream) -> None:
         assert_never(payload)  # the tokenizer stage takes no streamed input
@@ -198,6 +224,11 @@ class PromptEncoderAdapter:
             state.result = result
         return [StepOutput(step_index=1, finished=True) for _ in states]
 
+    @abc.abstractmethod
+    def _encode_batch(self, states: Sequence[PromptState]) -> list[PromptEmbeddings]:
+        """Each state's embeddings, on the CPU (the copy off an accelerator happens here, on
+        the compute thread, not where they are sent); must not touch the states."""
+
     def finish(self, state: PromptState) -> PromptEmbeddings:
         if state.result is None:
             raise RuntimeError("finish() before the encoding step ran")
@@ -205,16 +236,75 @@ class PromptEncoderAdapter:
 
     def release(self, state: PromptState) -> None:
         state.result = None
+        state.images = ()
 
     def batch_key(self, state: PromptState) -> Hashable:
-        return None  # any prompts share a step: one forward, padded to the longest
+        return None  # any prompts share a step unless a family says otherwise
 
-    # -- phases -------------------------------------------------------------------------------
+
+def check_rgb_image(image: RgbArray, max_pixels: int, field_name: str) -> None:
+    """An input image must be uint8 RGB [height, width, 3], 1..max_pixels pixels."""
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise InvalidInputError(
+            "images", f"{field_name} must be uint8 RGB [height, width, 3], got "
+            f"{image.dtype} {list(image.shape)}"
+        )
+    height, width = int(image.shape[0]), int(image.shape[1])
+    if height < 1 or width < 1:
+        raise InvalidInputError("images", f"{field_name} is empty ({height}x{width})")
+    if height * width > max_pixels:
+        raise InvalidInputError(
+            "images",
+            f"{field_name} is {width}x{height} = {height * width} pixels; "
+            f"the limit is {max_pixels}",
+        )
+
+
+class PromptEncoderAdapter(PromptAdapterBase):
+    """Qwen-Image (text-to-image): Qwen-Image's tokenizer + Qwen2.5-VL text encoder."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+        max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
+        placement: Placement = CPU_FLOAT32,
+    ) -> None:
+        tokenizer = Qwen2Tokenizer.from_pretrained(
+            model_dir, subfolder="tokenizer", local_files_only=True
+        )
+        self.placement = placement
+        self._device = placement.device
+        # A text-only pipeline: its own encode_prompt (template, system-prefix drop, padding and
+        # mask rules) makes the embeddings the pipeline's by construction. diffusers types every
+        # component as required, but a pipeline may leave components out (None).
+        self._pipeline = QwenImagePipeline(
+            scheduler=None,  # type: ignore[arg-type]
+            vae=None,  # type: ignore[arg-type]
+            text_encoder=load_qwen_text_encoder(model_dir, placement),
+            tokenizer=tokenizer,
+            transformer=None,  # type: ignore[arg-type]
+        )
+        # Batched rows keep their tokens' positions (see the module docstring); the pipeline
+        # pads on the tokenizer's side.
+        tokenizer.padding_side = "right"
+        # Counting tokens must not touch the batch encoder's padding settings (a Rust
+        # tokenizer's are shared state), so the count has its own tokenizer.
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._template: str = self._pipeline.prompt_template_encode
+        self._template_start: int = self._pipeline.prompt_template_encode_start_idx
+        self.limits = TokenizerLimits.from_options(
+            max_prompt_chars, max_sequence_length, PROMPT_MAX_TOKENS
+        )
+
+    def prompt_token_count(self, text: str) -> int:
+        """Tokens the text encoder keeps for `text` (the template's suffix included)."""
+        n_ids = len(self._tokenizer(self._template.format(text)).input_ids)
+        return n_ids - self._template_start
 
     @torch.inference_mode()
     def _encode_batch(self, states: Sequence[PromptState]) -> list[PromptEmbeddings]:
-        """Each state's embeddings, handed over on the CPU (in the encoder's dtype): the copy
-        off an accelerator happens here, on the compute thread, not where they are sent."""
         prompts = [state.request.prompt for state in states]
         negatives = [
             state.request.negative_prompt
@@ -246,6 +336,22 @@ class PromptEncoderAdapter:
         width = embeds.shape[1]
         lengths = [width] * len(texts) if mask is None else mask.sum(dim=1).tolist()
         return [embeds[row : row + 1, :length].clone() for row, length in enumerate(lengths)]
+
+
+def load_qwen_text_encoder(
+    model_dir: str | Path, placement: Placement
+) -> Qwen2_5_VLForConditionalGeneration:
+    """The folder's Qwen2.5-VL text encoder, where `placement` says, in eval mode."""
+    text_encoder: Qwen2_5_VLForConditionalGeneration = (
+        Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            model_dir,
+            subfolder="text_encoder",
+            local_files_only=True,
+            dtype=placement.dtype,
+            device_map=placement.device_name,
+        )
+    )  # from_pretrained leaves it in eval mode
+    return text_encoder
 
 
 #: The static proof that the adapter is the Tokenizer stage's StageAdapter.

@@ -26,6 +26,7 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKL
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from stagemesh.models.families.qwen_image import MAX_IMAGE_SIDE, latent_factor
+from stagemesh.services.vae.kinds import latent_stats
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -57,6 +58,8 @@ class VaeLimits:
 
     size_multiple: int  # height and width are multiples of this (the latent factor)
     max_side: int  # pixels
+    max_frames: int = 0  # video frames one request may decode or encode; 0: images only
+    frame_multiple: int = 1  # a video's num_frames is 1 + a multiple of this
 
 
 @dataclass(frozen=True)
@@ -105,22 +108,15 @@ class LatentDecoderAdapter:
         self.vae_scale_factor = self.latent_factor // 2
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.latent_factor)
         self._z_dim: int = self.vae.config.z_dim
-        shape = (1, self._z_dim, 1, 1, 1)
-        self._latents_mean = torch.tensor(self.vae.config.latents_mean).view(shape)
-        self._latents_std = torch.tensor(self.vae.config.latents_std).view(shape)
+        self._latents_mean, self._latents_std = latent_stats(self.vae)
         self.limits = VaeLimits(size_multiple=self.latent_factor, max_side=MAX_IMAGE_SIDE)
 
     # -- validation ---------------------------------------------------------------------------
 
     def check_inputs(self, payload: LatentsInput) -> None:
         height, width = payload.height, payload.width
-        factor, max_side = self.limits.size_multiple, self.limits.max_side
-        if not all(0 < side <= max_side and side % factor == 0 for side in (height, width)):
-            raise InvalidInputError(
-                "size",
-                f"height and width must be positive multiples of {factor} up to {max_side}, "
-                f"got {height}x{width}",
-            )
+        factor = self.limits.size_multiple
+        check_size(self.limits, height, width)
         latents = payload.latents
         tokens = (height // factor) * (width // factor)
         channels = self._z_dim * 4
@@ -192,10 +188,27 @@ class LatentDecoderAdapter:
             request.latents, request.height, request.width, self.vae_scale_factor
         )
         latents = unpacked.to(device=self.placement.device, dtype=self.vae.dtype)
-        mean = self._latents_mean.to(latents.device, latents.dtype)
-        # Divide by the reciprocal, as the pipeline does, so the float results are identical.
-        std_inv = 1.0 / self._latents_std.to(latents.device, latents.dtype)
-        return latents / std_inv + mean
+        return denormalize(latents, self._latents_mean, self._latents_std)
+
+
+def denormalize(latents: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """The pipelines' undoing of the latents' normalization before `vae.decode` (Qwen-Image and
+    Wan alike), with the config's mean and std moved to the latents' device and dtype."""
+    mean = mean.to(latents.device, latents.dtype)
+    # Divide by the reciprocal, as the pipelines do, so the float results are identical.
+    std_inv = 1.0 / std.to(latents.device, latents.dtype)
+    return latents / std_inv + mean
+
+
+def check_size(limits: VaeLimits, height: int, width: int) -> None:
+    """height and width within the stage's limits, or InvalidInputError naming `size`."""
+    factor, max_side = limits.size_multiple, limits.max_side
+    if not all(0 < side <= max_side and side % factor == 0 for side in (height, width)):
+        raise InvalidInputError(
+            "size",
+            f"height and width must be positive multiples of {factor} up to {max_side}, "
+            f"got {height}x{width}",
+        )
 
 
 def _pending(state: DecodeState) -> LatentsInput:

@@ -1,60 +1,204 @@
-"""VAE stage servicer: DecodeLatents over the LatentDecoderAdapter, and its limits."""
+"""VAE stage servicer: DecodeLatents and EncodeImage, each on its own engine, and DescribeVae.
+
+The folder's VAE picks the adapters (`kinds.vae_kind`):
+
+- AutoencoderKLQwenImage (Qwen-Image, Qwen-Image-Edit): DecodeLatents decodes images in one
+  batched step (`adapter.LatentDecoderAdapter`); a `num_frames` is refused.
+- AutoencoderKLWan (Wan video): DecodeLatents decodes a video chunk by chunk and streams its
+  frames (`video.VideoDecoderAdapter`); `num_frames` is required.
+
+Both encode images (`encode.ImageEncoderAdapter`, as their stock pipelines do).
+
+Two engines, not one engine with two request kinds: each RPC keeps its own step boundaries
+(an encode's chunks and a decode's chunks are each a step, aborted between them) with no union
+of states in one adapter, and an edit's encode, on the critical path of its request, never queues
+behind the chunks of a long video decode. Both share the one loaded model: the encoder adapter
+uses only `encoder` and `quant_conv`, the decoders only `post_quant_conv` and `decoder` (and the
+Qwen image decode, as today, `vae.decode`), and every feature cache lives in a request state.
+Metrics label them `vae` and `vae-encode`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import TypeAlias
+from typing import Generic, TypeAlias
 
 import grpc
 import torch
 
+from stagemesh.models.families.wan import WanGeometry
 from stagemesh.services.vae.adapter import (
     CPU_DTYPE,
     DEFAULT_MAX_RUNNING,
     DecodedImages,
-    DecodeState,
     LatentDecoderAdapter,
     LatentsInput,
+    VaeLimits,
 )
-from stagemesh.shared.devices import DeviceOptions, resolve_placement
-from stagemesh.shared.engine.adapter import EngineRequest, NoStream
+from stagemesh.services.vae.encode import MAX_SOURCE_PIXELS, EncodeInput, ImageEncoderAdapter
+from stagemesh.services.vae.kinds import (
+    QwenEditEncoding,
+    VaeKind,
+    WanI2VEncoding,
+    load_wan_vae,
+    vae_kind,
+)
+from stagemesh.services.vae.video import (
+    DEFAULT_VIDEO_MAX_RUNNING,
+    WAN_CPU_DTYPE,
+    DecodedFrames,
+    DecodedVideo,
+    VideoDecoderAdapter,
+    VideoLatentsInput,
+    VideoOptions,
+)
+from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
+from stagemesh.shared.engine.adapter import (
+    EngineRequest,
+    InputT,
+    InvalidInputError,
+    NoStream,
+    PartialT,
+    ResultT,
+    StateT,
+    StreamT,
+)
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.engine.scheduler import BURST_ADMISSION_WINDOW_SECONDS
-from stagemesh.shared.options import parse_options
+from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import vae_service_pb2 as pb
 from stagemesh.shared.proto.v1 import vae_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle, stage_description
-from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
+from stagemesh.shared.stage_runtime import StageBundle, StageEngine, stage_description
+from stagemesh.shared.stage_stream import (
+    RequestT,
+    ResponseT,
+    StageWire,
+    serve_stage_stream,
+)
 from stagemesh.shared.torch_tensors import from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VaeService"].full_name
 
-VaeEngine: TypeAlias = StepEngine[LatentsInput, NoStream, DecodeState, NoStream, DecodedImages]
+#: Encodes that hold a feature cache at once; each steps alone, so more only interleaves them.
+DEFAULT_ENCODE_MAX_RUNNING = 4
+
+#: One RPC's bidi stream handler: the client's messages and the call -> the server's messages.
+_Handler: TypeAlias = Callable[
+    [AsyncIterator[RequestT], grpc.aio.ServicerContext[RequestT, ResponseT]],
+    AsyncIterator[ResponseT],
+]
+DecodeHandler: TypeAlias = _Handler[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse]
 
 
-def _request(
+class _Route(Generic[RequestT, ResponseT, InputT, StreamT, StateT, PartialT, ResultT]):
+    """One RPC served by one engine through its wire."""
+
+    def __init__(self, engine: StepEngine[InputT, StreamT, StateT, PartialT, ResultT],
+                 wire: StageWire[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT]) -> None:
+        self.engine = engine
+        self.wire = wire
+
+    def __call__(
+        self, requests: AsyncIterator[RequestT],
+        context: grpc.aio.ServicerContext[RequestT, ResponseT],
+    ) -> AsyncIterator[ResponseT]:
+        return serve_stage_stream(self.engine, self.wire, requests, context)
+
+
+# -- DecodeLatents, images (Qwen-Image) -----------------------------------------------------
+
+
+def _image_request(
     message: pb.DecodeLatentsRequest, deadline: float | None
 ) -> EngineRequest[LatentsInput]:
     start = message.start
+    if start.num_frames != 0:
+        raise InvalidInputError(
+            "num_frames", f"this VAE decodes images only (max_frames 0), got {start.num_frames} "
+            "frames")
     return EngineRequest(
         request_id=start.request_id, deadline=deadline,
         payload=LatentsInput(latents=from_proto(start.latents), height=start.height,
                              width=start.width))
 
 
-def _result(decoded: DecodedImages) -> pb.DecodeLatentsResult:
+def _image_result(decoded: DecodedImages) -> pb.DecodeLatentsResult:
     return pb.DecodeLatentsResult(pixels=to_proto(torch.from_numpy(decoded.pixels)))
 
 
 WIRE: StageWire[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse, LatentsInput, NoStream,
                 NoStream, DecodedImages] = StageWire(
-    response_cls=pb.DecodeLatentsResponse, make_request=_request, encode_result=_result)
+    response_cls=pb.DecodeLatentsResponse, make_request=_image_request,
+    encode_result=_image_result)
+
+
+# -- DecodeLatents, video (Wan) -------------------------------------------------------------
+
+
+def video_wire(adapter: VideoDecoderAdapter) -> StageWire[
+    pb.DecodeLatentsRequest, pb.DecodeLatentsResponse, VideoLatentsInput, NoStream,
+    DecodedFrames, DecodedVideo,
+]:
+    """DecodeLatents for video: one request step per chunk, a `frames` event per step."""
+
+    def make_request(message: pb.DecodeLatentsRequest,
+                     deadline: float | None) -> EngineRequest[VideoLatentsInput]:
+        start = message.start
+        payload = VideoLatentsInput(latents=from_proto(start.latents), height=start.height,
+                                    width=start.width, num_frames=start.num_frames)
+        return EngineRequest(request_id=start.request_id, payload=payload,
+                             budget=adapter.budget(payload), deadline=deadline)
+
+    def encode_partial(frames: DecodedFrames) -> pb.DecodeLatentsResponse:
+        return pb.DecodeLatentsResponse(frames=pb.DecodedFrames(
+            pixels=to_proto(torch.from_numpy(frames.pixels)),
+            first_frame_index=frames.first_frame_index))
+
+    def encode_result(video: DecodedVideo) -> pb.DecodeLatentsResult:
+        return pb.DecodeLatentsResult(num_frames=video.num_frames)  # the frames came before
+
+    return StageWire(response_cls=pb.DecodeLatentsResponse, make_request=make_request,
+                     encode_result=encode_result, encode_partial=encode_partial)
+
+
+# -- EncodeImage ----------------------------------------------------------------------------
+
+
+def encode_wire(adapter: ImageEncoderAdapter) -> StageWire[
+    pb.EncodeImageRequest, pb.EncodeImageResponse, EncodeInput, NoStream, NoStream,
+    torch.Tensor,
+]:
+    """EncodeImage: one request step per encoder chunk (a `progress` event each)."""
+
+    def make_request(message: pb.EncodeImageRequest,
+                     deadline: float | None) -> EngineRequest[EncodeInput]:
+        start = message.start
+        image = from_proto(start.image, max_elements=MAX_SOURCE_PIXELS * 3)
+        payload = EncodeInput(image=image, height=start.height, width=start.width,
+                              num_frames=start.num_frames)
+        return EngineRequest(request_id=start.request_id, payload=payload,
+                             budget=adapter.budget(payload), deadline=deadline)
+
+    def encode_result(latents: torch.Tensor) -> pb.EncodeImageResult:
+        return pb.EncodeImageResult(latents=to_proto(latents))
+
+    return StageWire(response_cls=pb.EncodeImageResponse, make_request=make_request,
+                     encode_result=encode_result)
+
+
+# -- the servicer ---------------------------------------------------------------------------
 
 
 class VaeServicer(vae_service_pb2_grpc.VaeServiceServicer):
-    def __init__(self, engine: VaeEngine, description: pb.DescribeVaeResponse) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        decode: _Handler[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse],
+        encode: _Handler[pb.EncodeImageRequest, pb.EncodeImageResponse],
+        description: pb.DescribeVaeResponse,
+    ) -> None:
+        self.decode = decode
+        self.encode = encode
         self.description = description
 
     async def DecodeLatents(
@@ -62,7 +206,15 @@ class VaeServicer(vae_service_pb2_grpc.VaeServiceServicer):
         request_iterator: AsyncIterator[pb.DecodeLatentsRequest],
         context: grpc.aio.ServicerContext[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse],
     ) -> AsyncIterator[pb.DecodeLatentsResponse]:
-        async for response in serve_stage_stream(self.engine, WIRE, request_iterator, context):
+        async for response in self.decode(request_iterator, context):
+            yield response
+
+    async def EncodeImage(
+        self,
+        request_iterator: AsyncIterator[pb.EncodeImageRequest],
+        context: grpc.aio.ServicerContext[pb.EncodeImageRequest, pb.EncodeImageResponse],
+    ) -> AsyncIterator[pb.EncodeImageResponse]:
+        async for response in self.encode(request_iterator, context):
             yield response
 
     async def DescribeVae(
@@ -73,19 +225,65 @@ class VaeServicer(vae_service_pb2_grpc.VaeServiceServicer):
         return self.description
 
 
+# -- building the stage ---------------------------------------------------------------------
+
+
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: DeviceOptions only (any other key is refused)."""
+    """The VAE stage of the folder's VAE (see the module docstring). Options: a Qwen-Image
+    VAE takes DeviceOptions only; a Wan VAE DeviceOptions, `max_running` (video decodes at
+    once, default 2) and VideoOptions (`decode_chunk_frames`, default 4 latent frames per
+    step; `max_frames`, default 121). Any other key is refused, before the folder is read."""
+    # any VAE's keys, and where it computes, checked before the folder is read
+    *_, device_options = parse_options("vae", options, EngineOptions, VideoOptions, DeviceOptions)
+    resolve_placement("vae", device_options, CPU_DTYPE)
+    if vae_kind(model_dir) is VaeKind.WAN:
+        return _build_wan(model_dir, options)
+    return _build_qwen_image(model_dir, options)
+
+
+def _build_qwen_image(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     placement = resolve_placement("vae", parse_options("vae", options, DeviceOptions), CPU_DTYPE)
-    adapter = LatentDecoderAdapter(model_dir, placement=placement)
-    engine = StepEngine(adapter, max_running=DEFAULT_MAX_RUNNING,
+    decoder = LatentDecoderAdapter(model_dir, placement=placement)
+    engine = StepEngine(decoder, max_running=DEFAULT_MAX_RUNNING,
                         admission_window=BURST_ADMISSION_WINDOW_SECONDS)
-    limits = adapter.limits
+    encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor)
+    encoder = ImageEncoderAdapter(decoder.vae, encoding, decoder.limits, placement)
+    return _bundle(model_dir, placement, decoder.limits, engine, _Route(engine, WIRE), encoder)
+
+
+def _build_wan(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
+    engine_options, video_options, device_options = parse_options(
+        "vae", options, EngineOptions, VideoOptions, DeviceOptions)
+    placement = resolve_placement("vae", device_options, WAN_CPU_DTYPE)
+    vae, geometry = load_wan_vae(model_dir, placement), WanGeometry.from_folder(model_dir)
+    decoder = VideoDecoderAdapter(vae, geometry, placement=placement, **video_options)
+    engine = StepEngine(decoder, max_running=engine_options.get(
+        "max_running", DEFAULT_VIDEO_MAX_RUNNING))
+    encoder = ImageEncoderAdapter(vae, WanI2VEncoding.of(geometry), decoder.limits, placement)
+    bundle = _bundle(model_dir, placement, decoder.limits, engine,
+                     _Route(engine, video_wire(decoder)), encoder)
+    bundle.info["decode_chunk_frames"] = str(decoder.decode_chunk_frames)
+    return bundle
+
+
+def _bundle(
+    model_dir: Path,
+    placement: Placement,
+    limits: VaeLimits,
+    decode_engine: StageEngine,
+    decode: DecodeHandler,
+    encoder: ImageEncoderAdapter,
+) -> StageBundle:
+    """The stage from its decode route and its encoder: the encode engine, Describe, bundle."""
+    encode_engine = StepEngine(encoder, max_running=DEFAULT_ENCODE_MAX_RUNNING)
     description = pb.DescribeVaeResponse(
-        stage=stage_description("vae", model_dir, engine, placement),
-        size_multiple=limits.size_multiple, max_side=limits.max_side)
-    servicer = VaeServicer(engine, description)
+        stage=stage_description("vae", model_dir, decode_engine, placement),
+        size_multiple=limits.size_multiple, max_side=limits.max_side, can_encode=True,
+        max_frames=limits.max_frames)
+    servicer = VaeServicer(decode, _Route(encode_engine, encode_wire(encoder)), description)
     return StageBundle(
-        name="vae", engines=[engine], service_names=[SERVICE_NAME],
+        name="vae", engines=[decode_engine, encode_engine], service_names=[SERVICE_NAME],
         register=lambda server: vae_service_pb2_grpc.add_VaeServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir), **placement.facts()})
+        info={"model": str(model_dir), **placement.facts(),
+              "max_frames": str(limits.max_frames)})

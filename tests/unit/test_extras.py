@@ -17,7 +17,9 @@ import stagemesh
 #: Extra -> the modules it provides.
 EXTRAS = {"bench": ("matplotlib", "simpy"), "train": ("tqdm",),
           # GPL-3.0-or-later: the phonemizer of the Piper voice stays an optional extra.
-          "voice-gpl": ("piper",)}
+          "voice-gpl": ("piper",),
+          # PyAV: its wheel's FFmpeg links libx264 (GPL-2.0-or-later): the MP4 muxer's extra.
+          "video-gpl": ("av",)}
 ROOT = Path(stagemesh.__file__).parent
 
 

@@ -79,7 +79,7 @@ class DenoiseStart(_message.Message):
     num_inference_steps: _builtins.int
     """Number of denoising steps (used unless sigmas are given)."""
     true_cfg_scale: _builtins.float
-    """Classifier-free guidance scale."""
+    """Classifier-free guidance scale (a Wan model's guidance_scale: it guides when > 1)."""
     seed: _builtins.int
     """Seed of the initial noise."""
     execution_mode: _common_pb2.ExecutionMode.ValueType
@@ -282,6 +282,7 @@ class DescribeDitResponse(_message.Message):
     HAS_SECOND_TRANSFORMER_FIELD_NUMBER: _builtins.int
     ACCEPTS_FLOW_SHIFT_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
+    MAX_VIDEO_PIXELS_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -312,6 +313,8 @@ class DescribeDitResponse(_message.Message):
     """True when the scheduler's flow shift may be set per request (flow_shift)."""
     task: _builtins.str
     """What the model does: "text-to-image", "image-edit", "text-to-video", "image-to-video"."""
+    max_video_pixels: _builtins.int
+    """Largest num_frames x height x width of one request; 0 for an image model."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -338,10 +341,11 @@ class DescribeDitResponse(_message.Message):
         has_second_transformer: _builtins.bool = ...,
         accepts_flow_shift: _builtins.bool = ...,
         task: _builtins.str = ...,
+        max_video_pixels: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

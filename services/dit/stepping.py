@@ -1,0 +1,125 @@
+"""The step machine every DiT adapter shares: a request's state and how one step advances it.
+
+A DiT request is a schedule of timesteps fixed in `prepare` (the plan) and what it holds while
+it runs (the work: its latents and its own scheduler copy, dropped on release). One `step`
+call predicts the noise of every state of a batch (the model's forwards: the adapter's part),
+then steps each state's scheduler. Nothing is written to a state until every forward is done,
+so a forward that raises (StepInterrupted included) leaves all states as they were; a failing
+scheduler step is that state's error output alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from stagemesh.shared.devices import synchronize
+from stagemesh.shared.engine.adapter import NoStream, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Plan(Protocol):
+    """What a request fixes in `prepare`: at least its timesteps, one per denoise step."""
+
+    @property
+    def timesteps(self) -> torch.Tensor: ...
+
+
+class Work(Protocol):
+    """What a request holds while it runs: its latents, and its scheduler's step."""
+
+    latents: torch.Tensor
+
+    def scheduler_step(self, noise_pred: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The request's scheduler stepped from `latents` with `noise_pred` at timestep `t`."""
+        ...
+
+
+PlanT = TypeVar("PlanT", bound=Plan)
+WorkT = TypeVar("WorkT", bound=Work)
+
+
+@dataclass
+class StepState(Generic[PlanT, WorkT]):
+    """A running request: `plan` (read by every step), `work` (None once released)."""
+
+    plan: PlanT
+    work: WorkT | None
+    step_index: int = 0  # denoise steps done
+
+    def live(self) -> WorkT:
+        if self.work is None:
+            raise RuntimeError("denoise state used after release")
+        return self.work
+
+    def timestep(self) -> torch.Tensor:
+        """The timestep of the step to do next."""
+        return self.plan.timesteps[self.step_index]
+
+    def advance(self, noise_pred: torch.Tensor) -> StepOutput[NoStream]:
+        """The scheduler step for this state (its own scheduler copy, its own timestep).
+
+        Runs after the batch's forwards, so a failure here is this state's error output:
+        raising would leave its batch mates half advanced."""
+        work = self.live()
+        try:
+            stepped = work.scheduler_step(noise_pred, self.timestep())
+        except Exception as exc:
+            logger.exception("scheduler step %d failed", self.step_index)
+            return StepOutput(step_index=self.step_index, error=f"scheduler step failed: {exc}")
+        work.latents = stepped
+        self.step_index += 1
+        return StepOutput(
+            step_index=self.step_index, finished=self.step_index == len(self.plan.timesteps)
+        )
+
+
+class Advancing(Protocol):
+    """A state one step advances: `StepState` of any plan and work."""
+
+    def advance(self, noise_pred: torch.Tensor) -> StepOutput[NoStream]: ...
+
+
+StateT = TypeVar("StateT", bound=Advancing)
+
+
+def step_batch(
+    states: Sequence[StateT],
+    predict: Callable[[Sequence[StateT]], list[torch.Tensor]],
+    device: torch.device,
+) -> list[StepOutput[NoStream]]:
+    """One denoising step for every state: `predict` gives each state's noise prediction
+    (guidance applied), then each state's scheduler steps; the step ends when the device has
+    done it."""
+    if not states:
+        return []
+    predictions = predict(states)
+    outputs = [state.advance(pred) for state, pred in zip(states, predictions, strict=True)]
+    synchronize(device)
+    return outputs
+
+
+def check_one_batch(
+    states: Sequence[StateT], key: Callable[[StateT], tuple[object, ...]], what: str
+) -> None:
+    """Every state of one step shares `key` (the shapes one forward needs alike)."""
+    keys = {key(state) for state in states}
+    if len(keys) > 1:
+        raise ValueError(f"one step takes states of one {what}, got {sorted(keys)}")
+
+
+def seeded_noise(
+    shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """A request's starting noise as the stock pipelines draw it with
+    `generator=torch.Generator("cpu").manual_seed(seed)`: on the CPU, then moved to `device`,
+    so a seed gives the same latents on every device."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    noise: torch.Tensor = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+    return noise
