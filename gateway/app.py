@@ -68,12 +68,16 @@ class RequestIdMiddleware:
         except InvalidRequest as error:
             await error_response(error)(scope, receive, send)
             return
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
+                # a route may name the request itself (a video job's id) when the client
+                # gave no id
+                final = state.get("request_id", request_id)
                 message["headers"] = [*message.get("headers", []),
-                                      (REQUEST_ID_HEADER.encode(), request_id.encode())]
+                                      (REQUEST_ID_HEADER.encode(), str(final).encode())]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
@@ -86,9 +90,11 @@ async def open_gateway(recipes: Mapping[str, Recipe]) -> AsyncIterator[GatewayCo
     await mesh.start()
     catalog = StageCatalog(mesh)
     catalog.start()
+    core = GatewayCore(mesh, catalog)
     try:
-        yield GatewayCore(mesh, catalog)
+        yield core
     finally:
+        await core.videos.close()  # jobs still running end as failed ("the gateway stopped")
         await catalog.close()
         await mesh.close()
 

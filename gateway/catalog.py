@@ -76,6 +76,59 @@ class ImageFacts:
 
 
 @dataclass(frozen=True)
+class EditFacts:
+    """What an image-edit request may ask: the image facts, and the input images' limits."""
+
+    image: ImageFacts
+    max_images: int  # input images per request: what both Tokenizer and DiT take
+    max_image_pixels: int  # one input image's height x width (the Tokenizer's limit)
+    can_encode: bool  # the VAE has EncodeImage
+    task: str  # what the DiT's model does ("image-edit" for an edit model)
+    #: The VAE's limits on the size an input image is encoded at (the output's are `image`'s).
+    encode_size_multiple: int
+    encode_max_side: int
+
+    @classmethod
+    def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
+                  dit: dit_service_pb2.DescribeDitResponse,
+                  vae: vae_service_pb2.DescribeVaeResponse) -> EditFacts:
+        return cls(image=ImageFacts.published(tokenizer, dit, vae),
+                   max_images=min(tokenizer.max_images, dit.max_condition_images),
+                   max_image_pixels=tokenizer.max_image_pixels, can_encode=vae.can_encode,
+                   task=dit.task, encode_size_multiple=max(1, vae.size_multiple),
+                   encode_max_side=vae.max_side)
+
+
+@dataclass(frozen=True)
+class VideoFacts:
+    """What a video request may ask: the image facts (prompt, frame size, steps, guidance via
+    `image.max_true_cfg_scale`) and the video ones."""
+
+    image: ImageFacts
+    max_frames: int  # what both DiT and VAE take
+    frame_multiple: int  # frames = frame_multiple * k + 1 (Wan: 4)
+    max_condition_images: int  # 0: text-to-video; image-to-video takes exactly one
+    has_second_transformer: bool  # guidance_scale_2 and boundary_ratio apply
+    accepts_flow_shift: bool
+    can_encode: bool  # the VAE has EncodeImage (image-to-video)
+    task: str  # what the DiT's model does ("text-to-video", "image-to-video")
+    max_video_pixels: int = 0  # frames x height x width the DiT takes (0: no such limit)
+
+    @classmethod
+    def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
+                  dit: dit_service_pb2.DescribeDitResponse,
+                  vae: vae_service_pb2.DescribeVaeResponse) -> VideoFacts:
+        frames = [count for count in (dit.max_frames, vae.max_frames) if count > 0]
+        return cls(image=ImageFacts.published(tokenizer, dit, vae),
+                   max_frames=min(frames) if len(frames) == 2 else 0,
+                   frame_multiple=dit.frame_multiple,
+                   max_condition_images=dit.max_condition_images,
+                   has_second_transformer=dit.has_second_transformer,
+                   accepts_flow_shift=dit.accepts_flow_shift, can_encode=vae.can_encode,
+                   task=dit.task, max_video_pixels=dit.max_video_pixels)
+
+
+@dataclass(frozen=True)
 class SpeechFacts:
     """What a text-to-speech request may ask, as its Talker and Codec publish it."""
 
@@ -103,6 +156,12 @@ class SpeechFacts:
                    max_temperature=talker.max_temperature, max_top_k=talker.max_top_k,
                    max_reference_seconds=codec.max_reference_seconds,
                    reference_sample_rates=tuple(codec.reference_sample_rates))
+
+
+def _cancelling() -> bool:
+    """True when the running task is being cancelled (rather than one of its gRPC calls)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class DescribeCache(Generic[R]):
@@ -209,12 +268,32 @@ class StageCatalog:
                 f"its limits ({error.code.name}: {error.message})") from None
         except NoReplica as none:
             raise StageUnavailable(str(none)) from None
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise  # the request itself was cancelled
+            # the call was cancelled under it: its replica's channel was closed (a replica
+            # that went away gets a fresh channel, see balancer.ReplicaSet)
+            raise StageUnavailable(
+                f"{cache.stage} stage at {endpoint.address} is unavailable: its connection "
+                "closed while its limits were read") from None
 
-    async def image_facts(self, recipe: Recipe) -> ImageFacts:
+    async def _image_stages(self, recipe: Recipe) -> tuple[
+            tokenizer_service_pb2.DescribeTokenizerResponse, dit_service_pb2.DescribeDitResponse,
+            vae_service_pb2.DescribeVaeResponse]:
+        """The Describe answers of a Tokenizer/DiT/VAE recipe's stages, read side by side."""
         tokenizer, dit, vae = await asyncio.gather(
             self.read(self.tokenizer, recipe), self.read(self.dit, recipe),
             self.read(self.vae, recipe))
-        return ImageFacts.published(tokenizer, dit, vae)
+        return tokenizer, dit, vae
+
+    async def image_facts(self, recipe: Recipe) -> ImageFacts:
+        return ImageFacts.published(*await self._image_stages(recipe))
+
+    async def edit_facts(self, recipe: Recipe) -> EditFacts:
+        return EditFacts.published(*await self._image_stages(recipe))
+
+    async def video_facts(self, recipe: Recipe) -> VideoFacts:
+        return VideoFacts.published(*await self._image_stages(recipe))
 
     async def speech_facts(self, recipe: Recipe) -> SpeechFacts:
         talker, codec = await asyncio.gather(self.read(self.talker, recipe),

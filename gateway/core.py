@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -29,10 +31,16 @@ from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipe
 from stagemesh.gateway.image_params import ImageParams, ImageRequest, resolve_image_request
 from stagemesh.gateway.image_pipeline import GeneratedImage, generate_images
 from stagemesh.gateway.mesh import Mesh, StageCancel
-from stagemesh.gateway.recipes import Recipe, Task
+from stagemesh.gateway.recipes import VIDEO_TASKS, Recipe, Task
 from stagemesh.gateway.speech_params import SpeechParams, SpeechRequest, resolve_speech_request
 from stagemesh.gateway.speech_pipeline import AudioPiece, SpeechSummary, synthesize, synthesize_all
 from stagemesh.gateway.stage_client import StageCallError
+from stagemesh.gateway.video_jobs import VideoJobs
+from stagemesh.gateway.video_mux import Mp4Writer, check_encoder
+from stagemesh.gateway.video_params import VideoParams, VideoRequest, resolve_video_request
+from stagemesh.gateway.video_pipeline import FrameSink, Mp4Sink, OnProgress, VideoSummary
+from stagemesh.gateway.video_pipeline import make_video as run_video_pipeline
+from stagemesh.gateway.video_store import StoreLimits, VideoStore, default_root
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_service_pb2
 
@@ -87,13 +95,25 @@ class SpeechJob:
     params: SpeechParams
 
 
+@dataclass(frozen=True)
+class VideoSpec:
+    """A checked video request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: VideoParams
+
+
 class GatewayCore:
     """Prepare, run and cancel requests on a started Mesh and StageCatalog."""
 
-    def __init__(self, mesh: Mesh, catalog: StageCatalog) -> None:
+    def __init__(self, mesh: Mesh, catalog: StageCatalog,
+                 video_store: VideoStore | None = None) -> None:
         self.mesh = mesh
         self.catalog = catalog
         self.scopes = ScopeRegistry()
+        #: Video jobs, in STAGEMESH_VIDEO_STORE (nothing is read or written before a job).
+        self.videos = VideoJobs(self, video_store or VideoStore(
+            default_root(os.environ), StoreLimits.from_env(os.environ)))
 
     @property
     def recipes(self) -> dict[str, Recipe]:
@@ -154,6 +174,52 @@ class GatewayCore:
         talker = await self.catalog.read(self.catalog.talker, recipe)
         return recipe, list(talker.voices)
 
+    # -- video ---------------------------------------------------------------------------------
+
+    async def prepare_video(self, request: VideoRequest) -> VideoSpec:
+        """The recipe (`model`, else the default text-to-video one, or image-to-video with an
+        input image) and the checked request; 503 before any stage runs when this gateway
+        cannot write MP4s."""
+        chosen = self.recipes.get(request.model)
+        if chosen is None or chosen.task not in VIDEO_TASKS:
+            chosen = self.mesh.recipe(request.model, Task.IMAGE_TO_VIDEO if request.image
+                                      is not None else Task.TEXT_TO_VIDEO)
+        recipe = chosen
+        facts = await self.catalog.video_facts(recipe)
+        # Decoding an input image is CPU work: keep it off the event loop.
+        params = await asyncio.to_thread(resolve_video_request, request, recipe.video_defaults,
+                                         facts)
+        await asyncio.to_thread(check_encoder)
+        return VideoSpec(recipe, params)
+
+    async def make_video(self, spec: VideoSpec, context: RequestContext, sink: FrameSink,
+                         on_progress: OnProgress) -> VideoSummary:
+        async with self.request_scope(spec.recipe, context) as scope:
+            return await run_video_pipeline(spec.params, scope, self.mesh.image_stubs(spec.recipe),
+                                            sink, on_progress)
+
+    async def video_bytes(self, spec: VideoSpec, context: RequestContext) -> bytes:
+        """The whole MP4 of a video nobody stores (POST /v1/videos/sync), muxed in memory."""
+        buffer = io.BytesIO()
+        params = spec.params
+        writer = await asyncio.to_thread(Mp4Writer, buffer, params.width, params.height,
+                                         params.fps)
+
+        async def ignore(stage: str, fraction: float) -> None:
+            return None
+
+        try:
+            await self.make_video(spec, context, Mp4Sink(writer), ignore)
+            await asyncio.to_thread(writer.close)
+        except BaseException:
+            await asyncio.to_thread(writer.abort)
+            raise
+        return buffer.getvalue()
+
+    def job_context(self, job_id: str, owner: str, timeout: float) -> RequestContext:
+        """A background job's context: its id is the job's, its owner the creator's."""
+        return RequestContext(job_id, timeout, owner)
+
     # -- control -------------------------------------------------------------------------------
 
     async def stage_infos(self) -> list[gateway_service_pb2.StageInfo]:
@@ -176,11 +242,27 @@ class GatewayCore:
         stage (shared/control.py): the replica holding it stops it and answers. A replica not
         holding it keeps the cancel pending for a minute, so a request between two stages
         stops when it reaches the next one; the answer is then NOT_FOUND, as for an id no
-        stage knows.
+        stage knows. A video job's id is its request id: one queued here never starts, and one
+        another gateway runs is also marked in the shared store (video_jobs.py), so it stops
+        even while it waits between stages.
         """
         scope = self.scopes.get(request_id, owner)
         if scope is not None:
             return await scope.cancel(reason)
+        # a video job queued here, or live on another gateway sharing the store (video_jobs.py)
+        job = await self.videos.cancel(owner, request_id, reason)
+        if job is not None and job.stopped:
+            return job.outcome
+        try:
+            return await self.cancel_remote(request_id, reason, owner)
+        except GatewayError:
+            if job is None:
+                raise
+            return job.outcome  # marked: its gateway stops it before its next stage or step
+
+    async def cancel_remote(self, request_id: str, reason: str, owner: str) -> CancelOutcome:
+        """Cancel a request another gateway runs: sent to every replica of every stage;
+        NOT_FOUND when no replica holds it (see `cancel`)."""
         # the stages know the request by its owner-qualified id (cancel.stage_request_id)
         replies = await self.mesh.cancel_everywhere(stage_request_id(request_id, owner), reason,
                                                     owner)

@@ -86,10 +86,32 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         except GatewayError as error:
             await _abort(context, error, self.admission)
 
+    async def _follow(
+        self, call: Callable[[RequestT, RequestContext], AsyncGenerator[ResponseT, None]],
+        request: RequestT, context: Context,
+    ) -> AsyncGenerator[ResponseT, None]:
+        """A stream that reads what a background job does (watch, download): it starts no
+        work, so it takes no admission slot, and lives until the client's deadline."""
+        try:
+            request_context = _request_context(context, self.keys, context.time_remaining())
+            async with contextlib.aclosing(call(request, request_context)) as responses:
+                async for response in responses:
+                    yield response
+        except GatewayError as error:
+            await _abort(context, error, self.admission)
+
     async def GenerateImage(
         self, request: pb.GenerateImageRequest, context: Context,
     ) -> AsyncIterator[pb.GenerateImageResponse]:
         responses = self._stream(self.api.GenerateImage, request, context)
+        async with contextlib.aclosing(responses) as stream:
+            async for response in stream:
+                yield response
+
+    async def EditImage(
+        self, request: pb.EditImageRequest, context: Context,
+    ) -> AsyncIterator[pb.GenerateImageResponse]:
+        responses = self._stream(self.api.EditImage, request, context)
         async with contextlib.aclosing(responses) as stream:
             async for response in stream:
                 yield response
@@ -124,3 +146,33 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self, request: pb.ListRecipesRequest, context: Context,
     ) -> pb.ListRecipesResponse:
         return await self._unary(self.api.ListRecipes, request, context)
+
+    async def CreateVideo(self, request: pb.CreateVideoRequest,
+                          context: Context) -> pb.VideoJob:
+        """Returns at once: the job runs in the background (its own slots, video_jobs.py)."""
+        return await self._unary(self.api.CreateVideo, request, context)
+
+    async def GetVideo(self, request: pb.GetVideoRequest, context: Context) -> pb.VideoJob:
+        return await self._unary(self.api.GetVideo, request, context)
+
+    async def ListVideos(self, request: pb.ListVideosRequest,
+                         context: Context) -> pb.ListVideosResponse:
+        return await self._unary(self.api.ListVideos, request, context)
+
+    async def DeleteVideo(self, request: pb.DeleteVideoRequest,
+                          context: Context) -> pb.VideoJob:
+        return await self._unary(self.api.DeleteVideo, request, context)
+
+    async def WatchVideo(self, request: pb.WatchVideoRequest,
+                         context: Context) -> AsyncIterator[pb.VideoJob]:
+        async with contextlib.aclosing(self._follow(self.api.WatchVideo, request,
+                                                    context)) as stream:
+            async for response in stream:
+                yield response
+
+    async def DownloadVideo(self, request: pb.DownloadVideoRequest,
+                            context: Context) -> AsyncIterator[pb.DownloadVideoResponse]:
+        async with contextlib.aclosing(self._follow(self.api.DownloadVideo, request,
+                                                    context)) as stream:
+            async for response in stream:
+                yield response

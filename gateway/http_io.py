@@ -1,5 +1,6 @@
-"""HTTP I/O shared by every REST route: bodies (with a size cap), disconnects, SSE and NDJSON
-framing, error responses, and the request id and timeout a transport hands to the core."""
+"""HTTP I/O shared by every REST route: bodies (with a size cap), multipart forms (with field,
+file and count limits), disconnects, SSE and NDJSON framing, error responses, and the request
+id and timeout a transport hands to the core."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TypeVar
 
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -24,6 +28,13 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 OFF_LOOP_BYTES = 64 * 1024
 REQUEST_ID_HEADER = "x-request-id"
 TIMEOUT_HEADER = "x-request-timeout"
+#: Multipart forms: parts of each kind one form may hold, and the default size of a text field
+#: (a route names the fields that may be larger, e.g. a data URL) and of a file.
+MAX_FORM_FIELDS = 64
+MAX_FORM_FILES = 16
+MAX_FORM_FIELD_BYTES = 64 * 1024
+MAX_FORM_FILE_BYTES = 20 * 1024 * 1024
+FORM_CONTENT_TYPE = "multipart/form-data"
 #: The last SSE event of every stream.
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -37,18 +48,116 @@ class ClientGone(Exception):
 async def read_body(request: Request) -> bytes:
     """The whole body, refused with a 413 (naming `body`) before it is read when its
     Content-Length is over MAX_BODY_BYTES, or as soon as the bytes read pass it."""
+    _check_declared_length(request)
+    return b"".join([chunk async for chunk in _capped_stream(request)])
+
+
+def _check_declared_length(request: Request) -> None:
+    """A 413 before any byte is read when Content-Length is over MAX_BODY_BYTES."""
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and (len(declared) > len(str(MAX_BODY_BYTES))
                                                       or int(declared) > MAX_BODY_BYTES):
         raise BodyTooLarge(MAX_BODY_BYTES)
-    chunks: list[bytes] = []
+
+
+async def _capped_stream(request: Request) -> AsyncGenerator[bytes, None]:
+    """The body's chunks, raising BodyTooLarge as soon as they pass MAX_BODY_BYTES."""
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
             raise BodyTooLarge(MAX_BODY_BYTES)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        yield chunk
+
+
+@dataclass(frozen=True)
+class FormFile:
+    """An uploaded file of a multipart form, read whole (it was size-checked first)."""
+
+    filename: str
+    content_type: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Form:
+    """A multipart form: text fields and files by name, in the order sent."""
+
+    fields: dict[str, list[str]] = field(default_factory=dict)
+    files: dict[str, list[FormFile]] = field(default_factory=dict)
+
+    def names(self) -> set[str]:
+        return set(self.fields) | set(self.files)
+
+    def text(self, name: str) -> str | None:
+        """The one text value of `name` (None when absent); a repeated field or a file sent
+        under a text field's name is a 400 naming it."""
+        if name in self.files:
+            raise InvalidRequest(name, f"{name} must be a text field, not a file")
+        values = self.fields.get(name)
+        if not values:
+            return None
+        if len(values) > 1:
+            raise InvalidRequest(name, f"{name} was given {len(values)} times; give it once")
+        return values[0]
+
+    def file_list(self, name: str) -> list[FormFile]:
+        """Every file sent as `name` (also as `name[]`, as some clients send repeated files);
+        text sent under a file field's name is a 400 naming it."""
+        if name in self.fields or f"{name}[]" in self.fields:
+            raise InvalidRequest(name, f"{name} must be a file upload (multipart file part)")
+        return [*self.files.get(name, []), *self.files.get(f"{name}[]", [])]
+
+    def refuse_unknown(self, known: set[str]) -> None:
+        """A 400 naming the first field the route does not take."""
+        for name in sorted(self.names()):
+            if name not in known and name.removesuffix("[]") not in known:
+                raise InvalidRequest(name, f"unknown field {name!r}")
+
+
+async def read_form(request: Request, *, large_fields: Mapping[str, int] | None = None,
+                    max_file_bytes: int = MAX_FORM_FILE_BYTES,
+                    max_files: int = MAX_FORM_FILES) -> Form:
+    """The body as a multipart/form-data form, bounded every way a client could make it large:
+    the whole body by MAX_BODY_BYTES (a 413, before reading when Content-Length says so), the
+    parts by MAX_FORM_FIELDS text fields and `max_files` files, each text field by
+    MAX_FORM_FIELD_BYTES (or its entry in `large_fields`, e.g. a data URL), each file by
+    `max_file_bytes`. Files spool to disk past 1 MiB while the body arrives (Starlette's
+    parser, on python-multipart), so memory holds at most what the checks let through.
+    Every refusal but the 413 is a 400 naming the field (or `body`)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != FORM_CONTENT_TYPE:
+        raise InvalidRequest("body", f"the request body must be {FORM_CONTENT_TYPE}, got "
+                             f"{content_type.split(';', 1)[0][:80]!r}")
+    _check_declared_length(request)
+    parser = MultiPartParser(request.headers, _capped_stream(request), max_files=max_files,
+                             max_fields=MAX_FORM_FIELDS, max_part_size=MAX_BODY_BYTES)
+    try:
+        parsed = await parser.parse()
+    except MultiPartException as error:
+        raise InvalidRequest("body", f"malformed multipart form: {error.message}") from None
+    try:
+        return await _checked_form(parsed.multi_items(), large_fields or {}, max_file_bytes)
+    finally:
+        await parsed.close()
+
+
+async def _checked_form(items: list[tuple[str, str | UploadFile]],
+                        large_fields: Mapping[str, int], max_file_bytes: int) -> Form:
+    form = Form()
+    for name, value in items:
+        if isinstance(value, str):
+            limit = large_fields.get(name, MAX_FORM_FIELD_BYTES)
+            if len(value.encode("utf-8", "replace")) > limit:
+                raise InvalidRequest(name, f"{name} is larger than {limit} bytes")
+            form.fields.setdefault(name, []).append(value)
+            continue
+        if value.size is not None and value.size > max_file_bytes:
+            raise InvalidRequest(name, f"file {name} is larger than {max_file_bytes} bytes")
+        data = await value.read()
+        form.files.setdefault(name, []).append(FormFile(
+            filename=value.filename or "", content_type=value.content_type or "", data=data))
+    return form
 
 
 async def off_loop(size: int, call: Callable[[], T]) -> T:

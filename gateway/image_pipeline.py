@@ -1,4 +1,8 @@
-"""Text-to-image: Tokenizer once, then DiT -> VAE for each image (side by side), then PNG."""
+"""Text-to-image: Tokenizer once, then DiT -> VAE for each image (side by side), then PNG.
+
+Image edit is the same with the input image read twice first, side by side: by the Tokenizer
+(with the prompt) and by the VAE (EncodeImage, into the latents the DiT is conditioned on).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import numpy.typing as npt
 from PIL import Image
 
 from stagemesh.gateway.cancel import CancelScope, side_by_side
+from stagemesh.gateway.edit_params import EditParams
 from stagemesh.gateway.events import Emit, Output, Part, StageEvent
 from stagemesh.gateway.image_params import ImageParams
 from stagemesh.gateway.stage_client import call_stage
@@ -21,7 +26,7 @@ from stagemesh.shared.proto.v1 import (
     tokenizer_service_pb2,
     vae_service_pb2,
 )
-from stagemesh.shared.tensors import array_from_proto
+from stagemesh.shared.tensors import array_from_proto, array_to_proto
 
 
 @dataclass(frozen=True)
@@ -75,11 +80,20 @@ class _Progress:
         if response.WhichOneof("event") == "queued":
             await self._forward(stage, response.queued)
 
+    async def vae_encode(self, stage: str, response: vae_service_pb2.EncodeImageResponse) -> None:
+        match response.WhichOneof("event"):
+            case "queued":
+                await self._forward(stage, response.queued)
+            case "progress":
+                await self._forward(stage, response.progress)
+
 
 async def _encode_prompt(params: ImageParams, scope: CancelScope, stubs: ImageStubs,
-                         progress: _Progress) -> tokenizer_service_pb2.EncodePromptResult:
+                         progress: _Progress, images: tuple[common_pb2.Tensor, ...] = ()
+                         ) -> tokenizer_service_pb2.EncodePromptResult:
+    """The prompt's embeddings (an edit's: read together with its input `images`)."""
     start = tokenizer_service_pb2.EncodePromptStart(request_id=scope.stage_request_id,
-                                                    prompt=params.prompt)
+                                                    prompt=params.prompt, images=images)
     if params.negative_prompt is not None:
         start.negative_prompt = params.negative_prompt
     encoded = await call_stage(
@@ -89,9 +103,22 @@ async def _encode_prompt(params: ImageParams, scope: CancelScope, stubs: ImageSt
     return encoded.result
 
 
+async def _encode_image(image: common_pb2.Tensor, width: int, height: int, scope: CancelScope,
+                        stubs: ImageStubs, progress: _Progress) -> common_pb2.Tensor:
+    """An edit's input image -> the normalized latents the DiT is conditioned on (VAE)."""
+    encoded = await call_stage(
+        scope, "vae", stubs.vae.EncodeImage, vae_service_pb2.EncodeImageRequest(
+            start=vae_service_pb2.EncodeImageStart(
+                request_id=scope.stage_request_id, image=image, height=height, width=width)),
+        vae_service_pb2.EncodeImageRequest, on_event=progress.vae_encode)
+    return encoded.result.latents
+
+
 async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.EncodePromptResult,
-                scope: CancelScope, stubs: ImageStubs, progress: _Progress) -> GeneratedImage:
-    """DiT -> VAE -> PNG for one image, as its own stage requests (its sub-id)."""
+                scope: CancelScope, stubs: ImageStubs, progress: _Progress,
+                condition: tuple[common_pb2.Tensor, ...]) -> GeneratedImage:
+    """DiT -> VAE -> PNG for one image, as its own stage requests (its sub-id); `condition`:
+    an edit's input image latents."""
     request_id = scope.sub_request_ids[part.index]
     denoised = await call_stage(
         scope, "dit", stubs.dit.Denoise, dit_service_pb2.DenoiseRequest(
@@ -104,7 +131,8 @@ async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.
                 height=params.height, width=params.width,
                 num_inference_steps=params.num_inference_steps,
                 true_cfg_scale=params.true_cfg_scale, seed=part.seed,
-                execution_mode=params.execution_mode, priority=params.priority)),
+                execution_mode=params.execution_mode, priority=params.priority,
+                condition_latents=condition)),
         dit_service_pb2.DenoiseRequest, request_id=request_id, on_event=progress.dit)
     decoded = await call_stage(
         scope, "vae", stubs.vae.DecodeLatents, vae_service_pb2.DecodeLatentsRequest(
@@ -128,15 +156,43 @@ async def generate_images(params: ImageParams, scope: CancelScope, stubs: ImageS
     queued/progress/preempted event and an Output for each image as soon as it is decoded.
     The scope must have been opened with `params.n` parts.
     """
-    if len(scope.sub_request_ids) != params.n:
-        raise ValueError(f"a request of {params.n} images needs a scope of {params.n} parts")
+    _check_parts(params, scope)
     progress = _Progress(emit)
     encoded = await _encode_prompt(params, scope, stubs, progress)
+    return await _draw_all(params, encoded, (), scope, stubs, progress)
+
+
+async def edit_images(params: EditParams, scope: CancelScope, stubs: ImageStubs,
+                      emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
+    """Tokenizer (prompt + input images) and VAE EncodeImage (the first input image, at the
+    condition size) side by side, then DiT -> VAE for every image as in generate_images, the
+    DiT conditioned on the image latents. A cancel stops whichever stage is open; no stage
+    after it runs."""
+    _check_parts(params.image, scope)
+    progress = _Progress(emit)
+    images = tuple(array_to_proto(image) for image in params.inputs)
+    async with side_by_side() as group:
+        prompt = group.create_task(_encode_prompt(params.image, scope, stubs, progress, images))
+        latents = group.create_task(_encode_image(
+            images[0], params.condition_width, params.condition_height, scope, stubs, progress))
+    return await _draw_all(params.image, prompt.result(), (latents.result(),), scope, stubs,
+                           progress)
+
+
+def _check_parts(params: ImageParams, scope: CancelScope) -> None:
+    if len(scope.sub_request_ids) != params.n:
+        raise ValueError(f"a request of {params.n} images needs a scope of {params.n} parts")
+
+
+async def _draw_all(params: ImageParams, encoded: tokenizer_service_pb2.EncodePromptResult,
+                    condition: tuple[common_pb2.Tensor, ...], scope: CancelScope,
+                    stubs: ImageStubs, progress: _Progress) -> list[GeneratedImage]:
+    """DiT -> VAE for each of the n images side by side, each emitted once decoded."""
 
     async def draw(part: Part) -> GeneratedImage:
-        image = await _draw(params, part, encoded, scope, stubs, progress.of(part))
-        if emit is not None:
-            await emit(Output(image))
+        image = await _draw(params, part, encoded, scope, stubs, progress.of(part), condition)
+        if progress.emit is not None:
+            await progress.emit(Output(image))
         return image
 
     async with side_by_side() as group:

@@ -8,23 +8,34 @@ transports run the same code, with no loopback hop. Methods raise GatewayError.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar
 
 from stagemesh.gateway.audio import StreamEncoder
 from stagemesh.gateway.chat_pipeline import native_chat
-from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.core import GatewayCore, ImageEvents, RequestContext
+from stagemesh.gateway.edit_params import EditRequest
+from stagemesh.gateway.edit_pipeline import edit_events, prepare_edit
 from stagemesh.gateway.events import Done, Output, StageEvent
 from stagemesh.gateway.image_params import ImageRequest
 from stagemesh.gateway.image_pipeline import GeneratedImage
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech_params import SpeechRequest
+from stagemesh.gateway.video_jobs import new_video_id, page
+from stagemesh.gateway.video_params import VideoRequest
+from stagemesh.gateway.video_store import JobRecord, JobStatus
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
+J = TypeVar("J")
 
-def image_request(request: pb.GenerateImageRequest) -> ImageRequest:
-    """The proto's zero values mean "not given" (0 = default, unset optional = default)."""
+
+def image_request(request: pb.GenerateImageRequest | pb.EditImageRequest) -> ImageRequest:
+    """The proto's zero values mean "not given" (0 = default, unset optional = default; an
+    edit's 0 x 0 size: the size derived from its input image). An edit has no execution mode
+    or priority."""
+    generate = request if isinstance(request, pb.GenerateImageRequest) else None
     return ImageRequest(
         prompt=request.prompt, model=request.model,
         negative_prompt=(request.negative_prompt if request.HasField("negative_prompt")
@@ -33,7 +44,13 @@ def image_request(request: pb.GenerateImageRequest) -> ImageRequest:
         num_inference_steps=request.num_inference_steps or None,
         true_cfg_scale=request.true_cfg_scale if request.HasField("true_cfg_scale") else None,
         seed=request.seed if request.HasField("seed") else None,
-        execution_mode=request.execution_mode, priority=request.priority)
+        execution_mode=(generate.execution_mode if generate
+                        else common_pb2.EXECUTION_MODE_UNSPECIFIED),
+        priority=generate.priority if generate else None)
+
+
+def edit_request(request: pb.EditImageRequest) -> EditRequest:
+    return EditRequest(image=image_request(request), images=tuple(request.images))
 
 
 def speech_request(request: pb.SynthesizeSpeechRequest) -> SpeechRequest:
@@ -69,23 +86,33 @@ def _image_response(request_id: str,
     return None
 
 
+async def _image_stream(prepare: Callable[[], Awaitable[J]],
+                        events: Callable[[J, RequestContext], ImageEvents], request_id: str,
+                        context: RequestContext
+                        ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
+    """An image request (generate or edit) as GenerateImageResponses: prepared first (a bad
+    field fails before any response), then each stage event and each image."""
+    job = await prepare()
+    context = context.for_request(check_request_id(request_id, "request_id"))
+    async with contextlib.aclosing(events(job, context)) as items:
+        async for item in items:
+            response = _image_response(context.request_id, item)
+            if response is not None:
+                yield response
+
+
 class NativeApi:
     """GatewayService's RPCs on the gateway core."""
 
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
 
-    async def GenerateImage(
+    def GenerateImage(
         self, request: pb.GenerateImageRequest, context: RequestContext,
     ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
         """Queued and progress events of each stage, then one result per image."""
-        job = await self.core.prepare_images(image_request(request))
-        context = context.for_request(check_request_id(request.request_id, "request_id"))
-        async with contextlib.aclosing(self.core.image_events(job, context)) as items:
-            async for item in items:
-                response = _image_response(context.request_id, item)
-                if response is not None:
-                    yield response
+        return _image_stream(lambda: self.core.prepare_images(image_request(request)),
+                             self.core.image_events, request.request_id, context)
 
     async def SynthesizeSpeech(
         self, request: pb.SynthesizeSpeechRequest, context: RequestContext,
@@ -137,3 +164,92 @@ class NativeApi:
         return pb.ListRecipesResponse(recipes=[
             pb.RecipeInfo(name=r.name, task=r.task.value, stages=list(TASK_STAGES[r.task]))
             for r in self.core.recipes.values()])
+
+    def EditImage(
+        self, request: pb.EditImageRequest, context: RequestContext,
+    ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
+        """Like GenerateImage, on an image-edit recipe: the instruction and the image(s) to
+        edit (gateway/edit_pipeline.py)."""
+        return _image_stream(lambda: prepare_edit(self.core, edit_request(request)),
+                             lambda job, c: edit_events(self.core, job, c),
+                             request.request_id, context)
+
+
+    # -- video jobs (AIP-151: the job is the resource; gateway/video_jobs.py) ------------------
+
+    async def CreateVideo(self, request: pb.CreateVideoRequest,
+                          context: RequestContext) -> pb.VideoJob:
+        """Check the request (400 before anything is stored), store the job queued, start it."""
+        spec = await self.core.prepare_video(video_request(request))
+        job_id = check_request_id(request.request_id, "request_id") or new_video_id()
+        return video_job(await self.core.videos.create(spec, job_id, context.owner))
+
+    async def GetVideo(self, request: pb.GetVideoRequest, context: RequestContext) -> pb.VideoJob:
+        return video_job(await self.core.videos.get(context.owner, request.id))
+
+    async def ListVideos(self, request: pb.ListVideosRequest,
+                         context: RequestContext) -> pb.ListVideosResponse:
+        """Newest first; `next_page_token` is the last job's id (empty on the last page)."""
+        records = await self.core.videos.owned(context.owner)
+        jobs, more = page(records, request.page_size or None, request.page_token, "page_size",
+                          "page_token")
+        return pb.ListVideosResponse(jobs=[video_job(r) for r in jobs],
+                                     next_page_token=jobs[-1].id if more else "")
+
+    async def DeleteVideo(self, request: pb.DeleteVideoRequest,
+                          context: RequestContext) -> pb.VideoJob:
+        return video_job(await self.core.videos.delete(context.owner, request.id))
+
+    async def WatchVideo(self, request: pb.WatchVideoRequest,
+                         context: RequestContext) -> AsyncGenerator[pb.VideoJob, None]:
+        async with contextlib.aclosing(self.core.videos.watch(context.owner,
+                                                              request.id)) as records:
+            async for record in records:
+                yield video_job(record)
+
+    async def DownloadVideo(
+        self, request: pb.DownloadVideoRequest, context: RequestContext,
+    ) -> AsyncGenerator[pb.DownloadVideoResponse, None]:
+        async with contextlib.aclosing(self.core.videos.chunks(context.owner,
+                                                               request.id)) as chunks:
+            async for chunk in chunks:
+                yield pb.DownloadVideoResponse(data=chunk)
+
+
+def video_request(request: pb.CreateVideoRequest) -> VideoRequest:
+    """The proto's zero values mean "not given" (0 = default, unset optional = default)."""
+    return VideoRequest(
+        prompt=request.prompt, model=request.model,
+        negative_prompt=(request.negative_prompt if request.HasField("negative_prompt")
+                         else None),
+        width=request.width or None, height=request.height or None,
+        num_frames=request.num_frames or None, seconds=request.seconds or None,
+        fps=request.fps or None, num_inference_steps=request.num_inference_steps or None,
+        guidance_scale=(request.guidance_scale if request.HasField("guidance_scale")
+                        else None),
+        guidance_scale_2=(request.guidance_scale_2 if request.HasField("guidance_scale_2")
+                          else None),
+        boundary_ratio=(request.boundary_ratio if request.HasField("boundary_ratio")
+                        else None),
+        flow_shift=request.flow_shift if request.HasField("flow_shift") else None,
+        seed=request.seed if request.HasField("seed") else None,
+        image=request.input_reference or None)
+
+
+#: A job's state as the proto names it.
+JOB_STATES: dict[JobStatus, pb.VideoJobState.ValueType] = {
+    JobStatus.QUEUED: pb.VIDEO_JOB_STATE_QUEUED,
+    JobStatus.IN_PROGRESS: pb.VIDEO_JOB_STATE_RUNNING,
+    JobStatus.COMPLETED: pb.VIDEO_JOB_STATE_SUCCEEDED,
+    JobStatus.FAILED: pb.VIDEO_JOB_STATE_FAILED,
+    JobStatus.CANCELLED: pb.VIDEO_JOB_STATE_CANCELLED,
+}
+
+
+def video_job(record: JobRecord) -> pb.VideoJob:
+    return pb.VideoJob(
+        id=record.id, model=record.model, state=JOB_STATES[record.status],
+        progress=record.progress, create_time=int(record.created_at),
+        complete_time=int(record.completed_at or 0), width=record.width, height=record.height,
+        num_frames=record.num_frames, fps=record.fps, error=record.error,
+        size_bytes=record.size_bytes, prompt=record.prompt)

@@ -8,6 +8,9 @@
   the thinker writes it and the audio in `delta.audio.data` pieces sentence by sentence.
 - An image recipe (or no `model` while one is served): the image comes back as a data URL in
   `choices[0].message.content[0].image_url.url`, as vllm-omni serves it.
+- An image-edit recipe: the last user message carries the instruction (text parts) and the
+  image to edit (an `image_url` part with a data URL: the server fetches no URLs); the edited
+  image comes back in the same shape.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from stagemesh.gateway.chat_pipeline import (
     prepare_chat,
 )
 from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.edit_params import EditRequest, image_data_url
+from stagemesh.gateway.edit_pipeline import prepare_edit, run_edit
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.events import Done, Output
 from stagemesh.gateway.http_io import (
@@ -54,6 +59,7 @@ from stagemesh.gateway.http_io import (
 )
 from stagemesh.gateway.openai_images import CLIENT_GONE_STATUS, b64_png
 from stagemesh.gateway.openai_requests import JsonFields, chat_image_request, openai_body
+from stagemesh.gateway.recipes import Task
 
 #: How long OpenAI says a returned audio may be referred to again (we keep none: informative).
 AUDIO_EXPIRES_S = 3600
@@ -231,10 +237,18 @@ class ChatRoutes:
                                  headers={"cache-control": "no-cache"})
 
     async def _image(self, request: Request, body: JsonObject) -> Response:
-        """Chat with an image recipe: the image as a data URL."""
-        job = await self.core.prepare_images(chat_image_request(body))
-        context = rest_context(request, body.get("timeout"))
-        images = await until_disconnect(request, self.core.generate_images(job, context))
+        """Chat with an image recipe (text-to-image, or image-edit when `model` names one):
+        the image as a data URL."""
+        named = self.core.recipes.get(JsonFields(body).string("model") or "")
+        if named is not None and named.task is Task.IMAGE_EDIT:
+            edit = await prepare_edit(self.core, await asyncio.to_thread(chat_edit_request, body))
+            context = rest_context(request, body.get("timeout"))
+            work = run_edit(self.core, edit, context)
+        else:
+            job = await self.core.prepare_images(chat_image_request(body))
+            context = rest_context(request, body.get("timeout"))
+            work = self.core.generate_images(job, context)
+        images = await until_disconnect(request, work)
         content = [{"type": "image_url",
                     "image_url": {"url": f"data:image/png;base64,{b64_png(i)}"}} for i in images]
         return JSONResponse({
@@ -244,6 +258,34 @@ class ChatRoutes:
                          "message": {"role": "assistant", "content": content}}],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
         })
+
+
+def chat_edit_request(body: Mapping[str, object]) -> EditRequest:
+    """An edit over chat: the last user message's text is the instruction, its `image_url`
+    parts (data URLs) the images to edit; the image fields as for text-to-image (extra_body).
+    Decodes base64: call it off the event loop."""
+    return EditRequest(image=chat_image_request(body),
+                       images=_last_user_images(body.get("messages")))
+
+
+def _last_user_images(messages: object) -> tuple[bytes, ...]:
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"] \
+        if isinstance(messages, list) else []
+    content = users[-1].get("content") if users else None
+    parts = [part for part in content if isinstance(part, dict)
+             and part.get("type") == "image_url"] if isinstance(content, list) else []
+    images = []
+    for part in parts:
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InvalidRequest("messages", 'an image_url part must look like {"type": '
+                                 '"image_url", "image_url": {"url": "data:image/png;base64,..."}}')
+        images.append(image_data_url(url.strip(), "messages"))
+    if not images:
+        raise InvalidRequest("messages", "an image-edit model needs the image to edit: an "
+                             "image_url content part (a data URL) in the last user message")
+    return tuple(images)
 
 
 def _format(job: ChatJob) -> AudioFormat | None:

@@ -1,22 +1,26 @@
-"""POST /v1/images/generations: OpenAI's image API (JSON, or SSE progress with stream=true)."""
+"""OpenAI's image API: POST /v1/images/generations (JSON) and POST /v1/images/edits (multipart
+form, see edit_forms.py); both answer JSON, or SSE progress with stream=true."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stagemesh.gateway.core import GatewayCore, ImageJob, RequestContext
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.edit_forms import edit_request
+from stagemesh.gateway.edit_pipeline import prepare_edit, run_edit
 from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.events import Done, Output, StageEvent
+from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipeline
 from stagemesh.gateway.http_io import (
     SSE_DONE,
     ClientGone,
     error_response,
+    read_form,
     read_json_object,
     rest_context,
     sse_event,
@@ -28,6 +32,9 @@ from stagemesh.shared.proto.v1 import common_pb2
 
 #: The status a request answers when its client left before the answer (nginx's convention).
 CLIENT_GONE_STATUS = 499
+
+#: A prepared image request, run with an optional `emit` for progress (None: just the images).
+RunImages = Callable[[Emit[GeneratedImage] | None], Awaitable[list[GeneratedImage]]]
 
 
 def b64_png(image: GeneratedImage) -> str:
@@ -64,24 +71,52 @@ class ImageRoutes:
             body = openai_body(await read_json_object(request))
             job = await self.core.prepare_images(image_request(body))  # 400 before any stream
             context = rest_context(request, body.get("timeout"))
-            if JsonFields(body).boolean("stream"):
-                return self._stream(job, context)
-            images = await until_disconnect(request, self.core.generate_images(job, context))
+
+            def run(emit: Emit[GeneratedImage] | None) -> Awaitable[list[GeneratedImage]]:
+                return self.core.generate_images(job, context, emit)
+
+            return await self._answer(request, context, bool(JsonFields(body).boolean("stream")),
+                                      run)
         except GatewayError as error:
             return error_response(error)
         except ClientGone:
             return Response(status_code=CLIENT_GONE_STATUS)
+
+    async def edits(self, request: Request) -> Response:
+        """The OpenAI edit form: the image(s) and the instruction; the same answers as
+        generations."""
+        try:
+            form = await read_form(request)
+            edit, stream = edit_request(form)
+            job = await prepare_edit(self.core, edit)  # 400 before any stage runs
+            context = rest_context(request, form.text("timeout"))
+
+            def run(emit: Emit[GeneratedImage] | None) -> Awaitable[list[GeneratedImage]]:
+                return run_edit(self.core, job, context, emit)
+
+            return await self._answer(request, context, stream, run)
+        except GatewayError as error:
+            return error_response(error)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE_STATUS)
+
+    async def _answer(self, request: Request, context: RequestContext, stream: bool,
+                      run: RunImages) -> Response:
+        """The images as OpenAI's JSON (the work stops if the client leaves), or as SSE."""
+        if stream:
+            return self._stream(run, context)
+        images = await until_disconnect(request, run(None))
         return JSONResponse({"created": int(time.time()),
                              "data": [{"b64_json": b64_png(i), "revised_prompt": None,
                                        "seed": i.seed} for i in images]})
 
-    def _stream(self, job: ImageJob, context: RequestContext) -> Response:
+    def _stream(self, run: RunImages, context: RequestContext) -> Response:
         """SSE: the request id, queued/progress per stage step, each image, done, [DONE]."""
 
         async def events() -> AsyncIterator[bytes]:
             try:
                 yield sse_event({"type": "request", "request_id": context.request_id})
-                async with contextlib.aclosing(self.core.image_events(job, context)) as items:
+                async with contextlib.aclosing(stream_pipeline(run)) as items:
                     async for item in items:
                         yield sse_event(_image_event(item))
             except GatewayError as error:

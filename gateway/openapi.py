@@ -54,12 +54,18 @@ NATIVE_EXAMPLES: dict[str, Schema] = {
                       "num_inference_steps": 2},
     "SynthesizeSpeech": {"input": "Hello.", "seed": 1},
     "Chat": {"messages": [{"role": "user", "content": "Hello."}]},
+    "CreateVideo": {"prompt": "a red circle moving right", "width": 32, "height": 32,
+                    "num_frames": 5, "num_inference_steps": 2},
 }
 OPENAI_EXAMPLES: dict[str, Schema] = {
     "openai.images": {"prompt": "a red circle", "size": "32x32", "num_inference_steps": 2},
     "openai.speech": {"input": "Hello.", "seed": 1},
     "openai.chat": {"messages": [{"role": "user", "content": "a red circle"}],
                     "size": "32x32"},
+    "openai.videos.create": {"prompt": "a red circle moving right", "size": "32x32",
+                             "num_frames": 5, "num_inference_steps": 2},
+    "openai.videos.sync": {"prompt": "a red circle moving right", "size": "32x32",
+                           "num_frames": 5, "num_inference_steps": 2},
 }
 
 # -- proto messages -> JSON schemas -----------------------------------------------------------
@@ -189,6 +195,64 @@ _CHAT_FIELDS: Schema = {
     "top_p": _NUMBER, "seed": _INTEGER, "n": _INTEGER, "size": _STRING,
 }
 _OBJECT: Schema = {"type": "object"}
+#: POST /v1/videos and /v1/videos/sync: a multipart form (what the openai SDK sends; form
+#: values are text, so numbers may come as strings) or the same fields as a JSON object.
+_VIDEO_FIELDS: Schema = {
+    "prompt": _STRING, "model": _STRING, "negative_prompt": _STRING,
+    "size": {"type": "string", "description": "WxH, e.g. 832x480"},
+    "seconds": {"type": ["string", "number"]}, "fps": _INTEGER,
+    "num_frames": {"type": "integer", "description": "the model's rule: 4k+1 for Wan"},
+    "num_inference_steps": _INTEGER, "guidance_scale": _NUMBER,
+    "guidance_scale_2": _NUMBER, "boundary_ratio": _NUMBER, "flow_shift": _NUMBER,
+    "seed": _INTEGER,
+    "image_reference": {"type": "object", "properties": {"image_url": {
+        "type": "string", "description": "a data URL (data:image/png;base64,...)"}}},
+}
+_VIDEO_FILE: Schema = {"input_reference": {"type": "string", "contentEncoding": "binary",
+                                           "description": "the first frame (PNG, JPEG, WebP)"}}
+_MP4: Schema = {"type": "string", "contentEncoding": "binary"}
+_JOB_ID: list[Schema] = [{"name": "id", "in": "path", "required": True, "schema": _STRING}]
+_LIST_QUERY: list[Schema] = [
+    {"name": "limit", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+    {"name": "after", "in": "query", "required": False, "schema": _STRING},
+    {"name": "order", "in": "query", "required": False,
+     "schema": {"type": "string", "enum": ["asc", "desc"]}}]
+
+
+def _video_body(operation_id: str) -> Schema:
+    schema: Schema = {"type": "object", "properties": _VIDEO_FIELDS, "required": ["prompt"]}
+    form: Schema = {"type": "object", "properties": {**_VIDEO_FIELDS, **_VIDEO_FILE},
+                    "required": ["prompt"]}
+    return {"required": True, "content": {
+        "multipart/form-data": {"schema": form},
+        "application/json": {"schema": schema, "example": OPENAI_EXAMPLES[operation_id]}}}
+
+
+def _video_paths() -> dict[str, Schema]:
+    """OpenAI's video jobs and the seed's sync route."""
+    def operation(operation_id: str, ok: Schema, media_type: str = "application/json",
+                  parameters: list[Schema] | None = None) -> Schema:
+        found: Schema = {"operationId": operation_id, "tags": ["openai"],
+                         "responses": _responses(ok, media_type)}
+        if parameters:
+            found["parameters"] = parameters
+        if operation_id in OPENAI_EXAMPLES:
+            found["requestBody"] = _video_body(operation_id)
+        return found
+
+    return {
+        "/v1/videos": {"post": operation("openai.videos.create", _OBJECT),
+                       "get": operation("openai.videos.list", _OBJECT, parameters=_LIST_QUERY)},
+        "/v1/videos/sync": {"post": operation("openai.videos.sync", _MP4, "video/mp4")},
+        "/v1/videos/{id}": {"get": operation("openai.videos.get", _OBJECT, parameters=_JOB_ID),
+                            "delete": operation("openai.videos.delete", _OBJECT,
+                                                parameters=_JOB_ID)},
+        "/v1/videos/{id}/content": {"get": operation(
+            "openai.videos.content", _MP4, "video/mp4", parameters=[*_JOB_ID, {
+                "name": "variant", "in": "query", "required": False,
+                "schema": {"type": "string", "enum": ["video"]}}])},
+    }
 
 
 def _openai_paths() -> dict[str, Schema]:
@@ -210,6 +274,7 @@ def _openai_paths() -> dict[str, Schema]:
         "/v1/audio/voices": get("openai.voices"),
         "/v1/models": get("openai.models"),
         "/health": get("health"),
+        **_video_paths(),
     }
 
 

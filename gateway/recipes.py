@@ -93,6 +93,9 @@ class Task(enum.StrEnum):
     TEXT_TO_IMAGE = "text-to-image"
     TEXT_TO_SPEECH = "text-to-speech"
     CHAT = "chat"
+    IMAGE_EDIT = "image-edit"
+    TEXT_TO_VIDEO = "text-to-video"
+    IMAGE_TO_VIDEO = "image-to-video"
 
 
 #: Stages each task needs, in the order a request travels through them.
@@ -100,7 +103,15 @@ TASK_STAGES: dict[Task, tuple[str, ...]] = {
     Task.TEXT_TO_IMAGE: ("tokenizer", "dit", "vae"),
     Task.TEXT_TO_SPEECH: ("talker", "codec"),
     Task.CHAT: ("thinker",),
+    Task.IMAGE_EDIT: ("tokenizer", "dit", "vae"),
+    Task.TEXT_TO_VIDEO: ("tokenizer", "dit", "vae"),
+    Task.IMAGE_TO_VIDEO: ("tokenizer", "dit", "vae"),
 }
+
+#: Tasks whose requests take ImageDefaults (the rest of the Tokenizer/DiT/VAE tasks take
+#: VideoDefaults).
+IMAGE_TASKS = frozenset({Task.TEXT_TO_IMAGE, Task.IMAGE_EDIT})
+VIDEO_TASKS = frozenset({Task.TEXT_TO_VIDEO, Task.IMAGE_TO_VIDEO})
 
 #: Where each key of the old `limits:` block went (None: the stage reads it from its model).
 MOVED_LIMITS: dict[str, str | None] = {
@@ -174,7 +185,10 @@ class StageEndpoint:
 
 @dataclass(frozen=True)
 class ImageDefaults:
-    """What an image request gets for each field it leaves out."""
+    """What an image request (text-to-image, image-edit) gets for each field it leaves out.
+
+    An image-edit recipe's width and height are 0 unless its file sets them: its output then
+    takes the size the model derives from the input image (as the stock pipeline does)."""
 
     width: int = 64
     height: int = 64
@@ -183,13 +197,34 @@ class ImageDefaults:
     negative_prompt: str | None = ""  # "" (not None) turns guidance on, as in diffusers
 
 
+#: An image-edit recipe's base defaults: 0 x 0 = the size derived from the input image.
+EDIT_DEFAULTS = ImageDefaults(width=0, height=0)
+
+
+@dataclass(frozen=True)
+class VideoDefaults:
+    """What a video request (text-to-video, image-to-video) gets for each field it leaves out."""
+
+    width: int = 64
+    height: int = 64
+    num_frames: int = 9  # the model's rule (Wan: 4k+1)
+    fps: int = 8  # frames per second of the MP4 (and, with `seconds`, the frame count)
+    num_inference_steps: int = 10
+    guidance_scale: float = 5.0
+    negative_prompt: str = ""  # Wan encodes "" when none is given, so "" is its default too
+    flow_shift: float | None = None  # None = the model's scheduler's own shift
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
     task: Task
     model: str  # model folder, or "builtin:<name>" for an embedded default
     stages: dict[str, StageEndpoint]
+    #: text-to-image and image-edit recipes (see EDIT_DEFAULTS).
     image_defaults: ImageDefaults = ImageDefaults()
+    #: text-to-video and image-to-video recipes.
+    video_defaults: VideoDefaults = VideoDefaults()
     #: chat: the text-to-speech recipe that speaks its answers ("" = the default one).
     speech: str = ""
 
@@ -263,11 +298,14 @@ def _metrics_ports(raw: object, target: StageTarget, where: str
                       f"replica), got {raw!r}")
 
 
-class _DefaultsReader:
-    """Typed reads of a `defaults:` mapping: a missing key keeps ImageDefaults' value."""
+_Defaults = ImageDefaults | VideoDefaults
 
-    def __init__(self, raw: Mapping[str, object], where: str) -> None:
-        self.raw, self.where, self.base = raw, f"{where}.defaults", ImageDefaults()
+
+class _DefaultsReader:
+    """Typed reads of a `defaults:` mapping: a missing key keeps the base's value."""
+
+    def __init__(self, raw: Mapping[str, object], where: str, base: _Defaults) -> None:
+        self.raw, self.where, self.base = raw, f"{where}.defaults", base
 
     def integer(self, name: str) -> int:
         value = self.raw.get(name, getattr(self.base, name))
@@ -276,10 +314,16 @@ class _DefaultsReader:
         return value
 
     def number(self, name: str) -> float:
+        value = self.optional_number(name)
+        if value is None:
+            raise RecipeError(f"{self.where}.{name}: expected a number, got None")
+        return value
+
+    def optional_number(self, name: str) -> float | None:
         value = self.raw.get(name, getattr(self.base, name))
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise RecipeError(f"{self.where}.{name}: expected a number, got {value!r}")
-        return float(value)
+        return None if value is None else float(value)
 
     def text(self, name: str) -> str | None:
         value = self.raw.get(name, getattr(self.base, name))
@@ -288,22 +332,48 @@ class _DefaultsReader:
         return value
 
 
-def _image_defaults(raw: object, task: Task, where: str) -> ImageDefaults:
-    if raw is None:
-        return ImageDefaults()
-    if task is not Task.TEXT_TO_IMAGE:
-        raise RecipeError(f"{where}: `defaults:` are request defaults of text-to-image recipes")
+def _defaults_reader(raw: object, base: _Defaults, where: str) -> _DefaultsReader:
+    """A reader of `defaults:`, refusing keys `base`'s type does not have."""
     if not isinstance(raw, Mapping):
         raise RecipeError(f"{where}.defaults must be a mapping")
-    known = sorted(f.name for f in fields(ImageDefaults))
+    known = sorted(f.name for f in fields(base))
     unknown = sorted(str(key) for key in set(raw) - set(known))
     if unknown:
         raise RecipeError(f"{where}.defaults: unknown keys {unknown}; expected {known}")
-    read = _DefaultsReader(raw, where)
-    return ImageDefaults(width=read.integer("width"), height=read.integer("height"),
+    return _DefaultsReader(raw, where, base)
+
+
+def _image_defaults(raw: object, task: Task, where: str) -> ImageDefaults:
+    base = EDIT_DEFAULTS if task is Task.IMAGE_EDIT else ImageDefaults()
+    if raw is None or task not in IMAGE_TASKS:
+        return base
+    read = _defaults_reader(raw, base, where)
+    defaults = ImageDefaults(width=read.integer("width"), height=read.integer("height"),
+                             num_inference_steps=read.integer("num_inference_steps"),
+                             true_cfg_scale=read.number("true_cfg_scale"),
+                             negative_prompt=read.text("negative_prompt"))
+    if task is Task.IMAGE_EDIT and (defaults.width == 0) != (defaults.height == 0):
+        raise RecipeError(f"{where}.defaults: an image-edit recipe sets both width and height "
+                          "or neither (neither: the size derived from the input image)")
+    return defaults
+
+
+def _video_defaults(raw: object, task: Task, where: str) -> VideoDefaults:
+    if raw is None or task not in VIDEO_TASKS:
+        return VideoDefaults()
+    read = _defaults_reader(raw, VideoDefaults(), where)
+    return VideoDefaults(width=read.integer("width"), height=read.integer("height"),
+                         num_frames=read.integer("num_frames"), fps=read.integer("fps"),
                          num_inference_steps=read.integer("num_inference_steps"),
-                         true_cfg_scale=read.number("true_cfg_scale"),
-                         negative_prompt=read.text("negative_prompt"))
+                         guidance_scale=read.number("guidance_scale"),
+                         negative_prompt=read.text("negative_prompt") or "",
+                         flow_shift=read.optional_number("flow_shift"))
+
+
+def _check_defaults_task(raw: object, task: Task, where: str) -> None:
+    if raw is not None and task not in IMAGE_TASKS | VIDEO_TASKS:
+        raise RecipeError(f"{where}: `defaults:` are request defaults of image-edit, "
+                          "text-to-video, image-to-video and text-to-image recipes")
 
 
 def _build(entry: object, where: str) -> Recipe:
@@ -331,8 +401,10 @@ def _build(entry: object, where: str) -> Recipe:
     if extra:
         raise RecipeError(f"{where}: task {task.value} has no stages {extra}")
     stages = {stage: _endpoint(stage, raw_stages[stage], where) for stage in needed}
+    _check_defaults_task(entry.get("defaults"), task, where)
     return Recipe(name=name, task=task, model=model, stages=stages,
                   image_defaults=_image_defaults(entry.get("defaults"), task, where),
+                  video_defaults=_video_defaults(entry.get("defaults"), task, where),
                   speech=_speech_recipe(entry.get("speech"), task, where))
 
 

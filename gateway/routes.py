@@ -11,6 +11,7 @@ from stagemesh.gateway.openai_audio import AudioRoutes
 from stagemesh.gateway.openai_chat import ChatRoutes
 from stagemesh.gateway.openai_images import ImageRoutes
 from stagemesh.gateway.openai_models import ModelRoutes
+from stagemesh.gateway.openai_videos import VideoRoutes
 from stagemesh.gateway.openapi import openapi_endpoint
 from stagemesh.gateway.transcoding import annotated_routes
 
@@ -21,11 +22,19 @@ def rest_routes(core: GatewayCore) -> list[Route]:
     document of all of them (gateway/openapi.py)."""
     images, chat = ImageRoutes(core), ChatRoutes(core)
     audio, models = AudioRoutes(core), ModelRoutes(core)
+    videos = VideoRoutes(core)
     return [
         Route("/v1/images/generations", images.generations, methods=["POST"]),
+        Route("/v1/images/edits", images.edits, methods=["POST"]),
         Route("/v1/chat/completions", chat.completions, methods=["POST"]),
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/voices", audio.voices, methods=["GET"]),
+        Route("/v1/videos", videos.create, methods=["POST"]),
+        Route("/v1/videos", videos.list, methods=["GET"]),
+        Route("/v1/videos/sync", videos.sync, methods=["POST"]),
+        Route("/v1/videos/{id}", videos.get, methods=["GET"]),
+        Route("/v1/videos/{id}", videos.delete, methods=["DELETE"]),
+        Route("/v1/videos/{id}/content", videos.content, methods=["GET"]),
         Route("/v1/models", models.models, methods=["GET"]),
         Route("/health", models.health, methods=["GET"]),
         *annotated_routes(NativeApi(core)),

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # the async stub classes exist only in the generated .pyi fil
 
 @dataclass(frozen=True)
 class ImageStubs:
-    """The stages of a text-to-image recipe."""
+    """The stages of a Tokenizer/DiT/VAE recipe (text-to-image, image-edit, video): the VAE
+    stub has both DecodeLatents and EncodeImage."""
 
     tokenizer: TokenizerServiceAsyncStub
     dit: DitServiceAsyncStub

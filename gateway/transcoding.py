@@ -40,7 +40,7 @@ _TEMPLATE_VAR = re.compile(r"\{([^}=]+)(=[^}]*)?\}")
 #: Where json_format's ParseError messages name the field, the top-level one first (a nested
 #: error reads "Failed to parse audio field: ... has no field named "x" ...": `audio`).
 _PARSE_ERROR_FIELD = (re.compile(r"^Failed to parse (\w+) field"),
-                      re.compile(r'has no field named "([^"]+)"'),
+                      re.compile(r'has no field named "([^"]*)"'),  # "" is a name too
                       re.compile(r" at [\w.]*\.(\w+)"))
 
 MessageT = TypeVar("MessageT", bound=Message)
@@ -100,6 +100,11 @@ async def parse_message(request: Request, binding: HttpBinding,
 def _message(raw: bytes, given: dict[str, object], message_type: type[MessageT]) -> MessageT:
     fields: dict[str, object] = {**parse_json_object(raw), **given} if raw else given
     message = message_type()
+    descriptor = message.DESCRIPTOR
+    known = {f.name for f in descriptor.fields} | {f.json_name for f in descriptor.fields}
+    for name in fields:  # named here exactly (json_format's message quotes it unescaped)
+        if name not in known:
+            raise InvalidRequest(name, f"{descriptor.name} has no field named {name!r}")
     try:
         json_format.ParseDict(fields, message, ignore_unknown_fields=False)
     except json_format.ParseError as error:
@@ -158,11 +163,25 @@ async def _ndjson(first: Message | None,
         await replies.aclose()  # client gone or done: stop the work behind it
 
 
+def route_order(bindings: list[HttpBinding]) -> list[HttpBinding]:
+    """Custom methods first (`/v1/videoJobs/{id}:watch`): Starlette tries routes in order, and
+    `/v1/videoJobs/{id}` would otherwise take `x:watch` as an id. Otherwise proto order."""
+    return sorted(bindings, key=lambda b: ":" not in b.path.rsplit("}", 1)[-1])
+
+
 def annotated_routes(api: NativeApi) -> list[Route]:
     """One route per google.api.http-annotated GatewayService method, bound to `api`."""
     endpoints: dict[str, Callable[[HttpBinding], Endpoint]] = {
         "GenerateImage": lambda b: stream_endpoint(b, pb.GenerateImageRequest,
                                                    api.GenerateImage),
+        "EditImage": lambda b: stream_endpoint(b, pb.EditImageRequest, api.EditImage),
+        "CreateVideo": lambda b: unary_endpoint(b, pb.CreateVideoRequest, api.CreateVideo),
+        "GetVideo": lambda b: unary_endpoint(b, pb.GetVideoRequest, api.GetVideo),
+        "ListVideos": lambda b: unary_endpoint(b, pb.ListVideosRequest, api.ListVideos),
+        "DeleteVideo": lambda b: unary_endpoint(b, pb.DeleteVideoRequest, api.DeleteVideo),
+        "WatchVideo": lambda b: stream_endpoint(b, pb.WatchVideoRequest, api.WatchVideo),
+        "DownloadVideo": lambda b: stream_endpoint(b, pb.DownloadVideoRequest,
+                                                   api.DownloadVideo),
         "SynthesizeSpeech": lambda b: stream_endpoint(b, pb.SynthesizeSpeechRequest,
                                                       api.SynthesizeSpeech),
         "Chat": lambda b: stream_endpoint(b, pb.ChatRequest, api.Chat),
@@ -172,7 +191,7 @@ def annotated_routes(api: NativeApi) -> list[Route]:
         "ListRecipes": lambda b: unary_endpoint(b, pb.ListRecipesRequest, api.ListRecipes),
     }
     routes = []
-    for binding in http_bindings():
+    for binding in route_order(http_bindings()):
         if binding.rpc not in endpoints:
             raise RuntimeError(f"GatewayService.{binding.rpc} is annotated for REST but "
                                "NativeApi has no endpoint for it")

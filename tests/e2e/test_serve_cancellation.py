@@ -43,7 +43,8 @@ class Snapshot:
     }
 
     def __init__(self, served) -> None:
-        metrics = {stage: served.metrics(stage) for stage in ("dit", "vae")}
+        # the default image recipe's stages (other recipes have a DiT and a VAE too)
+        metrics = {stage: served.metrics(stage, "tiny-shapes") for stage in ("dit", "vae")}
         self.values = {}
         for key, (stage, name, labels) in self.NAMES.items():
             wanted = ",".join(f'{k}="{v}"' for k, v in sorted({"stage": stage, **labels}.items()))

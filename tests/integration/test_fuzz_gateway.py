@@ -103,6 +103,8 @@ def client_fields(case: Case[Any]) -> set[str]:
         names |= set(schema.get("properties", {}))
     if isinstance(case.body, dict):
         names |= set(case.body)  # an unknown field is refused naming it
+    if isinstance(case.query, dict):
+        names |= set(case.query)  # so is an unknown query parameter
     return names
 
 

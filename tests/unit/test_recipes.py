@@ -11,9 +11,12 @@ from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.mesh import Mesh
 from stagemesh.gateway.recipes import (
     DEFAULT_RECIPES,
+    TASK_STAGES,
     ImageDefaults,
     RecipeError,
     Task,
+    VideoDefaults,
+    default_recipe,
     load_recipes,
 )
 
@@ -147,3 +150,63 @@ def test_model_field_selects_the_recipe(tmp_path: Path) -> None:
         mesh.recipe("a", Task.TEXT_TO_SPEECH)
     with pytest.raises(InvalidRequest, match="no recipe serves text-to-speech"):
         mesh.recipe("", Task.TEXT_TO_SPEECH)
+
+
+def _tokenizer_dit_vae_recipe(name: str, task: str, defaults: str = "") -> str:
+    return f"""
+  - name: {name}
+    task: {task}
+    model: /models/{name}
+    stages:
+      tokenizer: {{address: "127.0.0.1:1"}}
+      dit: {{address: "127.0.0.1:2"}}
+      vae: {{address: "127.0.0.1:3"}}
+""" + (f"    defaults: {defaults}\n" if defaults else "")
+
+
+def test_edit_and_video_recipes_run_on_the_tokenizer_dit_and_vae(tmp_path: Path) -> None:
+    recipes = load_recipes(write(tmp_path, "recipes:" + "".join(
+        _tokenizer_dit_vae_recipe(task, task)
+        for task in ("image-edit", "text-to-video", "image-to-video"))))
+    for task in (Task.IMAGE_EDIT, Task.TEXT_TO_VIDEO, Task.IMAGE_TO_VIDEO):
+        assert TASK_STAGES[task] == ("tokenizer", "dit", "vae")
+        recipe = default_recipe(recipes, task)
+        assert recipe is not None and recipe.task is task
+    # an edit recipe's size is derived from the input image unless its file sets one
+    assert recipes["image-edit"].image_defaults == ImageDefaults(width=0, height=0)
+    assert recipes["text-to-video"].video_defaults == VideoDefaults()
+    mesh = Mesh(recipes)
+    with pytest.raises(InvalidRequest, match="serves image-edit, not text-to-video") as error:
+        mesh.recipe("image-edit", Task.TEXT_TO_VIDEO)
+    assert error.value.field_name == "model"
+
+
+def test_edit_and_video_defaults_are_read_typed(tmp_path: Path) -> None:
+    recipes = load_recipes(write(tmp_path, "recipes:" + _tokenizer_dit_vae_recipe(
+        "edit", "image-edit", "{num_inference_steps: 4, true_cfg_scale: 2, negative_prompt: ' '}"
+    ) + _tokenizer_dit_vae_recipe(
+        "video", "image-to-video", "{width: 96, height: 48, num_frames: 17, fps: 16, "
+        "num_inference_steps: 3, guidance_scale: 5, negative_prompt: blurry, flow_shift: 3}"
+    ) + _tokenizer_dit_vae_recipe("plain", "text-to-video", "{fps: 24}")))
+    assert recipes["edit"].image_defaults == ImageDefaults(
+        width=0, height=0, num_inference_steps=4, true_cfg_scale=2.0, negative_prompt=" ")
+    assert recipes["video"].video_defaults == VideoDefaults(
+        width=96, height=48, num_frames=17, fps=16, num_inference_steps=3, guidance_scale=5.0,
+        negative_prompt="blurry", flow_shift=3.0)
+    assert recipes["plain"].video_defaults == VideoDefaults(fps=24)
+    assert recipes["plain"].video_defaults.flow_shift is None  # the model's own shift
+
+
+@pytest.mark.parametrize(("task", "defaults", "match"), [
+    ("image-edit", "{width: 64}", "both width and height or neither"),
+    ("image-edit", "{num_frames: 9}", r"unknown keys \['num_frames'\]"),
+    ("text-to-video", "{true_cfg_scale: 4}", r"unknown keys \['true_cfg_scale'\]"),
+    ("text-to-video", "{num_frames: nine}", "defaults.num_frames: expected an integer"),
+    ("image-to-video", "{flow_shift: fast}", "defaults.flow_shift: expected a number"),
+    ("image-to-video", "{guidance_scale: null}", "defaults.guidance_scale: expected a number"),
+])
+def test_malformed_edit_and_video_defaults_fail_naming_the_key(
+    tmp_path: Path, task: str, defaults: str, match: str,
+) -> None:
+    with pytest.raises(RecipeError, match=match):
+        load_recipes(write(tmp_path, "recipes:" + _tokenizer_dit_vae_recipe("r", task, defaults)))

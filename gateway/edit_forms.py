@@ -1,0 +1,109 @@
+"""POST /v1/images/edits: OpenAI's multipart form -> an EditRequest, read once.
+
+OpenAI's fields (`image` files, also `image[]` as the openai SDK sends a list, `prompt`,
+`model`, `n`, `size`, `response_format`, `output_format`, `user`, `stream`) plus stagemesh's
+image extensions (`seed`, `num_inference_steps`, `true_cfg_scale` alias `guidance_scale`,
+`negative_prompt`, `width`/`height`, `execution_mode`, `priority`, `timeout`). Only the form's
+shape is checked here; limits are checked against what the stages publish when the request is
+prepared (edit_params.py). Every refusal names its field.
+"""
+
+from __future__ import annotations
+
+import math
+
+from stagemesh.gateway.edit_params import EditRequest
+from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.http_io import Form
+from stagemesh.gateway.image_params import ImageRequest, parse_size
+from stagemesh.gateway.openai_requests import _execution_mode as execution_mode
+
+#: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
+EDIT_FIELDS = frozenset({
+    "image", "prompt", "model", "n", "size", "response_format", "output_format", "user",
+    "stream", "seed", "num_inference_steps", "true_cfg_scale", "guidance_scale",
+    "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask"})
+#: `size` values that mean "the size derived from the input image".
+AUTO_SIZES = frozenset({"auto", ""})
+
+
+class FormFields:
+    """Typed reads of a form's text fields: None when absent; a value that does not parse is a
+    400 naming the field."""
+
+    def __init__(self, form: Form) -> None:
+        self.form = form
+
+    def string(self, name: str) -> str | None:
+        return self.form.text(name)
+
+    def integer(self, name: str) -> int | None:
+        text = self.form.text(name)
+        if text is None:
+            return None
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise InvalidRequest(name, f"{name} must be an integer, got {text[:40]!r}") from None
+
+    def number(self, name: str) -> float | None:
+        text = self.form.text(name)
+        if text is None:
+            return None
+        try:
+            value = float(text.strip())
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise InvalidRequest(name, f"{name} must be a number, got {text[:40]!r}")
+        return value
+
+    def boolean(self, name: str) -> bool:
+        text = self.form.text(name)
+        if text is None:
+            return False
+        if text.strip().lower() not in ("true", "false"):
+            raise InvalidRequest(name, f"{name} must be true or false, got {text[:40]!r}")
+        return text.strip().lower() == "true"
+
+
+def _size(fields: FormFields) -> tuple[int | None, int | None]:
+    """`size` ("WxH" or "auto") or `width`/`height`; both, disagreeing, is a 400 naming size."""
+    size = fields.string("size")
+    width, height = fields.integer("width"), fields.integer("height")
+    if size is None or size.strip().lower() in AUTO_SIZES:
+        return width, height
+    parsed = parse_size(size)
+    if (width, height) != (None, None) and (width, height) != parsed:
+        raise InvalidRequest("size", f"size {size!r} conflicts with width={width}, "
+                             f"height={height}; give one or the other")
+    return parsed
+
+
+def _check_openai_fields(form: Form, fields: FormFields) -> None:
+    if form.file_list("mask") or form.fields.get("mask"):
+        raise InvalidRequest("mask", "mask is not supported: the model edits the whole image "
+                             "as the prompt says")
+    if (fields.string("response_format") or "b64_json") != "b64_json":
+        raise InvalidRequest("response_format", "only response_format 'b64_json' is supported")
+    if (fields.string("output_format") or "png") != "png":
+        raise InvalidRequest("output_format", "only output_format 'png' is supported")
+
+
+def edit_request(form: Form) -> tuple[EditRequest, bool]:
+    """The edit form -> (the request, whether to stream SSE progress)."""
+    form.refuse_unknown(set(EDIT_FIELDS))
+    fields = FormFields(form)
+    _check_openai_fields(form, fields)
+    width, height = _size(fields)
+    scale_field = "true_cfg_scale" if "true_cfg_scale" in form.fields else "guidance_scale"
+    scale = fields.number(scale_field)
+    image = ImageRequest(
+        prompt=fields.string("prompt") or "", model=fields.string("model") or "",
+        negative_prompt=fields.string("negative_prompt"), n=fields.integer("n"),
+        width=width, height=height, num_inference_steps=fields.integer("num_inference_steps"),
+        true_cfg_scale=scale, seed=fields.integer("seed"),
+        execution_mode=execution_mode(fields.string("execution_mode")),
+        priority=fields.integer("priority"))
+    images = tuple(file.data for file in form.file_list("image"))
+    return EditRequest(image=image, images=images), fields.boolean("stream")

@@ -1,0 +1,58 @@
+"""Image edit on the gateway core: prepare (recipe, stage facts, every field checked, the
+input images decoded) and run (inside the request's CancelScope), for every transport.
+
+The stage composition itself is image_pipeline.edit_images; this module is to edits what
+GatewayCore.prepare_images/generate_images is to text-to-image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from stagemesh.gateway.core import GatewayCore, ImageEvents, RequestContext
+from stagemesh.gateway.edit_params import EditParams, EditRequest, resolve_edit_request
+from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.events import Emit, stream_pipeline
+from stagemesh.gateway.image_pipeline import GeneratedImage, edit_images
+from stagemesh.gateway.recipes import Recipe, Task
+
+
+@dataclass(frozen=True)
+class EditJob:
+    """A checked edit request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: EditParams
+
+
+async def prepare_edit(core: GatewayCore, request: EditRequest) -> EditJob:
+    """Pick the image-edit recipe, read its stages' facts and check the request against them
+    (a 400 naming the field before any stage runs). The input images are decoded in a worker
+    thread."""
+    recipe = core.mesh.recipe(request.image.model, Task.IMAGE_EDIT)
+    facts = await core.catalog.edit_facts(recipe)
+    if facts.task != Task.IMAGE_EDIT.value or not facts.can_encode or facts.max_images < 1:
+        raise InvalidRequest("model", f"model {recipe.name!r} does not edit images: its DiT "
+                             f"serves {facts.task or 'an unknown task'!r}, its VAE "
+                             f"{'encodes' if facts.can_encode else 'cannot encode'} images")
+    params = await asyncio.to_thread(resolve_edit_request, request, recipe.image_defaults,
+                                     facts)
+    return EditJob(recipe, params)
+
+
+async def run_edit(core: GatewayCore, job: EditJob, context: RequestContext,
+                   emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
+    """The edited images (n of them, seeds seed, seed+1, ...) in index order."""
+    async with core.request_scope(job.recipe, context, parts=job.params.image.n) as scope:
+        return await edit_images(job.params, scope, core.mesh.image_stubs(job.recipe), emit)
+
+
+def edit_events(core: GatewayCore, job: EditJob, context: RequestContext) -> ImageEvents:
+    """run_edit as a stream: stage progress, each image, then Done."""
+
+    async def run(emit: Emit[GeneratedImage]) -> list[GeneratedImage]:
+        return await run_edit(core, job, context, emit)
+
+    return stream_pipeline(run)
+

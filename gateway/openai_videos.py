@@ -1,0 +1,277 @@
+"""OpenAI's video API: jobs (`/v1/videos`: create, list, get, content, delete) and the seed's
+blocking `POST /v1/videos/sync`.
+
+Create and sync take a multipart form (what the openai SDK's `videos.create` sends; a JSON
+object is taken too). A job's JSON is OpenAI's video object (`object: "video"`, `status`
+queued / in_progress / completed / failed; a job stopped by a cancel by id is `failed` with
+error code `cancelled`), with stagemesh's extra facts (`num_frames`, `fps`, `seed`). Every error
+is the usual JSON body naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.errors import GatewayError, InvalidRequest
+from stagemesh.gateway.http_io import (
+    REQUEST_ID_HEADER,
+    ClientGone,
+    Form,
+    error_response,
+    owner,
+    parse_json_object,
+    read_body,
+    read_form,
+    rest_context,
+    until_disconnect,
+)
+from stagemesh.gateway.image_params import parse_size
+from stagemesh.gateway.openai_images import CLIENT_GONE_STATUS
+from stagemesh.gateway.video_jobs import new_video_id, page
+from stagemesh.gateway.video_params import VideoRequest, image_from_reference
+from stagemesh.gateway.video_store import JobRecord, JobStatus
+
+#: The id of a sync video whose client gave none starts with this (as the seed's).
+SYNC_ID_PREFIX = "video_sync-"
+MODEL_HEADER = "x-model"
+INFERENCE_TIME_HEADER = "x-inference-time-s"
+MP4 = "video/mp4"
+POLL_AFTER_HEADER = "openai-poll-after-ms"
+#: How soon a client should poll a live job again (a tiny video takes about a second).
+POLL_AFTER_MS = 500
+INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
+NUMBER_FIELDS = ("seconds", "guidance_scale", "guidance_scale_2", "boundary_ratio", "flow_shift")
+TEXT_FIELDS = ("model", "prompt", "negative_prompt", "size", "image_reference")
+FORM_FIELDS = {*INTEGER_FIELDS, *NUMBER_FIELDS, *TEXT_FIELDS, "input_reference"}
+#: image_reference carries a whole image as a data URL.
+LARGE_FIELDS = {"image_reference": 24 * 1024 * 1024}
+LIST_QUERY = {"limit", "after", "order"}
+
+
+def parse_int(name: str, text: str | None) -> int | None:
+    """A form or query value as an integer (None when absent or blank); else a 400."""
+    if text is None or not text.strip():
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise InvalidRequest(name, f"{name} must be an integer, got {text[:40]!r}") from None
+
+
+def _integer(form: Form, name: str) -> int | None:
+    return parse_int(name, form.text(name))
+
+
+def _number(form: Form, name: str) -> float | None:
+    text = form.text(name)
+    if text is None or not text.strip():
+        return None
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise InvalidRequest(name, f"{name} must be a number, got {text[:40]!r}") from None
+
+
+def _reference(form: Form) -> tuple[bytes | None, str]:
+    """The input image: `input_reference` (one file) XOR `image_reference` (a data URL)."""
+    files = form.file_list("input_reference")
+    reference = form.text("image_reference")
+    if files and reference is not None:
+        raise InvalidRequest("image_reference", "give the input image once: input_reference (a "
+                             "file) or image_reference (a data URL), not both")
+    if len(files) > 1:
+        raise InvalidRequest("input_reference", f"input_reference takes one image, got "
+                             f"{len(files)}")
+    if files:
+        return files[0].data, "input_reference"
+    if reference is not None:
+        return image_from_reference(reference), "image_reference"
+    return None, "input_reference"
+
+
+def video_request(form: Form) -> VideoRequest:
+    """The form's fields, typed (a bad value is a 400 naming it); limits are checked later,
+    against what the stages publish (video_params.py)."""
+    form.refuse_unknown(FORM_FIELDS)
+    size = form.text("size")
+    width, height = parse_size(size) if size else (None, None)
+    image, image_field = _reference(form)
+    return VideoRequest(
+        prompt=form.text("prompt") or "", model=form.text("model") or "",
+        negative_prompt=form.text("negative_prompt"), width=width, height=height,
+        num_frames=_integer(form, "num_frames"), seconds=_number(form, "seconds"),
+        fps=_integer(form, "fps"), num_inference_steps=_integer(form, "num_inference_steps"),
+        guidance_scale=_number(form, "guidance_scale"),
+        guidance_scale_2=_number(form, "guidance_scale_2"),
+        boundary_ratio=_number(form, "boundary_ratio"), flow_shift=_number(form, "flow_shift"),
+        seed=_integer(form, "seed"), image=image, image_field=image_field)
+
+
+def form_from_json(body: dict[str, object]) -> Form:
+    """A JSON body as the form it stands for: scalars as their text, image_reference (an
+    object) as its JSON. A file field cannot come in JSON."""
+    form = Form()
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name == "input_reference":
+            raise InvalidRequest(name, "input_reference is a file: send a multipart form, or "
+                                 "image_reference with a data URL")
+        if isinstance(value, bool | list) or (
+                isinstance(value, dict) and name != "image_reference"):
+            raise InvalidRequest(name, f"{name} must be a string or a number")
+        form.fields[name] = [value if isinstance(value, str) else json.dumps(value)]
+    return form
+
+
+async def read_video_form(request: Request) -> Form:
+    """The create/sync body: a multipart form, or a JSON object."""
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type == "application/json":
+        return form_from_json(parse_json_object(await read_body(request)))
+    return await read_form(request, large_fields=LARGE_FIELDS, max_files=1)
+
+
+def openai_status(status: JobStatus) -> str:
+    """OpenAI's four statuses: a cancelled job is `failed` (its error's code is `cancelled`);
+    the SDK's poll loop knows no other end."""
+    return JobStatus.FAILED.value if status is JobStatus.CANCELLED else status.value
+
+
+def video_object(record: JobRecord, max_age_s: float) -> dict[str, object]:
+    """OpenAI's video object for a job, with stagemesh's extra facts."""
+    completed = int(record.completed_at) if record.completed_at else None
+    return {
+        "id": record.id, "object": "video", "model": record.model,
+        "status": openai_status(record.status), "progress": round(record.progress * 100),
+        "created_at": int(record.created_at), "completed_at": completed,
+        "expires_at": completed + int(max_age_s) if completed else None,
+        "seconds": f"{record.seconds:g}", "size": f"{record.width}x{record.height}",
+        "prompt": record.prompt, "remixed_from_video_id": None,
+        "error": ({"code": record.error_code or "error", "message": record.error}
+                  if record.error else None),
+        "num_frames": record.num_frames, "fps": record.fps, "seed": record.seed,
+    }
+
+
+def _client_id(request: Request) -> str:
+    """The client's own x-request-id ("" when it sent none; RequestIdMiddleware checked it)."""
+    return request.headers.get(REQUEST_ID_HEADER, "")
+
+
+class VideoRoutes:
+    """The video routes, bound to the gateway core."""
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    def _json(self, record: JobRecord) -> JSONResponse:
+        """The video object; a live job also says when to poll again (the openai SDK's poll
+        helper reads `openai-poll-after-ms`)."""
+        headers = {POLL_AFTER_HEADER: str(POLL_AFTER_MS)} if record.status.live else {}
+        return JSONResponse(video_object(record, self.core.videos.store.limits.max_age_s),
+                            headers=headers)
+
+    async def create(self, request: Request) -> Response:
+        """The job, queued (200, OpenAI's video object); its id is the client's x-request-id
+        when it sent one, else `video_<hex>`."""
+        try:
+            spec = await self.core.prepare_video(video_request(await read_video_form(request)))
+            job_id = _client_id(request) or new_video_id()
+            record = await self.core.videos.create(spec, job_id, owner(request))
+        except GatewayError as error:
+            return error_response(error)
+        request.scope["state"]["request_id"] = job_id
+        return self._json(record)
+
+    async def sync(self, request: Request) -> Response:
+        """Blocks until the MP4 is made; nothing is stored. x-request-id (`video_sync-...`
+        unless the client chose one), x-model and x-inference-time-s say what ran."""
+        started = time.monotonic()
+        try:
+            spec = await self.core.prepare_video(video_request(await read_video_form(request)))
+            request_id = _client_id(request) or f"{SYNC_ID_PREFIX}{uuid.uuid4().hex}"
+            request.scope["state"]["request_id"] = request_id
+            timed = rest_context(request)
+            context = RequestContext(request_id, timed.timeout, timed.owner)
+            video = await until_disconnect(request, self.core.video_bytes(spec, context))
+        except GatewayError as error:
+            return error_response(error)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE_STATUS)
+        return Response(video, media_type=MP4, headers={
+            MODEL_HEADER: spec.recipe.name,
+            INFERENCE_TIME_HEADER: f"{time.monotonic() - started:.3f}"})
+
+    async def list(self, request: Request) -> Response:
+        """`limit` (1-100, default 20), `after` (a job id), `order` (desc = newest first,
+        the default; or asc)."""
+        query = request.query_params
+        try:
+            for name in query:
+                if name not in LIST_QUERY:
+                    raise InvalidRequest(name, f"unknown query parameter {name!r}")
+            order = query.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise InvalidRequest("order", f"order must be 'asc' or 'desc', got {order!r}")
+            limit = parse_int("limit", query.get("limit"))
+            records = await self.core.videos.owned(owner(request))
+            if order == "asc":
+                records.reverse()
+            jobs, more = page(records, limit, query.get("after", ""), "limit", "after")
+        except GatewayError as error:
+            return error_response(error)
+        max_age = self.core.videos.store.limits.max_age_s
+        return JSONResponse({"object": "list", "data": [video_object(r, max_age) for r in jobs],
+                             "first_id": jobs[0].id if jobs else None,
+                             "last_id": jobs[-1].id if jobs else None, "has_more": more})
+
+    async def get(self, request: Request) -> Response:
+        try:
+            record = await self.core.videos.get(owner(request), request.path_params["id"])
+        except GatewayError as error:
+            return error_response(error)
+        return self._json(record)
+
+    async def delete(self, request: Request) -> Response:
+        """OpenAI's deletion object; a running job stops at its next step first."""
+        job_id = request.path_params["id"]
+        try:
+            await self.core.videos.delete(owner(request), job_id)
+        except GatewayError as error:
+            return error_response(error)
+        return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
+
+    async def content(self, request: Request) -> Response:
+        """The MP4 of a completed job (`variant=video`, the only one), streamed from the
+        store; 400 while the job is not completed."""
+        job_id = request.path_params["id"]
+        try:
+            variant = request.query_params.get("variant", "video")
+            if variant != "video":
+                raise InvalidRequest("variant", f"only variant 'video' is available, got "
+                                     f"{variant!r}")
+            record = await self.core.videos.content(owner(request), job_id)
+            chunks = self.core.videos.chunks(owner(request), job_id)
+            first = await anext(chunks, b"")
+        except GatewayError as error:
+            return error_response(error)
+        return StreamingResponse(_rest(first, chunks), media_type=MP4, headers={
+            "content-length": str(record.size_bytes),
+            "content-disposition": f'attachment; filename="{job_id}.mp4"'})
+
+
+async def _rest(first: bytes, chunks: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await chunks.aclose()

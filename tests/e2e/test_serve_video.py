@@ -1,0 +1,118 @@
+"""End to end: the video routes of `stagemesh serve` (the default mesh's tiny Wan recipes),
+driven by plain httpx as curl would: the sync MP4, a job from create to download, an
+image-to-video job from a data URL, and a job deleted mid-run that the VAE never decodes (the
+stages' own /metrics say so). Every job made here is deleted (the store is the user's cache)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import av
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+T2V, I2V = "wan-t2v-tiny", "wan-i2v-tiny"
+
+
+def form(**fields: str) -> dict[str, Any]:
+    """A multipart form, as `curl -F name=value` sends it."""
+    return {"files": [(name, (None, value.encode(), "text/plain"))
+                      for name, value in fields.items()]}
+
+
+def frames_of(mp4: bytes) -> list[np.ndarray]:
+    with av.open(io.BytesIO(mp4), "r") as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+def status(served: Any, job_id: str) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{served.http_url}/v1/videos/{job_id}", timeout=30).json()
+    return body
+
+
+def test_sync_answers_an_mp4_of_the_requested_frames_and_size(served: Any) -> None:
+    response = httpx.post(f"{served.http_url}/v1/videos/sync", timeout=120, **form(
+        prompt="a red circle moving right", model=T2V, size="48x32", num_frames="13",
+        seed="5"))
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "video/mp4"
+    assert response.headers["x-request-id"].startswith("video_sync-")
+    assert response.headers["x-model"] == T2V
+    assert float(response.headers["x-inference-time-s"]) >= 0
+    frames = frames_of(response.content)
+    assert len(frames) == 13 and all(f.shape == (32, 48, 3) for f in frames)
+
+
+def test_an_image_to_video_job_runs_from_create_to_download(
+    served: Any, wait_until: Callable[..., None],
+) -> None:
+    buffer = io.BytesIO()
+    Image.new("RGB", (48, 32), (240, 20, 20)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    created = httpx.post(f"{served.http_url}/v1/videos", timeout=60, **form(
+        prompt="the red square slides", size="32x32", seconds="1", fps="8",
+        image_reference=json.dumps({"image_url": url})))
+    assert created.status_code == 200, created.text
+    job = created.json()
+    assert job["object"] == "video" and job["model"] == I2V
+    wait_until(lambda: status(served, job["id"])["status"] not in ("queued", "in_progress"),
+               timeout=120, what="the job's end")
+    assert status(served, job["id"])["status"] == "completed"
+    content = httpx.get(f"{served.http_url}/v1/videos/{job['id']}/content", timeout=60)
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    frames = frames_of(content.content)
+    assert len(frames) == 9 and frames[0].shape == (32, 32, 3)  # 1 s x 8 fps -> 4k+1 = 9
+    listed = httpx.get(f"{served.http_url}/v1/videos", timeout=30).json()
+    assert job["id"] in [video["id"] for video in listed["data"]]
+    deleted = httpx.delete(f"{served.http_url}/v1/videos/{job['id']}", timeout=30)
+    assert deleted.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert httpx.get(f"{served.http_url}/v1/videos/{job['id']}", timeout=30).status_code == 404
+
+
+def test_a_job_deleted_mid_run_stops_and_the_vae_never_decodes_it(
+    served: Any, wait_until: Callable[..., None],
+) -> None:
+    def vae_finished() -> float:
+        samples: dict[str, float] = served.metrics("vae", T2V)
+        return sum(value for key, value in samples.items()
+                   if key.startswith("stagemesh_requests_finished_total{"))
+
+    decoded_before = vae_finished()
+    aborted_before = served.metric("dit", "stagemesh_requests_finished_total", recipe=T2V,
+                                   status="aborted")
+    job = httpx.post(f"{served.http_url}/v1/videos", timeout=60, **form(
+        prompt="a long video", model=T2V, size="128x128", num_frames="33",
+        num_inference_steps="100")).json()
+    wait_until(lambda: status(served, job["id"])["progress"] >= 1, timeout=120,
+               what="the job's first steps")
+    deleted = httpx.delete(f"{served.http_url}/v1/videos/{job['id']}", timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert httpx.get(f"{served.http_url}/v1/videos/{job['id']}", timeout=30).status_code == 404
+    wait_until(lambda: served.metric("dit", "stagemesh_requests_finished_total", recipe=T2V,
+                                     status="aborted") > aborted_before,
+               what="the DiT's abort")
+    assert vae_finished() == decoded_before
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"model": T2V, "num_frames": "8"}, "num_frames"),
+    ({"model": T2V, "guidance_scale_2": "2"}, "guidance_scale_2"),
+    ({"model": I2V}, "input_reference"),
+    ({"image_reference": json.dumps({"image_url": "https://example.com/a.png"})},
+     "image_reference"),
+])
+def test_the_seeds_error_cases_are_400s_naming_the_field(
+    served: Any, fields: dict[str, str], param: str,
+) -> None:
+    response = httpx.post(f"{served.http_url}/v1/videos/sync", timeout=30,
+                          **form(prompt="a circle", **fields))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
