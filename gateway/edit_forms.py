@@ -16,7 +16,7 @@ from stagemesh.gateway.edit_params import EditRequest
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.http_io import Form
 from stagemesh.gateway.image_params import ImageRequest, parse_size
-from stagemesh.gateway.openai_requests import _execution_mode as execution_mode
+from stagemesh.gateway.openai_requests import execution_mode
 
 #: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
 EDIT_FIELDS = frozenset({

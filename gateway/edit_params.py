@@ -39,7 +39,8 @@ CONDITION_ROUNDING = 32
 IMAGE_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})
 #: The header of an image's base64 data URL: `data:image/<type>[;param]...;base64,`.
 _IMAGE_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+(;[^,;]*)*;base64,", re.ASCII)
-#: Longest data URL header read (the regex above runs on at most this many characters).
+#: Longest data URL header read (image and audio data URLs: the header regexes run on at most
+#: this many characters).
 MAX_DATA_URL_HEADER_CHARS = 256
 
 RgbImage = npt.NDArray[np.uint8]

@@ -8,7 +8,8 @@ BadRequest naming the field). Keys are checked before the handler by auth.ApiKey
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import functools
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Never, TypeVar
 
 import grpc
@@ -54,15 +55,80 @@ def _request_context(context: Context, keys: ApiKeys, timeout: float | None) -> 
                                  keys.owner(metadata_value(metadata, AUTHORIZATION)))
 
 
+#: A streaming RPC's body: NativeApi's call for the request in its RequestContext.
+StreamCall = Callable[["GatewayServicer", RequestT, RequestContext],
+                      AsyncGenerator[ResponseT, None]]
+#: ... as grpc.aio serves it: an async generator function of the gRPC call.
+StreamRpc = Callable[["GatewayServicer", RequestT, Context], AsyncGenerator[ResponseT, None]]
+
+
+def streaming_rpc(*, admitted: bool = True
+                  ) -> Callable[[StreamCall[RequestT, ResponseT]], StreamRpc[RequestT, ResponseT]]:
+    """One server-streaming RPC, written once for all: the call's budget is its deadline, a
+    GatewayError ends it with a rich status, and the stream behind it is closed as soon as
+    the client goes. An `admitted` one starts a request and holds an admission slot for its
+    whole life; a stream that only reads what a background job does (watch, download) starts
+    no work, so it takes none, and lives until the client's deadline."""
+    def wrap(call: StreamCall[RequestT, ResponseT]) -> StreamRpc[RequestT, ResponseT]:
+        @functools.wraps(call)
+        async def rpc(servicer: GatewayServicer, request: RequestT, context: Context
+                      ) -> AsyncGenerator[ResponseT, None]:
+            try:
+                with servicer.admission.slot() if admitted else contextlib.nullcontext():
+                    request_context = _request_context(context, servicer.keys,
+                                                       context.time_remaining())
+                    async with contextlib.aclosing(
+                            call(servicer, request, request_context)) as responses:
+                        async for response in responses:
+                            yield response
+            except GatewayError as error:
+                await _abort(context, error, servicer.admission)
+
+        return rpc
+
+    return wrap
+
+
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
-    """Each RPC on NativeApi. A streaming RPC starts a request: it holds an admission slot
-    for its whole life; unary RPCs (cancel, lists) start none."""
+    """Each RPC on NativeApi. A streaming RPC that starts a request holds an admission slot
+    for its whole life (streaming_rpc); unary RPCs (cancel, lists, video jobs, whose work runs
+    in the background) and the streams that follow a job start none."""
 
     def __init__(self, api: NativeApi, keys: ApiKeys | None = None,
                  admission: Admission | None = None) -> None:
         self.api = api
         self.keys = ApiKeys() if keys is None else keys
         self.admission = Admission(None) if admission is None else admission
+
+    @streaming_rpc()
+    def GenerateImage(self, request: pb.GenerateImageRequest, context: RequestContext
+                      ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
+        return self.api.GenerateImage(request, context)
+
+    @streaming_rpc()
+    def EditImage(self, request: pb.EditImageRequest, context: RequestContext
+                  ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
+        return self.api.EditImage(request, context)
+
+    @streaming_rpc()
+    def SynthesizeSpeech(self, request: pb.SynthesizeSpeechRequest, context: RequestContext
+                         ) -> AsyncGenerator[pb.SynthesizeSpeechResponse, None]:
+        return self.api.SynthesizeSpeech(request, context)
+
+    @streaming_rpc()
+    def Chat(self, request: pb.ChatRequest, context: RequestContext
+             ) -> AsyncGenerator[pb.ChatResponse, None]:
+        return self.api.Chat(request, context)
+
+    @streaming_rpc(admitted=False)
+    def WatchVideo(self, request: pb.WatchVideoRequest, context: RequestContext
+                   ) -> AsyncGenerator[pb.VideoJob, None]:
+        return self.api.WatchVideo(request, context)
+
+    @streaming_rpc(admitted=False)
+    def DownloadVideo(self, request: pb.DownloadVideoRequest, context: RequestContext
+                      ) -> AsyncGenerator[pb.DownloadVideoResponse, None]:
+        return self.api.DownloadVideo(request, context)
 
     async def _unary(self, call: Callable[[RequestT, RequestContext], Awaitable[ResponseT]],
                      request: RequestT, context: Context) -> ResponseT:
@@ -71,66 +137,6 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             return await call(request, _request_context(context, self.keys, None))
         except GatewayError as error:
             await _abort(context, error, self.admission)
-
-    async def _stream(
-        self, call: Callable[[RequestT, RequestContext], AsyncGenerator[ResponseT, None]],
-        request: RequestT, context: Context,
-    ) -> AsyncGenerator[ResponseT, None]:
-        """A gRPC call's budget is its deadline."""
-        try:
-            with self.admission.slot():
-                request_context = _request_context(context, self.keys, context.time_remaining())
-                async with contextlib.aclosing(call(request, request_context)) as responses:
-                    async for response in responses:
-                        yield response
-        except GatewayError as error:
-            await _abort(context, error, self.admission)
-
-    async def _follow(
-        self, call: Callable[[RequestT, RequestContext], AsyncGenerator[ResponseT, None]],
-        request: RequestT, context: Context,
-    ) -> AsyncGenerator[ResponseT, None]:
-        """A stream that reads what a background job does (watch, download): it starts no
-        work, so it takes no admission slot, and lives until the client's deadline."""
-        try:
-            request_context = _request_context(context, self.keys, context.time_remaining())
-            async with contextlib.aclosing(call(request, request_context)) as responses:
-                async for response in responses:
-                    yield response
-        except GatewayError as error:
-            await _abort(context, error, self.admission)
-
-    async def GenerateImage(
-        self, request: pb.GenerateImageRequest, context: Context,
-    ) -> AsyncIterator[pb.GenerateImageResponse]:
-        responses = self._stream(self.api.GenerateImage, request, context)
-        async with contextlib.aclosing(responses) as stream:
-            async for response in stream:
-                yield response
-
-    async def EditImage(
-        self, request: pb.EditImageRequest, context: Context,
-    ) -> AsyncIterator[pb.GenerateImageResponse]:
-        responses = self._stream(self.api.EditImage, request, context)
-        async with contextlib.aclosing(responses) as stream:
-            async for response in stream:
-                yield response
-
-    async def SynthesizeSpeech(
-        self, request: pb.SynthesizeSpeechRequest, context: Context,
-    ) -> AsyncIterator[pb.SynthesizeSpeechResponse]:
-        responses = self._stream(self.api.SynthesizeSpeech, request, context)
-        async with contextlib.aclosing(responses) as stream:
-            async for response in stream:
-                yield response
-
-    async def Chat(
-        self, request: pb.ChatRequest, context: Context,
-    ) -> AsyncIterator[pb.ChatResponse]:
-        responses = self._stream(self.api.Chat, request, context)
-        async with contextlib.aclosing(responses) as stream:
-            async for response in stream:
-                yield response
 
     async def CancelRequest(
         self, request: pb.CancelRequestRequest, context: Context,
@@ -162,17 +168,3 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     async def DeleteVideo(self, request: pb.DeleteVideoRequest,
                           context: Context) -> pb.VideoJob:
         return await self._unary(self.api.DeleteVideo, request, context)
-
-    async def WatchVideo(self, request: pb.WatchVideoRequest,
-                         context: Context) -> AsyncIterator[pb.VideoJob]:
-        async with contextlib.aclosing(self._follow(self.api.WatchVideo, request,
-                                                    context)) as stream:
-            async for response in stream:
-                yield response
-
-    async def DownloadVideo(self, request: pb.DownloadVideoRequest,
-                            context: Context) -> AsyncIterator[pb.DownloadVideoResponse]:
-        async with contextlib.aclosing(self._follow(self.api.DownloadVideo, request,
-                                                    context)) as stream:
-            async for response in stream:
-                yield response

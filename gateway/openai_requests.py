@@ -12,6 +12,7 @@ import binascii
 import re
 from collections.abc import Mapping
 
+from stagemesh.gateway.edit_params import MAX_DATA_URL_HEADER_CHARS
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.http_io import JsonObject
 from stagemesh.gateway.image_params import EXECUTION_MODES, ImageRequest, parse_size
@@ -19,8 +20,6 @@ from stagemesh.gateway.speech_params import SpeechRequest
 from stagemesh.shared.proto.v1 import common_pb2
 
 DATA_URL_PREFIX = "data:"
-#: The longest `data:...;base64` header read before the comma.
-MAX_DATA_URL_HEADER_CHARS = 256
 #: A data URL's header (after `data:`, before the comma): an optional media type, optional
 #: `;name=value` parameters, then `;base64`. Only ever matched on at most
 #: MAX_DATA_URL_HEADER_CHARS characters, and unambiguous (parameters start at `;`).
@@ -71,7 +70,8 @@ def openai_body(body: JsonObject) -> JsonObject:
     return {**rest, **extra} if isinstance(extra, dict) else rest
 
 
-def _execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
+def execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
+    """An `execution_mode` field's text (None = the DiT's default) -> the proto's enum."""
     if value is None:
         return common_pb2.EXECUTION_MODE_UNSPECIFIED
     if value not in EXECUTION_MODES:
@@ -95,7 +95,7 @@ def image_request(body: Mapping[str, object]) -> ImageRequest:
         width=width, height=height,
         num_inference_steps=fields.integer("num_inference_steps"),
         true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
-        execution_mode=_execution_mode(fields.string("execution_mode")),
+        execution_mode=execution_mode(fields.string("execution_mode")),
         priority=fields.integer("priority"))
 
 

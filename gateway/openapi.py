@@ -21,6 +21,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from stagemesh.gateway.edit_forms import EDIT_FIELDS
 from stagemesh.gateway.transcoding import SERVICE, HttpBinding, http_bindings
 
 Schema = dict[str, object]
@@ -211,6 +212,22 @@ _VIDEO_FIELDS: Schema = {
 _VIDEO_FILE: Schema = {"input_reference": {"type": "string", "contentEncoding": "binary",
                                            "description": "the first frame (PNG, JPEG, WebP)"}}
 _MP4: Schema = {"type": "string", "contentEncoding": "binary"}
+_IMAGE_FILE: Schema = {"type": "string", "contentEncoding": "binary",
+                       "description": "a PNG, JPEG or WebP image"}
+#: POST /v1/images/edits: OpenAI's multipart form; its fields are edit_forms.EDIT_FIELDS (a
+#: field not typed here is text). Form values are text: numbers come as their digits.
+_EDIT_TYPES: Schema = {
+    "image": {"type": "array", "items": _IMAGE_FILE,
+              "description": "the image(s) to edit (also sent as image[])"},
+    "mask": {**_IMAGE_FILE, "description": "not supported (a 400 naming mask)"},
+    **dict.fromkeys(("n", "width", "height", "num_inference_steps", "seed", "priority"),
+                    _INTEGER),
+    **dict.fromkeys(("true_cfg_scale", "guidance_scale", "timeout"), _NUMBER),
+    "size": {"type": "string", "description": "WxH, or auto (the recipe's or the input's)"},
+    "stream": _BOOLEAN, "execution_mode": _IMAGE_FIELDS["execution_mode"],
+    "response_format": _IMAGE_FIELDS["response_format"],
+    "output_format": {"type": "string", "enum": ["png"]},
+}
 _JOB_ID: list[Schema] = [{"name": "id", "in": "path", "required": True, "schema": _STRING}]
 _LIST_QUERY: list[Schema] = [
     {"name": "limit", "in": "query", "required": False,
@@ -227,6 +244,16 @@ def _video_body(operation_id: str) -> Schema:
     return {"required": True, "content": {
         "multipart/form-data": {"schema": form},
         "application/json": {"schema": schema, "example": OPENAI_EXAMPLES[operation_id]}}}
+
+
+def _edit_path() -> Schema:
+    """POST /v1/images/edits: answers as POST /v1/images/generations."""
+    form: Schema = {"type": "object", "required": ["image", "prompt"], "properties": {
+        name: _EDIT_TYPES.get(name, _STRING) for name in sorted(EDIT_FIELDS)}}
+    return {"post": {"operationId": "openai.images.edits", "tags": ["openai"],
+                     "requestBody": {"required": True,
+                                     "content": {"multipart/form-data": {"schema": form}}},
+                     "responses": _responses(_OBJECT)}}
 
 
 def _video_paths() -> dict[str, Schema]:
@@ -268,6 +295,7 @@ def _openai_paths() -> dict[str, Schema]:
 
     return {
         "/v1/images/generations": post("openai.images", _IMAGE_FIELDS, "prompt", _OBJECT),
+        "/v1/images/edits": _edit_path(),
         "/v1/chat/completions": post("openai.chat", _CHAT_FIELDS, "messages", _OBJECT),
         "/v1/audio/speech": post("openai.speech", _SPEECH_FIELDS, "input",
                                  {"type": "string", "contentEncoding": "binary"}, "audio/wav"),

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from stagemesh.gateway.core import RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.http_io import (
+    REQUEST_ID_HEADER,
     error_response,
     ndjson_line,
     off_loop,
@@ -118,16 +119,35 @@ def _context(request: Request) -> RequestContext:
 
 
 def unary_endpoint(binding: HttpBinding, message_type: type[MessageT],
-                   call: Callable[[MessageT, RequestContext], Awaitable[ReplyT]]) -> Endpoint:
+                   call: Callable[[MessageT, RequestContext], Awaitable[ReplyT]],
+                   names_request: Callable[[MessageT, Request], None] | None = None,
+                   request_id_of: Callable[[ReplyT], str] | None = None) -> Endpoint:
+    """`names_request` fills the message's own id from the request (before the call);
+    `request_id_of` is the reply's id, which the response's x-request-id then echoes."""
     async def endpoint(request: Request) -> Response:
         try:
             message = await parse_message(request, binding, message_type)
+            if names_request is not None:
+                names_request(message, request)
             reply = await call(message, _context(request))
         except GatewayError as error:
             return error_response(error)
+        if request_id_of is not None:
+            request.scope["state"]["request_id"] = request_id_of(reply)
         return JSONResponse(to_json(reply))
 
     return endpoint
+
+
+def _job_id_from_header(message: pb.CreateVideoRequest, request: Request) -> None:
+    """A video job's id is the body's `request_id`, else the client's own x-request-id (as
+    POST /v1/videos), else a new one (NativeApi.CreateVideo)."""
+    if not message.request_id:
+        message.request_id = request.headers.get(REQUEST_ID_HEADER, "")
+
+
+def _job_id(job: pb.VideoJob) -> str:
+    return job.id
 
 
 def stream_endpoint(
@@ -175,7 +195,8 @@ def annotated_routes(api: NativeApi) -> list[Route]:
         "GenerateImage": lambda b: stream_endpoint(b, pb.GenerateImageRequest,
                                                    api.GenerateImage),
         "EditImage": lambda b: stream_endpoint(b, pb.EditImageRequest, api.EditImage),
-        "CreateVideo": lambda b: unary_endpoint(b, pb.CreateVideoRequest, api.CreateVideo),
+        "CreateVideo": lambda b: unary_endpoint(b, pb.CreateVideoRequest, api.CreateVideo,
+                                                _job_id_from_header, _job_id),
         "GetVideo": lambda b: unary_endpoint(b, pb.GetVideoRequest, api.GetVideo),
         "ListVideos": lambda b: unary_endpoint(b, pb.ListVideosRequest, api.ListVideos),
         "DeleteVideo": lambda b: unary_endpoint(b, pb.DeleteVideoRequest, api.DeleteVideo),

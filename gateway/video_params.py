@@ -11,15 +11,12 @@ Decoding the input image is CPU work: call `resolve_video_request` off the event
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
-import re
 from dataclasses import dataclass
 
 from stagemesh.gateway.catalog import VideoFacts
-from stagemesh.gateway.edit_params import RgbImage, decode_image
+from stagemesh.gateway.edit_params import RgbImage, decode_image, image_data_url
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.image_params import ImageRequest, resolve_image_request
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
@@ -32,8 +29,6 @@ MAX_SECONDS = 600.0
 #: Largest input image (width x height) the gateway decodes for image-to-video; the VAE resizes
 #: it to the video's size, so this only bounds the gateway's memory.
 MAX_REFERENCE_PIXELS = 4096 * 4096
-#: Data URL of an image: `data:image/<type>;base64,<payload>`.
-_DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+(;[^,;]*)*;base64,", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -86,7 +81,8 @@ class VideoParams:
 
 def image_from_reference(value: str) -> bytes:
     """The image of an `image_reference` field: JSON `{"image_url": "data:image/...;base64,..."}`
-    (a bare data URL is taken too). Remote URLs are refused: the server fetches nothing."""
+    (a bare data URL is taken too), decoded by edit_params.image_data_url (remote URLs are
+    refused: the server fetches nothing)."""
     text = value.strip()
     url: object = text
     if text.startswith("{"):
@@ -100,17 +96,7 @@ def image_from_reference(value: str) -> bytes:
             url = url.get("url")
     if not isinstance(url, str) or not url:
         raise InvalidRequest("image_reference", "image_reference needs an image_url (a data URL)")
-    if not _DATA_URL.match(url):
-        if url.startswith(("http://", "https://")):
-            raise InvalidRequest("image_reference", "image_reference must be a data URL "
-                                 "(data:image/png;base64,...): this server fetches no URLs")
-        raise InvalidRequest("image_reference", "image_reference.image_url must be a base64 "
-                             "data URL of an image (data:image/png;base64,...)")
-    try:
-        return base64.b64decode(url[url.index(",") + 1:], validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest("image_reference", "image_reference's data URL is not valid "
-                             "base64") from None
+    return image_data_url(url, "image_reference")
 
 
 def round_up_frames(frames: int, multiple: int) -> int:

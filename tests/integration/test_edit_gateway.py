@@ -15,7 +15,7 @@ import base64
 import contextlib
 import io
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +36,15 @@ from stagemesh.shared.proto.v1 import (
     dit_service_pb2_grpc,
     gateway_service_pb2,
     gateway_service_pb2_grpc,
-    tokenizer_service_pb2,
-    tokenizer_service_pb2_grpc,
-    vae_service_pb2,
-    vae_service_pb2_grpc,
 )
 from stagemesh.shared.tensors import array_from_proto, array_to_proto
+from tests.integration.fake_stages import (
+    FakeTokenizer,
+    FakeVae,
+    cancel_watch,
+    serve_fakes,
+    start_message,
+)
 
 pytestmark = pytest.mark.timeout(60)
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -61,22 +64,14 @@ def size_of(data: bytes) -> tuple[int, int]:
         return image.size
 
 
-@dataclass
-class EditTokenizer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
-    starts: list[Any] = field(default_factory=list)
+def edit_tokenizer() -> FakeTokenizer:
+    """An edit model's tokenizer: one input image of at most 256 x 256."""
+    return FakeTokenizer(max_images=1, max_image_pixels=256 * 256)
 
-    async def DescribeTokenizer(self, request: Any, context: Any) -> Any:
-        return tokenizer_service_pb2.DescribeTokenizerResponse(
-            stage=common_pb2.StageDescription(stage="tokenizer"), max_prompt_chars=100,
-            max_sequence_length=64, max_images=1, max_image_pixels=256 * 256)
 
-    async def EncodePrompt(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        async for request in requests:
-            self.starts.append(request.start)
-            break
-        yield tokenizer_service_pb2.EncodePromptResponse(
-            result=tokenizer_service_pb2.EncodePromptResult(
-                prompt_embeds=array_to_proto(np.zeros((1, 2, 4), np.float32))))
+def edit_vae() -> FakeVae:
+    """An edit model's VAE: it encodes input images."""
+    return FakeVae(size_multiple=16, max_side=2048, can_encode=True, level=200)
 
 
 @dataclass
@@ -94,18 +89,9 @@ class EditDit(dit_service_pb2_grpc.DitServiceServicer):
             execution_modes=[common_pb2.EXECUTION_MODE_STEP])
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        messages = aiter(requests)
-        start = (await anext(messages)).start
+        start = await start_message(requests)
         self.starts.append(start)
-        cancel = asyncio.Event()
-
-        async def watch() -> None:
-            async for message in messages:
-                if message.HasField("cancel"):
-                    cancel.set()
-
-        watcher = asyncio.create_task(watch())
-        try:
+        async with cancel_watch(requests) as cancel:
             yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
             for step in range(1, start.num_inference_steps + 1):
                 with contextlib.suppress(TimeoutError):
@@ -120,53 +106,15 @@ class EditDit(dit_service_pb2_grpc.DitServiceServicer):
             yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
                 latents=array_to_proto(np.full((1, 1), start.seed, np.float32)),
                 height=start.height, width=start.width, steps=start.num_inference_steps))
-        finally:
-            watcher.cancel()
-
-
-@dataclass
-class EditVae(vae_service_pb2_grpc.VaeServiceServicer):
-    encodes: list[Any] = field(default_factory=list)
-    decodes: list[Any] = field(default_factory=list)
-
-    async def DescribeVae(self, request: Any, context: Any) -> Any:
-        return vae_service_pb2.DescribeVaeResponse(
-            stage=common_pb2.StageDescription(stage="vae"), size_multiple=16, max_side=2048,
-            can_encode=True)
-
-    async def EncodeImage(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        async for request in requests:
-            self.encodes.append(request.start)
-            break
-        yield vae_service_pb2.EncodeImageResponse(queued=common_pb2.Queued(position=0))
-        latents = array_to_proto(np.full((1, 4, 1, 2, 2), 7.0, np.float32))
-        yield vae_service_pb2.EncodeImageResponse(
-            result=vae_service_pb2.EncodeImageResult(latents=latents))
-
-    async def DecodeLatents(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        async for request in requests:
-            self.decodes.append(request.start)
-            break
-        start = self.decodes[-1]
-        pixels = np.full((1, start.height, start.width, 3), 200, np.uint8)
-        yield vae_service_pb2.DecodeLatentsResponse(
-            result=vae_service_pb2.DecodeLatentsResult(pixels=array_to_proto(pixels)))
-
-
-REGISTER: dict[str, Callable[[Any, grpc.aio.Server], None]] = {
-    "tokenizer": tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server,
-    "dit": dit_service_pb2_grpc.add_DitServiceServicer_to_server,
-    "vae": vae_service_pb2_grpc.add_VaeServiceServicer_to_server,
-}
 
 
 @dataclass
 class Served:
     http_url: str
     grpc_target: str
-    tokenizer: EditTokenizer
+    tokenizer: FakeTokenizer
     dit: EditDit
-    vae: EditVae
+    vae: FakeVae
     http: httpx.AsyncClient
 
     def client(self) -> openai.AsyncOpenAI:
@@ -186,28 +134,16 @@ class Served:
                 + len(self.vae.decodes))
 
 
-async def serve_fakes(servicers: dict[str, Any]) -> tuple[dict[str, grpc.aio.Server],
-                                                         dict[str, str]]:
-    servers, addresses = {}, {}
-    for stage, servicer in servicers.items():
-        server = grpc.aio.server()
-        REGISTER[stage](servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        servers[stage], addresses[stage] = server, f"127.0.0.1:{port}"
-    return servers, addresses
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served() -> AsyncIterator[Served]:
     """The fake edit stages, a fake text-to-image DiT (an edit recipe on it is misconfigured)
     and a gateway with an edit recipe, a text-to-image recipe and a misconfigured one."""
-    servicers: dict[str, Any] = {"tokenizer": EditTokenizer(), "dit": EditDit(),
-                                 "vae": EditVae()}
+    servicers: dict[str, Any] = {"tokenizer": edit_tokenizer(), "dit": EditDit(),
+                                 "vae": edit_vae()}
     servers, addresses = await serve_fakes(servicers)
-    wrong_servers, wrong = await serve_fakes({"tokenizer": EditTokenizer(),
+    wrong_servers, wrong = await serve_fakes({"tokenizer": edit_tokenizer(),
                                               "dit": EditDit(task="text-to-image"),
-                                              "vae": EditVae()})
+                                              "vae": edit_vae()})
 
     def stages(at: dict[str, str]) -> dict[str, StageEndpoint]:
         return {name: StageEndpoint(name, address) for name, address in at.items()}
@@ -419,3 +355,17 @@ async def test_a_streamed_edit_reports_the_vae_encode_the_steps_and_each_image(
     (image,) = [e for e in events if e["type"] == "image"]
     assert image["seed"] == 4 and size_of(base64.b64decode(image["b64_json"])) == (16, 16)
     assert events[-1] == {"type": "done"} and response.text.endswith("data: [DONE]\n\n")
+
+
+@on_module_loop
+async def test_an_unknown_field_is_named_as_the_client_named_it(served: Served) -> None:
+    """httpx (as browsers) escapes `"` and control characters in a part's name (%22, %0D); the
+    400 names the field the client sent, not its escaped form (found by the fuzz suite)."""
+    served.reset()
+    for name in ('odd\r\n"name', "tab\there"):
+        response = await served.http.post(
+            "/v1/images/edits", data={"prompt": "p", name: "x"},
+            files={"image": ("a.png", png(8, 8), "image/png")})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == name
+    assert served.stages_called() == 0

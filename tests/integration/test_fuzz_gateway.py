@@ -136,7 +136,8 @@ def test_openapi_lists_every_route(mesh: Mesh) -> None:
     """The document covers the OpenAI routes and every annotated native route."""
     schema = schemathesis.openapi.from_url(f"{mesh.url}/openapi.json")
     paths = set(schema.raw_schema["paths"])
-    assert {"/v1/images/generations", "/v1/audio/speech", "/v1/chat/completions"} <= paths
+    assert {"/v1/images/generations", "/v1/images/edits", "/v1/audio/speech",
+            "/v1/chat/completions"} <= paths
     assert {binding.path for binding in http_bindings()} <= paths
 
 

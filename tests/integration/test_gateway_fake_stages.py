@@ -24,58 +24,29 @@ import soundfile
 
 from stagemesh.gateway.app import build_rest_app, open_gateway
 from stagemesh.gateway.core import GatewayCore
-from stagemesh.gateway.grpc_api import GatewayServicer
-from stagemesh.gateway.native import NativeApi
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.serve import free_port
 from stagemesh.shared.errors import abort_with, parse_rpc_error
 from stagemesh.shared.proto.v1 import (
-    codec_service_pb2,
-    codec_service_pb2_grpc,
     common_pb2,
     dit_service_pb2,
     dit_service_pb2_grpc,
     gateway_service_pb2,
-    gateway_service_pb2_grpc,
-    talker_service_pb2,
-    talker_service_pb2_grpc,
-    tokenizer_service_pb2,
-    tokenizer_service_pb2_grpc,
-    vae_service_pb2,
-    vae_service_pb2_grpc,
 )
-from stagemesh.shared.server import start_server
 from stagemesh.shared.tensors import array_to_proto
+from tests.integration.fake_stages import (
+    SAMPLE_RATE,
+    SAMPLES_PER_FRAME,
+    FakeCodec,
+    FakeTalker,
+    FakeTokenizer,
+    FakeVae,
+    gateway_stub,
+    serve_fake,
+    start_message,
+)
 
 pytestmark = pytest.mark.timeout(60)
-
-SAMPLES_PER_FRAME = 10
-SAMPLE_RATE = 8_000
-
-
-async def _start_message(requests: AsyncIterator[Any]) -> Any:
-    async for request in requests:
-        return request.start
-    raise AssertionError("the stream ended before its start message")
-
-
-@dataclass
-class FakeTokenizer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
-    max_prompt_chars: int = 100
-    describes: int = 0
-
-    async def DescribeTokenizer(self, request: Any, context: Any) -> Any:
-        self.describes += 1
-        return tokenizer_service_pb2.DescribeTokenizerResponse(
-            stage=common_pb2.StageDescription(stage="tokenizer"),
-            max_prompt_chars=self.max_prompt_chars, max_sequence_length=64)
-
-    async def EncodePrompt(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        await _start_message(requests)
-        embeds = array_to_proto(np.zeros((1, 2, 4), np.float32))
-        yield tokenizer_service_pb2.EncodePromptResponse(
-            result=tokenizer_service_pb2.EncodePromptResult(prompt_embeds=embeds))
-
 
 @dataclass
 class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
@@ -99,7 +70,7 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
             execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST])
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        start = await _start_message(requests)
+        start = await start_message(requests)
         self.starts.append(start)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -125,85 +96,6 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
             self.in_flight -= 1
 
 
-class FakeVae(vae_service_pb2_grpc.VaeServiceServicer):
-    async def DescribeVae(self, request: Any, context: Any) -> Any:
-        return vae_service_pb2.DescribeVaeResponse(
-            stage=common_pb2.StageDescription(stage="vae"), size_multiple=16, max_side=48)
-
-    async def DecodeLatents(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        start = await _start_message(requests)
-        pixels = np.full((1, start.height, start.width, 3), 200, np.uint8)
-        yield vae_service_pb2.DecodeLatentsResponse(
-            result=vae_service_pb2.DecodeLatentsResult(pixels=array_to_proto(pixels)))
-
-
-@dataclass
-class FakeTalker(talker_service_pb2_grpc.TalkerServiceServicer):
-    starts: list[Any] = field(default_factory=list)
-
-    async def DescribeTalker(self, request: Any, context: Any) -> Any:
-        return talker_service_pb2.DescribeTalkerResponse(
-            stage=common_pb2.StageDescription(stage="talker"), voices=["ava", "bo"],
-            default_voice="ava", supports_voice_clone=True, max_input_chars=50,
-            max_reference_text_chars=20, max_new_frames=12, default_max_new_frames=4,
-            frame_rate=12.5, max_temperature=3.0, max_top_k=100)
-
-    async def GenerateFrames(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        start = await _start_message(requests)
-        self.starts.append(start)
-        frames = start.sampling.max_new_frames or 4
-        for first in range(0, frames, 2):
-            yield talker_service_pb2.GenerateFramesResponse(frames=talker_service_pb2.CodecFrames(
-                codes=array_to_proto(np.zeros((2, 8), np.int64)), first_frame_index=first))
-        result = talker_service_pb2.GenerateFramesResult(total_frames=frames,
-                                                         finish_reason="length")
-        yield talker_service_pb2.GenerateFramesResponse(result=result)
-
-
-class FakeCodec(codec_service_pb2_grpc.CodecServiceServicer):
-    async def DescribeCodec(self, request: Any, context: Any) -> Any:
-        return codec_service_pb2.DescribeCodecResponse(
-            stage=common_pb2.StageDescription(stage="codec"), sample_rate=SAMPLE_RATE,
-            frame_rate=12.5, num_codebooks=8, max_reference_seconds=2.0,
-            reference_sample_rates=[SAMPLE_RATE])
-
-    async def DecodeAudio(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        total = 0
-        async for request in requests:
-            if request.HasField("input") and request.input.HasField("codes"):
-                samples = request.input.codes.shape[0] * SAMPLES_PER_FRAME
-                total += samples
-                yield codec_service_pb2.DecodeAudioResponse(chunk=codec_service_pb2.AudioChunk(
-                    pcm=array_to_proto(np.full(samples, 0.25, np.float32)),
-                    sample_rate=SAMPLE_RATE))
-            if request.HasField("input") and request.input.final:
-                break
-        yield codec_service_pb2.DecodeAudioResponse(result=codec_service_pb2.DecodeAudioResult(
-            total_samples=total, sample_rate=SAMPLE_RATE))
-
-    async def EncodeAudio(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        await _start_message(requests)
-        yield codec_service_pb2.EncodeAudioResponse(result=codec_service_pb2.EncodeAudioResult(
-            codes=array_to_proto(np.zeros((3, 8), np.int64))))
-
-
-REGISTER = {
-    "tokenizer": tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server,
-    "dit": dit_service_pb2_grpc.add_DitServiceServicer_to_server,
-    "vae": vae_service_pb2_grpc.add_VaeServiceServicer_to_server,
-    "talker": talker_service_pb2_grpc.add_TalkerServiceServicer_to_server,
-    "codec": codec_service_pb2_grpc.add_CodecServiceServicer_to_server,
-}
-
-
-async def serve_fake(stage: str, servicer: Any, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    REGISTER[stage](servicer, server)
-    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
-    await server.start()
-    return server
-
-
 @dataclass
 class Mesh:
     """Fake stages on fixed ports, the gateway core over them, and a REST client."""
@@ -217,7 +109,7 @@ class Mesh:
     async def restart(self, stage: str, servicer: Any) -> None:
         await self.servers[stage].stop(0)
         self.servicers[stage] = servicer
-        self.servers[stage] = await serve_fake(stage, servicer, self.ports[stage])
+        self.servers[stage], _ = await serve_fake(stage, servicer, self.ports[stage])
 
 
 def recipes(ports: dict[str, int]) -> dict[str, Recipe]:
@@ -234,7 +126,7 @@ async def mesh() -> AsyncIterator[Mesh]:
     servicers = {"tokenizer": FakeTokenizer(), "dit": FakeDit(), "vae": FakeVae(),
                  "talker": FakeTalker(), "codec": FakeCodec()}
     ports = {stage: free_port() for stage in servicers}
-    servers = {stage: await serve_fake(stage, servicer, ports[stage])
+    servers = {stage: (await serve_fake(stage, servicer, ports[stage]))[0]
                for stage, servicer in servicers.items()}
     try:
         async with open_gateway(recipes(ports)) as core:
@@ -494,24 +386,17 @@ async def test_a_voice_clone_sends_the_encoded_reference_to_the_talker(mesh: Mes
 
 
 async def test_the_grpc_api_runs_the_same_core(mesh: Mesh) -> None:
-    running = await start_server(
-        lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(NativeApi(mesh.core)), server), [])
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-            replies = [r async for r in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
-                prompt="x", num_inference_steps=2, seed=9, request_id="g-1", priority=-7),
-                timeout=10)]
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for _ in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
-                        prompt="x", num_inference_steps=11), timeout=10):
-                    pass
-            audio = [r async for r in stub.SynthesizeSpeech(
-                gateway_service_pb2.SynthesizeSpeechRequest(input="Hi", max_new_tokens=2),
-                timeout=10)]
-    finally:
-        await running.stop(0)
+    async with gateway_stub(mesh.core) as stub:
+        replies = [r async for r in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+            prompt="x", num_inference_steps=2, seed=9, request_id="g-1", priority=-7),
+            timeout=10)]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+                    prompt="x", num_inference_steps=11), timeout=10):
+                pass
+        audio = [r async for r in stub.SynthesizeSpeech(
+            gateway_service_pb2.SynthesizeSpeechRequest(input="Hi", max_new_tokens=2),
+            timeout=10)]
     assert {r.request_id for r in replies} == {"g-1"}
     assert replies[-1].result.images[0].seed == 9
     assert mesh.servicers["dit"].starts[0].priority == -7

@@ -14,7 +14,7 @@ import contextlib
 import socket
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,21 +39,23 @@ from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.serve import free_port
 from stagemesh.shared.errors import abort_with, parse_rpc_error
 from stagemesh.shared.proto.v1 import (
-    codec_service_pb2,
-    codec_service_pb2_grpc,
     common_pb2,
     dit_service_pb2,
     dit_service_pb2_grpc,
     gateway_service_pb2,
     gateway_service_pb2_grpc,
-    talker_service_pb2,
-    talker_service_pb2_grpc,
-    tokenizer_service_pb2,
-    tokenizer_service_pb2_grpc,
-    vae_service_pb2,
-    vae_service_pb2_grpc,
 )
 from stagemesh.shared.tensors import array_to_proto
+from tests.integration.fake_stages import (
+    FakeCodec,
+    FakeTalker,
+    FakeTokenizer,
+    FakeVae,
+    cancel_watch,
+    serve_fakes,
+    start_message,
+    stop_all,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,25 +67,6 @@ AT_STAGE_A, AT_STAGE_B = f":{owner_id(KEY_A)}", f":{owner_id(KEY_B)}"
 
 
 # -- fake stages ------------------------------------------------------------------------------
-
-
-async def _start(requests: AsyncIterator[Any]) -> Any:
-    async for request in requests:
-        return request.start
-    raise AssertionError("the stream ended before its start message")
-
-
-class Tokenizer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
-    async def DescribeTokenizer(self, request: Any, context: Any) -> Any:
-        return tokenizer_service_pb2.DescribeTokenizerResponse(
-            stage=common_pb2.StageDescription(stage="tokenizer", max_pending=8),
-            max_prompt_chars=100, max_sequence_length=64)
-
-    async def EncodePrompt(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        await _start(requests)
-        yield tokenizer_service_pb2.EncodePromptResponse(
-            result=tokenizer_service_pb2.EncodePromptResult(
-                prompt_embeds=array_to_proto(np.zeros((1, 2, 4), np.float32))))
 
 
 @dataclass
@@ -102,88 +85,27 @@ class Dit(dit_service_pb2_grpc.DitServiceServicer):
             max_images_per_request=2, execution_modes=[common_pb2.EXECUTION_MODE_STEP])
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        start = await _start(requests)
+        start = await start_message(requests)
         if self.queue_full:
             await abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full",
                              reason="QUEUE_FULL")
         self.running.add(start.request_id)
-        cancelled = asyncio.Event()
-
-        async def watch_cancel() -> None:
-            async for request in requests:
-                if request.HasField("cancel"):
-                    cancelled.set()
-
-        watcher = asyncio.create_task(watch_cancel())
         try:
-            yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
-            for step in range(1, start.num_inference_steps + 1):
-                await asyncio.sleep(self.step_seconds)
-                if cancelled.is_set():
-                    yield dit_service_pb2.DenoiseResponse(
-                        aborted=common_pb2.Aborted(step_index=step))
-                    return
-                yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
-                    step_index=step, total_steps=start.num_inference_steps))
-            yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
-                latents=array_to_proto(np.zeros((1, 1), np.float32)), height=start.height,
-                width=start.width, steps=start.num_inference_steps))
+            async with cancel_watch(requests) as cancelled:
+                yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
+                for step in range(1, start.num_inference_steps + 1):
+                    await asyncio.sleep(self.step_seconds)
+                    if cancelled.is_set():
+                        yield dit_service_pb2.DenoiseResponse(
+                            aborted=common_pb2.Aborted(step_index=step))
+                        return
+                    yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
+                        step_index=step, total_steps=start.num_inference_steps))
+                yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
+                    latents=array_to_proto(np.zeros((1, 1), np.float32)), height=start.height,
+                    width=start.width, steps=start.num_inference_steps))
         finally:
-            watcher.cancel()
             self.running.discard(start.request_id)
-
-
-class Vae(vae_service_pb2_grpc.VaeServiceServicer):
-    async def DescribeVae(self, request: Any, context: Any) -> Any:
-        return vae_service_pb2.DescribeVaeResponse(
-            stage=common_pb2.StageDescription(stage="vae", max_pending=8), size_multiple=8,
-            max_side=64)
-
-    async def DecodeLatents(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        start = await _start(requests)
-        pixels = np.full((1, start.height, start.width, 3), 9, np.uint8)
-        yield vae_service_pb2.DecodeLatentsResponse(
-            result=vae_service_pb2.DecodeLatentsResult(pixels=array_to_proto(pixels)))
-
-
-async def _no_speech(context: Any) -> AsyncIterator[Any]:
-    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no speech runs in these tests")
-    yield  # an async generator, as the servicer base declares
-
-
-class Talker(talker_service_pb2_grpc.TalkerServiceServicer):
-    async def DescribeTalker(self, request: Any, context: Any) -> Any:
-        return talker_service_pb2.DescribeTalkerResponse(
-            stage=common_pb2.StageDescription(stage="talker", max_pending=8), voices=["ava"],
-            default_voice="ava", supports_voice_clone=True, max_input_chars=50,
-            max_reference_text_chars=20, max_new_frames=12, default_max_new_frames=4,
-            frame_rate=12.5, max_temperature=3.0, max_top_k=100)
-
-    def GenerateFrames(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        return _no_speech(context)
-
-
-class Codec(codec_service_pb2_grpc.CodecServiceServicer):
-    async def DescribeCodec(self, request: Any, context: Any) -> Any:
-        return codec_service_pb2.DescribeCodecResponse(
-            stage=common_pb2.StageDescription(stage="codec", max_pending=8), sample_rate=8000,
-            frame_rate=12.5, num_codebooks=8, max_reference_seconds=2.0,
-            reference_sample_rates=[8000])
-
-    def DecodeAudio(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        return _no_speech(context)
-
-    def EncodeAudio(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        return _no_speech(context)
-
-
-REGISTER: dict[str, Callable[[Any, grpc.aio.Server], None]] = {
-    "tokenizer": tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server,
-    "dit": dit_service_pb2_grpc.add_DitServiceServicer_to_server,
-    "vae": vae_service_pb2_grpc.add_VaeServiceServicer_to_server,
-    "talker": talker_service_pb2_grpc.add_TalkerServiceServicer_to_server,
-    "codec": codec_service_pb2_grpc.add_CodecServiceServicer_to_server,
-}
 
 
 # -- the gateway over them ------------------------------------------------------------------
@@ -203,9 +125,9 @@ class Gateway:
         return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=20)
 
 
-def _recipes(ports: dict[str, int]) -> dict[str, Recipe]:
+def _recipes(addresses: dict[str, str]) -> dict[str, Recipe]:
     def endpoints(*names: str) -> dict[str, StageEndpoint]:
-        return {name: StageEndpoint(name, f"127.0.0.1:{ports[name]}") for name in names}
+        return {name: StageEndpoint(name, addresses[name]) for name in names}
 
     return {"img": Recipe("img", Task.TEXT_TO_IMAGE, "m", endpoints("tokenizer", "dit", "vae"),
                           ImageDefaults(width=16, height=16, num_inference_steps=2)),
@@ -216,21 +138,16 @@ def _recipes(ports: dict[str, int]) -> dict[str, Recipe]:
 async def gateway(tmp_path: Path, max_concurrent: int | None = None) -> AsyncIterator[Gateway]:
     """Fake stages, then the whole gateway (keys A and B from a keys file) on free ports."""
     dit = Dit()
-    servicers: dict[str, Any] = {"tokenizer": Tokenizer(), "dit": dit, "vae": Vae(),
-                                 "talker": Talker(), "codec": Codec()}
-    servers, ports = [], {}
-    for name, servicer in servicers.items():
-        server = grpc.aio.server()
-        REGISTER[name](servicer, server)
-        ports[name] = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        servers.append(server)
+    servers, addresses = await serve_fakes({
+        "tokenizer": FakeTokenizer(max_pending=8), "dit": dit,
+        "vae": FakeVae(size_multiple=8, max_side=64, max_pending=8, level=9),
+        "talker": FakeTalker(max_pending=8), "codec": FakeCodec(max_pending=8)})
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text(f"# the team's keys\n{KEY_A}\n\n{KEY_B}  # bravo\n")
     config = GatewayConfig(http_port=free_port(), grpc_port=free_port(),
                            api_keys_file=keys_file, max_concurrent_requests=max_concurrent)
     ready, stop = asyncio.Event(), asyncio.Event()
-    recipes = _recipes(ports)
+    recipes = _recipes(addresses)
     task = asyncio.create_task(run_gateway(recipes, config, ready, stop))
     try:
         await asyncio.wait_for(ready.wait(), 20)
@@ -242,8 +159,7 @@ async def gateway(tmp_path: Path, max_concurrent: int | None = None) -> AsyncIte
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
-        for server in servers:
-            await server.stop(0)
+        await stop_all(servers)
 
 
 @pytest.fixture

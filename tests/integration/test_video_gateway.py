@@ -16,7 +16,7 @@ import asyncio
 import base64
 import io
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,44 +31,31 @@ from PIL import Image
 from stagemesh.gateway.app import build_rest_app, open_gateway
 from stagemesh.gateway.auth import ApiKeys
 from stagemesh.gateway.core import GatewayCore
-from stagemesh.gateway.grpc_api import GatewayServicer
-from stagemesh.gateway.native import NativeApi
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task, VideoDefaults
 from stagemesh.gateway.video_store import STORE_ENV
-from stagemesh.serve import free_port
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,
     dit_service_pb2_grpc,
     gateway_service_pb2,
-    gateway_service_pb2_grpc,
-    tokenizer_service_pb2,
-    tokenizer_service_pb2_grpc,
     vae_service_pb2,
     vae_service_pb2_grpc,
 )
-from stagemesh.shared.server import start_server
 from stagemesh.shared.tensors import array_from_proto, array_to_proto
+from tests.integration.fake_stages import (
+    FakeTokenizer,
+    cancel_watch,
+    gateway_stub,
+    serve_fakes,
+    start_message,
+    stop_all,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 CHUNK_FRAMES = 4
 FORM = {"prompt": "a red circle moving right", "size": "48x32", "num_frames": "9", "fps": "8",
         "num_inference_steps": "3", "seed": "7"}
-
-
-class FakeTokenizer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
-    async def DescribeTokenizer(self, request: Any, context: Any) -> Any:
-        return tokenizer_service_pb2.DescribeTokenizerResponse(
-            stage=common_pb2.StageDescription(stage="tokenizer"), max_prompt_chars=200,
-            max_sequence_length=64)
-
-    async def EncodePrompt(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        async for _ in requests:
-            break
-        yield tokenizer_service_pb2.EncodePromptResponse(
-            result=tokenizer_service_pb2.EncodePromptResult(
-                prompt_embeds=array_to_proto(np.zeros((1, 2, 4), np.float32))))
 
 
 @dataclass
@@ -91,37 +78,28 @@ class FakeVideoDit(dit_service_pb2_grpc.DitServiceServicer):
             task="image-to-video" if self.image_to_video else "text-to-video")
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        start = (await anext(aiter(requests))).start
+        start = await start_message(requests)
         self.starts.append(start)
-        cancelled = asyncio.Event()
-
-        async def read_cancel() -> None:
-            async for message in requests:
-                if message.HasField("cancel"):
-                    cancelled.set()
-
-        reader = asyncio.create_task(read_cancel())
         try:
-            yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
-            for step in range(start.num_inference_steps):
-                await asyncio.sleep(self.step_seconds)
-                if cancelled.is_set():
-                    self.aborted[start.request_id] = step
-                    yield dit_service_pb2.DenoiseResponse(
-                        aborted=common_pb2.Aborted(step_index=step))
-                    return
-                self.steps_done[start.request_id] = step + 1
-                yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
-                    step_index=step + 1, total_steps=start.num_inference_steps))
-            yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
-                latents=array_to_proto(np.zeros((1, 4, 3, 2, 2), np.float32)),
-                height=start.height, width=start.width, steps=start.num_inference_steps,
-                num_frames=start.num_frames))
+            async with cancel_watch(requests) as cancelled:
+                yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
+                for step in range(start.num_inference_steps):
+                    await asyncio.sleep(self.step_seconds)
+                    if cancelled.is_set():
+                        self.aborted[start.request_id] = step
+                        yield dit_service_pb2.DenoiseResponse(
+                            aborted=common_pb2.Aborted(step_index=step))
+                        return
+                    self.steps_done[start.request_id] = step + 1
+                    yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
+                        step_index=step + 1, total_steps=start.num_inference_steps))
+                yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
+                    latents=array_to_proto(np.zeros((1, 4, 3, 2, 2), np.float32)),
+                    height=start.height, width=start.width, steps=start.num_inference_steps,
+                    num_frames=start.num_frames))
         except asyncio.CancelledError:  # the gateway cancelled the RPC
             self.aborted.setdefault(start.request_id, self.steps_done.get(start.request_id, 0))
             raise
-        finally:
-            reader.cancel()
 
 
 @dataclass
@@ -157,14 +135,6 @@ class FakeVideoVae(vae_service_pb2_grpc.VaeServiceServicer):
             latents=array_to_proto(np.ones((1, 4, latent_frames, 2, 3), np.float32))))
 
 
-REGISTER: dict[str, Callable[[Any, grpc.aio.Server], None]] = {
-    "tokenizer": tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server,
-    "dit": dit_service_pb2_grpc.add_DitServiceServicer_to_server,
-    "i2v-dit": dit_service_pb2_grpc.add_DitServiceServicer_to_server,
-    "vae": vae_service_pb2_grpc.add_VaeServiceServicer_to_server,
-}
-
-
 @dataclass
 class VideoMesh:
     dit: FakeVideoDit
@@ -192,23 +162,15 @@ def video_recipes(address: dict[str, str]) -> dict[str, Recipe]:
 
 @pytest.fixture
 async def stages() -> AsyncIterator[tuple[dict[str, Any], dict[str, str]]]:
-    servicers: dict[str, Any] = {"tokenizer": FakeTokenizer(), "dit": FakeVideoDit(),
+    servicers: dict[str, Any] = {"tokenizer": FakeTokenizer(max_prompt_chars=200),
+                                 "dit": FakeVideoDit(),
                                  "i2v-dit": FakeVideoDit(image_to_video=True),
                                  "vae": FakeVideoVae()}
-    servers, address = [], {}
-    for name, servicer in servicers.items():
-        server = grpc.aio.server()
-        REGISTER[name](servicer, server)
-        port = free_port()
-        assert server.add_insecure_port(f"127.0.0.1:{port}") == port
-        await server.start()
-        servers.append(server)
-        address[name] = f"127.0.0.1:{port}"
+    servers, address = await serve_fakes(servicers)
     try:
         yield servicers, address
     finally:
-        for server in servers:
-            await server.stop(0)
+        await stop_all(servers)
 
 
 @pytest.fixture
@@ -539,32 +501,46 @@ async def test_the_native_routes_create_watch_and_download_a_job(mesh: VideoMesh
     assert (await mesh.client.get("/v1/videoJobs/my-job-1")).status_code == 404
 
 
+async def test_the_native_create_answers_with_the_jobs_id(mesh: VideoMesh) -> None:
+    """As POST /v1/videos: the response's x-request-id is the job's id (what to get, watch or
+    cancel it by): the body's request_id, else the client's own x-request-id, else a new id."""
+    body = {"prompt": "a circle", "width": 48, "height": 32, "num_frames": 9,
+            "num_inference_steps": 2}
+    new = await mesh.client.post("/v1/videoJobs", json=body)
+    assert new.status_code == 200, new.text
+    assert new.json()["id"].startswith("video_")
+    assert new.headers["x-request-id"] == new.json()["id"]
+    mine = await mesh.client.post("/v1/videoJobs", json=body,
+                                  headers={"x-request-id": "my-header-job"})
+    assert mine.status_code == 200, mine.text
+    assert mine.json()["id"] == "my-header-job" == mine.headers["x-request-id"]
+    named = await mesh.client.post("/v1/videoJobs", json={**body, "request_id": "my-body-job"},
+                                   headers={"x-request-id": "my-other-id"})
+    assert named.status_code == 200, named.text
+    assert named.json()["id"] == "my-body-job" == named.headers["x-request-id"]
+    got = await mesh.client.get("/v1/videoJobs/my-header-job")
+    assert got.status_code == 200 and got.json()["id"] == "my-header-job"
+
+
 async def test_the_grpc_api_runs_video_jobs(mesh: VideoMesh) -> None:
-    running = await start_server(
-        lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(NativeApi(mesh.core)), server), [])
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-            job = await stub.CreateVideo(gateway_service_pb2.CreateVideoRequest(
-                prompt="a circle", width=48, height=32, num_frames=9, num_inference_steps=2,
-                input_reference=png()))
-            assert job.model == "i2v" and job.num_frames == 9
-            states = [j.state async for j in stub.WatchVideo(
-                gateway_service_pb2.WatchVideoRequest(id=job.id))]
-            assert states[-1] == gateway_service_pb2.VIDEO_JOB_STATE_SUCCEEDED
-            data = b"".join([c.data async for c in stub.DownloadVideo(
-                gateway_service_pb2.DownloadVideoRequest(id=job.id))])
-            assert len(mp4_frames(data)) == 9
-            listed = await stub.ListVideos(gateway_service_pb2.ListVideosRequest())
-            assert [j.id for j in listed.jobs] == [job.id]
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stub.CreateVideo(gateway_service_pb2.CreateVideoRequest(
-                    prompt="x", num_frames=6))
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            with pytest.raises(grpc.aio.AioRpcError) as missing:
-                await stub.GetVideo(gateway_service_pb2.GetVideoRequest(id="nope"))
-            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
-            await stub.DeleteVideo(gateway_service_pb2.DeleteVideoRequest(id=job.id))
-    finally:
-        await running.stop(grace=0)
+    async with gateway_stub(mesh.core) as stub:
+        job = await stub.CreateVideo(gateway_service_pb2.CreateVideoRequest(
+            prompt="a circle", width=48, height=32, num_frames=9, num_inference_steps=2,
+            input_reference=png()))
+        assert job.model == "i2v" and job.num_frames == 9
+        states = [j.state async for j in stub.WatchVideo(
+            gateway_service_pb2.WatchVideoRequest(id=job.id))]
+        assert states[-1] == gateway_service_pb2.VIDEO_JOB_STATE_SUCCEEDED
+        data = b"".join([c.data async for c in stub.DownloadVideo(
+            gateway_service_pb2.DownloadVideoRequest(id=job.id))])
+        assert len(mp4_frames(data)) == 9
+        listed = await stub.ListVideos(gateway_service_pb2.ListVideosRequest())
+        assert [j.id for j in listed.jobs] == [job.id]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.CreateVideo(gateway_service_pb2.CreateVideoRequest(
+                prompt="x", num_frames=6))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.GetVideo(gateway_service_pb2.GetVideoRequest(id="nope"))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        await stub.DeleteVideo(gateway_service_pb2.DeleteVideoRequest(id=job.id))
