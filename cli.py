@@ -154,18 +154,22 @@ def _cmd_stage(args: argparse.Namespace) -> None:
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> None:
-    """Print the folder of a model spec on stdout (its only output there; logs go to stderr).
+    """Print the folder of each model spec on stdout, one line per spec as it is ready (its
+    only output there; logs go to stderr); a bad spec ends the command there.
 
-    `stagemesh serve` runs this in a child process, so that building a model never loads torch
-    into the gateway's process.
+    `stagemesh serve` runs this in one child process for all its specs, so that building a
+    model never loads torch into the gateway's process, and torch is imported once, not once
+    per spec.
     """
     from stagemesh.models.registry import resolve_model
 
-    try:
-        folder = resolve_model(args.spec)
-    except (ValueError, FileNotFoundError) as error:  # a wrong spec: say so, no traceback
-        raise SystemExit(f"stagemesh model prepare: {error}") from error
-    sys.stdout.write(f"{folder}\n")
+    for spec in args.specs:
+        try:
+            folder = resolve_model(spec)
+        except (ValueError, FileNotFoundError) as error:  # a wrong spec: say so, no traceback
+            raise SystemExit(f"stagemesh model prepare: {error}") from error
+        sys.stdout.write(f"{folder}\n")
+        sys.stdout.flush()
 
 
 def bench_names() -> list[str]:
@@ -256,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model folders")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser(
-        "prepare", help="resolve a model spec (building a built-in model on first use) and "
-                        "print its folder")
-    prepare.add_argument("spec", help="model folder, or builtin:<name>")
+        "prepare", help="resolve model specs (building a built-in model on first use) and "
+                        "print each one's folder, one per line")
+    prepare.add_argument("specs", nargs="+", metavar="spec",
+                         help="model folder, or builtin:<name>")
     prepare.set_defaults(func=_cmd_model_prepare)
 
     bench = sub.add_parser("bench", help="benchmarks (not tests)")

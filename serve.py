@@ -2,8 +2,8 @@
 gateway, and keep the stages running.
 
 This process hosts the gateway, so it never imports torch, diffusers, transformers or
-stagemesh.models: each distinct model of the recipes is resolved (a built-in one built on first
-use) by a `stagemesh model prepare SPEC` child process, which prints the model's folder. Stages
+stagemesh.models: the distinct models of the recipes are resolved (a built-in one built on first
+use) by one `stagemesh model prepare SPEC...` child process, which prints their folders. Stages
 are then started as `python -m stagemesh stage ...` subprocesses — the same entry point a
 Kubernetes Deployment runs — one per replica a stage address lists (`ipv4:h:p1,h:p2`, or
 `--replicas dit=2`), and the gateway waits until each reports SERVING on grpc.health, from the
@@ -213,35 +213,27 @@ def _child_env() -> dict[str, str]:
 
 def prepare_models(specs: Iterable[str], timeout: float = MODEL_PREPARE_TIMEOUT_S
                    ) -> dict[str, Path]:
-    """Model spec -> folder, each distinct spec resolved by its own `stagemesh model prepare`
-    child (all at once), so that building a model never loads torch into this process."""
-    children = {spec: subprocess.Popen(_stagemesh_command("model", "prepare", spec),
-                                       stdout=subprocess.PIPE, env=_child_env())
-                for spec in dict.fromkeys(specs)}
-    deadline = time.monotonic() + timeout
+    """Model spec -> folder, every distinct spec resolved by one `stagemesh model prepare`
+    child, so that building a model never loads torch into this process (and the child
+    imports it once for all the specs)."""
+    distinct = list(dict.fromkeys(specs))
+    if not distinct:
+        return {}
+    child = subprocess.Popen(_stagemesh_command("model", "prepare", *distinct),
+                             stdout=subprocess.PIPE, env=_child_env())
     try:
-        return {spec: _prepared_folder(spec, child, deadline, timeout)
-                for spec, child in children.items()}
-    finally:
-        for child in children.values():
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-
-
-def _prepared_folder(spec: str, child: subprocess.Popen[bytes], deadline: float,
-                     timeout: float) -> Path:
-    """The folder a `model prepare` child printed last, once it exits (by `deadline`)."""
-    try:
-        out, _ = child.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        out, _ = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as error:
-        raise TimeoutError(f"preparing model {spec!r} took longer than {timeout:.0f} s"
+        child.kill()
+        child.wait()
+        raise TimeoutError(f"preparing models {distinct} took longer than {timeout:.0f} s"
                            ) from error
-    lines = out.decode().splitlines()
-    if child.returncode != 0 or not lines:
-        raise RuntimeError(f"preparing model {spec!r} failed (exit code {child.returncode}); "
+    folders = out.decode().splitlines()
+    if child.returncode != 0 or len(folders) != len(distinct):
+        failed = distinct[min(len(folders), len(distinct) - 1)]  # one line per spec done
+        raise RuntimeError(f"preparing model {failed!r} failed (exit code {child.returncode}); "
                            "its error is logged above")
-    return Path(lines[-1])
+    return {spec: Path(folder) for spec, folder in zip(distinct, folders, strict=True)}
 
 
 def stage_command(launch: StageLaunch) -> list[str]:

@@ -18,7 +18,6 @@ it has alone, and the causal text encoder never lets a valid token see the paddi
 from __future__ import annotations
 
 import abc
-import copy
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,12 @@ import numpy.typing as npt
 import PIL.Image
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from tokenizers import Tokenizer
+from transformers import (
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+)
 
 from stagemesh.models.families.qwen_image import PROMPT_MAX_TOKENS, PromptEmbeddings
 from stagemesh.models.options import capped_option
@@ -120,6 +124,23 @@ class PromptState:
     #: The input images, resized as the model's pipeline resizes them (in `prepare`).
     images: tuple[PIL.Image.Image, ...] = field(default=(), repr=False)
     result: PromptEmbeddings | None = None
+
+
+class TokenCounter:
+    """Counts a text's tokens (special tokens included, as the tokenizer's own call does) with
+    its own copy of a fast tokenizer's Rust tokenizer: the batch encoder's padding and
+    truncation settings are shared state of that object, which counting must neither change
+    nor read. (A Rust copy takes ~0.4 s for Qwen's vocabulary; `copy.deepcopy` of the Python
+    tokenizer took ~2 s.)"""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        backend: Tokenizer = tokenizer.backend_tokenizer
+        self._tokenizer = Tokenizer.from_str(backend.to_str())
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
+
+    def count(self, text: str) -> int:
+        return len(self._tokenizer.encode(text).ids)
 
 
 class PromptAdapterBase(abc.ABC):
@@ -291,7 +312,7 @@ class PromptEncoderAdapter(PromptAdapterBase):
         tokenizer.padding_side = "right"
         # Counting tokens must not touch the batch encoder's padding settings (a Rust
         # tokenizer's are shared state), so the count has its own tokenizer.
-        self._tokenizer = copy.deepcopy(tokenizer)
+        self._counter = TokenCounter(tokenizer)
         self._template: str = self._pipeline.prompt_template_encode
         self._template_start: int = self._pipeline.prompt_template_encode_start_idx
         self.limits = TokenizerLimits.from_options(
@@ -300,7 +321,7 @@ class PromptEncoderAdapter(PromptAdapterBase):
 
     def prompt_token_count(self, text: str) -> int:
         """Tokens the text encoder keeps for `text` (the template's suffix included)."""
-        n_ids = len(self._tokenizer(self._template.format(text)).input_ids)
+        n_ids = self._counter.count(self._template.format(text))
         return n_ids - self._template_start
 
     @torch.inference_mode()

@@ -21,7 +21,6 @@ folders keep their one-forward batches (`adapter.PromptEncoderAdapter`).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from stagemesh.services.tokenizer.adapter import (
     PromptInput,
     PromptState,
     RgbArray,
+    TokenCounter,
     TokenizerLimits,
     load_qwen_text_encoder,
 )
@@ -86,7 +86,7 @@ class EditPromptAdapter(PromptAdapterBase):
             transformer=None,  # type: ignore[arg-type]
         )
         # Counting tokens must not touch the processor's tokenizer state (shared Rust state).
-        self._tokenizer = copy.deepcopy(processor.tokenizer)
+        self._counter = TokenCounter(processor.tokenizer)
         self._template: str = self._pipeline.prompt_template_encode
         self._template_start: int = self._pipeline.prompt_template_encode_start_idx
 
@@ -94,7 +94,7 @@ class EditPromptAdapter(PromptAdapterBase):
         """Text tokens the encoder keeps for `text`: the template's image markers (the image's
         place holder counted once) and suffix included, the image's own tokens not (the
         processor's pixel bounds cap those)."""
-        n_ids = len(self._tokenizer(self._template.format(text)).input_ids)
+        n_ids = self._counter.count(self._template.format(text))
         return n_ids - self._template_start
 
     def _check_images(self, images: Sequence[RgbArray]) -> None:

@@ -19,7 +19,6 @@ share a step (`batch_key`).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from stagemesh.services.tokenizer.adapter import (
     PromptAdapterBase,
     PromptInput,
     PromptState,
+    TokenCounter,
     TokenizerLimits,
 )
 from stagemesh.shared.devices import CPU_FLOAT32, Placement
@@ -78,11 +78,11 @@ class WanPromptAdapter(PromptAdapterBase):
             scheduler=None,  # type: ignore[arg-type]
         )
         # Counting tokens must not touch the encoder's tokenizer state (shared Rust state).
-        self._tokenizer = copy.deepcopy(tokenizer)
+        self._counter = TokenCounter(tokenizer)
 
     def prompt_token_count(self, text: str) -> int:
         """Tokens the pipeline keeps for `text`: the cleaned text's, end-of-sequence included."""
-        return len(self._tokenizer(prompt_clean(text)).input_ids)
+        return self._counter.count(prompt_clean(text))
 
     def batch_key(self, state: PromptState) -> Hashable:
         return state.max_sequence_length  # every row of a forward is padded to this length

@@ -12,6 +12,7 @@ import pytest
 
 from stagemesh import cli
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
+from stagemesh.models.registry import resolve_model
 from stagemesh.serve import (
     StageLaunch,
     plan_launches,
@@ -77,7 +78,7 @@ def test_plan_launches_starts_each_address_once_with_its_recipes_model(tmp_path:
     assert launches[1].endpoint.options == {"step_execution": False}
 
 
-def test_prepare_models_resolves_each_distinct_spec_in_a_child(tmp_path: Path) -> None:
+def test_prepare_models_resolves_each_distinct_spec_in_one_child(tmp_path: Path) -> None:
     folders = prepare_models([str(tmp_path), "builtin:tiny-shapes", str(tmp_path)])
     assert list(folders) == [str(tmp_path), "builtin:tiny-shapes"]
     assert folders[str(tmp_path)] == tmp_path
@@ -86,7 +87,9 @@ def test_prepare_models_resolves_each_distinct_spec_in_a_child(tmp_path: Path) -
 
 def test_prepare_models_names_the_spec_that_failed(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="'builtin:no-such-model'"):
-        prepare_models([str(tmp_path), "builtin:no-such-model"])
+        prepare_models([str(tmp_path), "builtin:no-such-model", "builtin:tiny-shapes"])
+    with pytest.raises(RuntimeError, match="'builtin:no-such-model'"):
+        prepare_models(["builtin:no-such-model", str(tmp_path)])
 
 
 def test_model_prepare_command_prints_only_the_folder_and_refuses_a_bad_spec(
@@ -98,6 +101,10 @@ def test_model_prepare_command_prints_only_the_folder_and_refuses_a_bad_spec(
     bad = subprocess.run([*command, str(missing)], capture_output=True, text=True, timeout=60)
     assert (bad.returncode, bad.stdout) == (1, "")
     assert bad.stderr.strip() == f"stagemesh model prepare: model folder {missing} does not exist"
+    several = subprocess.run([*command, str(tmp_path), "builtin:tiny-shapes"],
+                             capture_output=True, text=True, timeout=60)
+    assert several.returncode == 0
+    assert several.stdout.splitlines() == [str(tmp_path), str(resolve_model("builtin:tiny-shapes"))]
 
 
 @pytest.fixture
