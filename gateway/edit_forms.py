@@ -10,11 +10,9 @@ prepared (edit_params.py). Every refusal names its field.
 
 from __future__ import annotations
 
-import math
-
 from stagemesh.gateway.edit_params import EditRequest
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.http_io import Form
+from stagemesh.gateway.http_io import Form, FormFields
 from stagemesh.gateway.image_params import ImageRequest, parse_size
 from stagemesh.gateway.openai_requests import execution_mode
 
@@ -25,46 +23,6 @@ EDIT_FIELDS = frozenset({
     "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask"})
 #: `size` values that mean "the size derived from the input image".
 AUTO_SIZES = frozenset({"auto", ""})
-
-
-class FormFields:
-    """Typed reads of a form's text fields: None when absent; a value that does not parse is a
-    400 naming the field."""
-
-    def __init__(self, form: Form) -> None:
-        self.form = form
-
-    def string(self, name: str) -> str | None:
-        return self.form.text(name)
-
-    def integer(self, name: str) -> int | None:
-        text = self.form.text(name)
-        if text is None:
-            return None
-        try:
-            return int(text.strip())
-        except ValueError:
-            raise InvalidRequest(name, f"{name} must be an integer, got {text[:40]!r}") from None
-
-    def number(self, name: str) -> float | None:
-        text = self.form.text(name)
-        if text is None:
-            return None
-        try:
-            value = float(text.strip())
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise InvalidRequest(name, f"{name} must be a number, got {text[:40]!r}")
-        return value
-
-    def boolean(self, name: str) -> bool:
-        text = self.form.text(name)
-        if text is None:
-            return False
-        if text.strip().lower() not in ("true", "false"):
-            raise InvalidRequest(name, f"{name} must be true or false, got {text[:40]!r}")
-        return text.strip().lower() == "true"
 
 
 def _size(fields: FormFields) -> tuple[int | None, int | None]:

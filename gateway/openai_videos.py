@@ -24,8 +24,10 @@ from stagemesh.gateway.http_io import (
     REQUEST_ID_HEADER,
     ClientGone,
     Form,
+    FormFields,
     error_response,
     owner,
+    parse_integer,
     parse_json_object,
     read_body,
     read_form,
@@ -56,27 +58,8 @@ LIST_QUERY = {"limit", "after", "order"}
 
 
 def parse_int(name: str, text: str | None) -> int | None:
-    """A form or query value as an integer (None when absent or blank); else a 400."""
-    if text is None or not text.strip():
-        return None
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise InvalidRequest(name, f"{name} must be an integer, got {text[:40]!r}") from None
-
-
-def _integer(form: Form, name: str) -> int | None:
-    return parse_int(name, form.text(name))
-
-
-def _number(form: Form, name: str) -> float | None:
-    text = form.text(name)
-    if text is None or not text.strip():
-        return None
-    try:
-        return float(text.strip())
-    except ValueError:
-        raise InvalidRequest(name, f"{name} must be a number, got {text[:40]!r}") from None
+    """A query value as an integer (None when absent or blank); else a 400."""
+    return None if text is None or not text.strip() else parse_integer(name, text)
 
 
 def _reference(form: Form) -> tuple[bytes | None, str]:
@@ -103,15 +86,16 @@ def video_request(form: Form) -> VideoRequest:
     size = form.text("size")
     width, height = parse_size(size) if size else (None, None)
     image, image_field = _reference(form)
+    fields = FormFields(form, blank_is_absent=True)
     return VideoRequest(
         prompt=form.text("prompt") or "", model=form.text("model") or "",
         negative_prompt=form.text("negative_prompt"), width=width, height=height,
-        num_frames=_integer(form, "num_frames"), seconds=_number(form, "seconds"),
-        fps=_integer(form, "fps"), num_inference_steps=_integer(form, "num_inference_steps"),
-        guidance_scale=_number(form, "guidance_scale"),
-        guidance_scale_2=_number(form, "guidance_scale_2"),
-        boundary_ratio=_number(form, "boundary_ratio"), flow_shift=_number(form, "flow_shift"),
-        seed=_integer(form, "seed"), image=image, image_field=image_field)
+        num_frames=fields.integer("num_frames"), seconds=fields.number("seconds"),
+        fps=fields.integer("fps"), num_inference_steps=fields.integer("num_inference_steps"),
+        guidance_scale=fields.number("guidance_scale"),
+        guidance_scale_2=fields.number("guidance_scale_2"),
+        boundary_ratio=fields.number("boundary_ratio"), flow_shift=fields.number("flow_shift"),
+        seed=fields.integer("seed"), image=image, image_field=image_field)
 
 
 def form_from_json(body: dict[str, object]) -> Form:
