@@ -18,7 +18,7 @@ it has alone, and the causal text encoder never lets a valid token see the paddi
 from __future__ import annotations
 
 import abc
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import assert_never
@@ -263,6 +263,21 @@ class PromptAdapterBase(abc.ABC):
         return None  # any prompts share a step unless a family says otherwise
 
 
+def encode_distinct(
+    texts: list[str], encode: Callable[[list[str]], list[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """`encode` (one forward, a row per text) over the distinct texts only, a row per text.
+
+    A burst's shared negative prompt (most often "") or one prompt asked for several images
+    costs one row of the forward, not one per request. A text's row does not depend on its
+    batch mates (see the module docstring), so a repeat gets what it would have got with a row
+    of its own; repeats share that (read-only) tensor.
+    """
+    distinct = list(dict.fromkeys(texts))
+    rows = dict(zip(distinct, encode(distinct), strict=True))
+    return [rows[text] for text in texts]
+
+
 def check_rgb_image(image: RgbArray, max_pixels: int, field_name: str) -> None:
     """An input image must be uint8 RGB [height, width, 3], 1..max_pixels pixels."""
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
@@ -347,6 +362,9 @@ class PromptEncoderAdapter(PromptAdapterBase):
 
     def _encode(self, texts: list[str]) -> list[torch.Tensor]:
         """[1, tokens, hidden] per text, each cut to its own tokens, from one forward."""
+        return encode_distinct(texts, self._encode_rows)
+
+    def _encode_rows(self, texts: list[str]) -> list[torch.Tensor]:
         embeds: torch.Tensor
         mask: torch.Tensor | None
         embeds, mask = self._pipeline.encode_prompt(

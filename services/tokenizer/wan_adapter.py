@@ -36,6 +36,7 @@ from stagemesh.services.tokenizer.adapter import (
     PromptState,
     TokenCounter,
     TokenizerLimits,
+    encode_distinct,
 )
 from stagemesh.shared.devices import CPU_FLOAT32, Placement
 from stagemesh.shared.engine.adapter import NoStream, StageAdapter
@@ -106,15 +107,20 @@ class WanPromptAdapter(PromptAdapterBase):
         return results
 
     def _encode(self, texts: list[str], length: int) -> list[torch.Tensor]:
-        """[1, length, dim] per text (zeros past its tokens), from one forward."""
-        embeds: torch.Tensor
-        embeds, _ = self._pipeline.encode_prompt(
-            prompt=texts,
-            do_classifier_free_guidance=False,  # negative prompts are rows of `texts`
-            max_sequence_length=length,
-            device=self._device,
-        )
-        return [embeds[row : row + 1].clone() for row in range(len(texts))]
+        """[1, length, dim] per text (zeros past its tokens), from one forward over the
+        distinct texts."""
+
+        def forward(distinct: list[str]) -> list[torch.Tensor]:
+            embeds: torch.Tensor
+            embeds, _ = self._pipeline.encode_prompt(
+                prompt=distinct,
+                do_classifier_free_guidance=False,  # negative prompts are rows of `texts`
+                max_sequence_length=length,
+                device=self._device,
+            )
+            return [embeds[row : row + 1].clone() for row in range(len(distinct))]
+
+        return encode_distinct(texts, forward)
 
 
 #: The static proof that the adapter is the Tokenizer stage's StageAdapter.

@@ -113,6 +113,33 @@ def test_results_do_not_depend_on_batch_mates(encoder: PromptEncoderAdapter) -> 
     _assert_close(second.negative_prompt_embeds, first.negative_prompt_embeds)
 
 
+def test_a_text_repeated_in_a_batch_is_encoded_once(
+    encoder: PromptEncoderAdapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst sharing its negative prompt (and two requests for one prompt) costs one row per
+    distinct text; every request still gets what it gets alone."""
+    inputs = [
+        PromptInput(SHORT, negative_prompt=""),
+        PromptInput(SHORT, negative_prompt=""),
+        PromptInput(LONG, negative_prompt=""),
+        PromptInput(LONG, negative_prompt=SHORT),
+    ]
+    states = _states(encoder, inputs)
+    forwards: list[list[str]] = []
+    encode_prompt = encoder._pipeline.encode_prompt
+
+    def recording(*args: object, prompt: list[str], **kwargs: object) -> object:
+        forwards.append(list(prompt))
+        return encode_prompt(*args, prompt=prompt, **kwargs)
+
+    monkeypatch.setattr(encoder._pipeline, "encode_prompt", recording)
+    encoder.step(states)
+    monkeypatch.undo()
+    assert forwards == [[SHORT, LONG, ""]]
+    for payload, state in zip(inputs, states, strict=True):
+        _assert_as_alone(encoder, payload, encoder.finish(state))
+
+
 def test_a_failed_batch_changes_no_state(
     encoder: PromptEncoderAdapter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
