@@ -66,6 +66,12 @@ log = logging.getLogger(__name__)
 RECIPE_NAME = "throughput"
 MODEL = "builtin:qwen-image-bench"
 PROMPT = "a red circle on the left"
+#: `--distinct-prompts`: request i asks for PROMPTS[i % 8] (the peer too), so that no two
+#: requests of a burst of up to 8 share a prompt (the tokenizer encodes each distinct text once).
+PROMPTS = (PROMPT, "a blue square on the right", "a green triangle at the top",
+           "a yellow circle at the bottom", "a black square on the left",
+           "a white triangle on the right", "an orange circle at the top",
+           "a purple square at the bottom")
 NEGATIVE_PROMPT = ""
 GUIDANCE = 4.0
 REQUEST_TIMEOUT_S = 900.0
@@ -96,6 +102,11 @@ class Options:
     loads: tuple[float, ...]
     poisson_requests: int
     out: Path
+    distinct_prompts: bool = False
+
+    def prompt(self, seed: int) -> str:
+        """The prompt of request `seed` (of the peer's image `seed` too)."""
+        return PROMPTS[seed % len(PROMPTS)] if self.distinct_prompts else PROMPT
 
 
 @dataclass
@@ -126,12 +137,13 @@ def load_peer(folder: Path) -> QwenImagePipeline:
     return pipe
 
 
-def peer_image(pipe: QwenImagePipeline, size: int, steps: int, seed: int) -> tuple[float, Image]:
+def peer_image(pipe: QwenImagePipeline, size: int, steps: int, seed: int,
+               prompt: str = PROMPT) -> tuple[float, Image]:
     """Seconds for one image of the peer (the mesh's request: prompt, guidance, seed), and it."""
     import torch
 
     watch = Stopwatch()
-    output = pipe(prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, true_cfg_scale=GUIDANCE,
+    output = pipe(prompt=prompt, negative_prompt=NEGATIVE_PROMPT, true_cfg_scale=GUIDANCE,
                   height=size, width=size, num_inference_steps=steps,
                   generator=torch.Generator("cpu").manual_seed(seed))
     seconds = watch.elapsed()
@@ -139,15 +151,16 @@ def peer_image(pipe: QwenImagePipeline, size: int, steps: int, seed: int) -> tup
     return seconds, image
 
 
-def measure_peer(folder: Path, sizes: tuple[int, ...], steps: int, repeats: int = 2) -> dict[
-        int, float]:
+def measure_peer(folder: Path, sizes: tuple[int, ...], options: Options, repeats: int = 2
+                 ) -> dict[int, float]:
     """Median seconds per image of stock diffusers at its default threads, per size."""
     pipe = load_peer(folder)
     result = {}
     for size in sizes:
-        peer_image(pipe, size, steps, 0)  # warm-up: allocator, kernels
-        result[size] = statistics.median(peer_image(pipe, size, steps, seed)[0]
-                                         for seed in range(1, repeats + 1))
+        peer_image(pipe, size, options.steps, 0)  # warm-up: allocator, kernels
+        result[size] = statistics.median(
+            peer_image(pipe, size, options.steps, seed, options.prompt(seed))[0]
+            for seed in range(1, repeats + 1))
         log.info("peer: %dpx %.2f s/image", size, result[size])
     return result
 
@@ -225,10 +238,10 @@ def measure_ceiling(transformer: QwenImageTransformer2DModel, size: int, rows: i
 # -- phase 3: the mesh --------------------------------------------------------------------------
 
 
-async def generate_image(client: httpx.AsyncClient, size: int, seed: int, steps: int
-                         ) -> tuple[float, bytes]:
+async def generate_image(client: httpx.AsyncClient, size: int, seed: int, steps: int,
+                         prompt: str = PROMPT) -> tuple[float, bytes]:
     """Seconds for one image from the mesh's OpenAI route, and the image (PNG bytes)."""
-    body = {"model": RECIPE_NAME, "prompt": PROMPT, "size": f"{size}x{size}", "seed": seed,
+    body = {"model": RECIPE_NAME, "prompt": prompt, "size": f"{size}x{size}", "seed": seed,
             "num_inference_steps": steps, "true_cfg_scale": GUIDANCE,
             "negative_prompt": NEGATIVE_PROMPT}
     watch = Stopwatch()
@@ -238,21 +251,21 @@ async def generate_image(client: httpx.AsyncClient, size: int, seed: int, steps:
     return seconds, base64.b64decode(response.json()["data"][0]["b64_json"])
 
 
-async def generate(client: httpx.AsyncClient, size: int, seed: int, steps: int) -> float:
-    return (await generate_image(client, size, seed, steps))[0]
+async def generate(client: httpx.AsyncClient, size: int, seed: int, options: Options) -> float:
+    return (await generate_image(client, size, seed, options.steps, options.prompt(seed)))[0]
 
 
-async def burst(client: httpx.AsyncClient, sizes: list[int], steps: int) -> Burst:
+async def burst(client: httpx.AsyncClient, sizes: list[int], options: Options) -> Burst:
     result = Burst(sizes=sizes)
     watch = Stopwatch()
     result.latencies = list(await asyncio.gather(
-        *(generate(client, size, seed, steps) for seed, size in enumerate(sizes))))
+        *(generate(client, size, seed, options) for seed, size in enumerate(sizes))))
     result.wall = watch.elapsed()
     return result
 
 
-async def poisson(client: httpx.AsyncClient, size: int, rate: float, count: int, steps: int,
-                  rng: random.Random) -> Burst:
+async def poisson(client: httpx.AsyncClient, size: int, rate: float, count: int,
+                  options: Options, rng: random.Random) -> Burst:
     """`count` requests with exponential gaps of mean 1/rate; wall from first send to last."""
     result = Burst(sizes=[size] * count)
     watch = Stopwatch()
@@ -260,7 +273,7 @@ async def poisson(client: httpx.AsyncClient, size: int, rate: float, count: int,
     for seed in range(count):
         if seed:
             await asyncio.sleep(rng.expovariate(rate))
-        tasks.append(asyncio.create_task(generate(client, size, seed, steps)))
+        tasks.append(asyncio.create_task(generate(client, size, seed, options)))
     result.latencies = list(await asyncio.gather(*tasks))
     result.wall = watch.elapsed()
     return result
@@ -271,17 +284,17 @@ async def measure_mesh(base_url: str, options: Options) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
         c_max = max(options.concurrency)
         # Warm-up: allocator and kernels at every batch size the first measured burst uses.
-        await burst(client, [options.sizes[0]] * c_max, options.steps)
+        await burst(client, [options.sizes[0]] * c_max, options)
         bursts: dict[str, list[Burst]] = {}
         for size in sorted({*options.sizes, *options.mixed_sizes}):
             for c in options.concurrency:
                 key = f"{size}px c={c}"
-                bursts[key] = [await burst(client, [size] * c, options.steps)
+                bursts[key] = [await burst(client, [size] * c, options)
                                for _ in range(options.rounds)]
                 log.info("mesh %s: %.2f images/s", key, bursts[key][-1].images_per_s)
         if options.mixed_sizes:
             mixed = [options.mixed_sizes[i % len(options.mixed_sizes)] for i in range(c_max)]
-            bursts[f"mixed c={c_max}"] = [await burst(client, mixed, options.steps)
+            bursts[f"mixed c={c_max}"] = [await burst(client, mixed, options)
                                           for _ in range(options.rounds)]
         staggered: dict[str, Burst] = {}
         size = options.sizes[0]
@@ -289,7 +302,7 @@ async def measure_mesh(base_url: str, options: Options) -> dict[str, Any]:
         rng = random.Random(0)
         for load in options.loads:
             staggered[f"{size}px load={load:.0%}"] = await poisson(
-                client, size, load * capacity, options.poisson_requests, options.steps, rng)
+                client, size, load * capacity, options.poisson_requests, options, rng)
     return {"bursts": bursts, "staggered": staggered, "capacity_images_per_s": capacity}
 
 
@@ -384,6 +397,8 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--poisson-requests", type=int, default=16)
     parser.add_argument("--quick", action="store_true",
                         help="one size (128), c=1,4, 8 steps, one round: minutes, not tens")
+    parser.add_argument("--distinct-prompts", action="store_true",
+                        help="a different prompt per request (default: one prompt for all)")
     parser.add_argument("--out", default="bench-results/throughput")
     args = parser.parse_args(argv)
 
@@ -396,7 +411,8 @@ def parse(argv: list[str]) -> Options:
     return Options(sizes=ints(args.sizes), mixed_sizes=ints(args.mixed_sizes),
                    concurrency=ints(args.concurrency), steps=args.steps, rounds=args.rounds,
                    loads=tuple(float(x) for x in args.loads.split(",") if x.strip()),
-                   poisson_requests=args.poisson_requests, out=Path(args.out))
+                   poisson_requests=args.poisson_requests, out=Path(args.out),
+                   distinct_prompts=args.distinct_prompts)
 
 
 def write_recipes(path: Path, steps: int, vae_dtype: str | None = None) -> Path:
@@ -437,7 +453,7 @@ def main(argv: list[str]) -> None:
         ceilings = measure_ceilings(folder, options.sizes, options.concurrency)
     with phase("peer", loads):
         peer = measure_peer(folder, tuple(sorted({*options.sizes, *options.mixed_sizes})),
-                            options.steps)
+                            options)
     with tempfile.TemporaryDirectory() as tmp:
         recipes = write_recipes(Path(tmp) / "recipes.yaml", options.steps)
         with serve_mesh(recipes, options.out / "serve.log") as served, phase("mesh", loads):
