@@ -136,12 +136,15 @@ class TracedMesh:
     receiver: Receiver
     log_path: Path
 
-    def wait_for_spans(self, trace_id: str, services: set[str]) -> list[ReceivedSpan]:
-        """The spans of `trace_id`, once every service in `services` has sent some."""
+    def wait_for_spans(self, trace_id: str, services: set[str],
+                       names: frozenset[str] = frozenset()) -> list[ReceivedSpan]:
+        """The spans of `trace_id`, once every service in `services` has sent some and every
+        span name in `names` has shown up (a server span ends, so is exported, after the
+        client spans it contains: a batch may carry those first)."""
         deadline = time.monotonic() + SPAN_WAIT_S
         while time.monotonic() < deadline:
             spans = self.receiver.of_trace(trace_id)
-            if services <= {s.service for s in spans}:
+            if services <= {s.service for s in spans} and names <= {s.name for s in spans}:
                 return spans
             time.sleep(POLL_S)
         raise AssertionError(f"trace {trace_id}: wanted {services}; got "
@@ -294,7 +297,8 @@ def test_a_grpc_call_continues_the_callers_trace(traced_mesh: TracedMesh) -> Non
             metadata=(("traceparent", f"00-{trace_id}-{parent_id}-01"),), timeout=60))
     assert events[-1].WhichOneof("event") == "result"
 
-    spans = traced_mesh.wait_for_spans(trace_id, MESH_SERVICES)
+    spans = traced_mesh.wait_for_spans(
+        trace_id, MESH_SERVICES, frozenset({"stagemesh.v1.GatewayService/GenerateImage"}))
     server = _one(spans, "stagemesh-gateway", "stagemesh.v1.GatewayService/GenerateImage")
     assert server.parent_span_id == parent_id
     assert _one(spans, "stagemesh-dit", "Denoise").parent_span_id == _one(
