@@ -85,7 +85,7 @@ class EditPromptAdapter(PromptAdapterBase):
             processor=processor,
             transformer=None,  # type: ignore[arg-type]
         )
-        # Counting tokens must not touch the processor's tokenizer state (shared Rust state).
+        # Counts on the encoder's own Rust tokenizer, padding and truncation off (see there).
         self._counter = TokenCounter(processor.tokenizer)
         self._template: str = self._pipeline.prompt_template_encode
         self._template_start: int = self._pipeline.prompt_template_encode_start_idx

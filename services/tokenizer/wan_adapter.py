@@ -78,7 +78,7 @@ class WanPromptAdapter(PromptAdapterBase):
             vae=None,  # type: ignore[arg-type]
             scheduler=None,  # type: ignore[arg-type]
         )
-        # Counting tokens must not touch the encoder's tokenizer state (shared Rust state).
+        # Counts on the encoder's own Rust tokenizer, padding and truncation off (see there).
         self._counter = TokenCounter(tokenizer)
 
     def prompt_token_count(self, text: str) -> int:

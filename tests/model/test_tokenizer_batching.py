@@ -140,6 +140,17 @@ def test_a_text_repeated_in_a_batch_is_encoded_once(
         _assert_as_alone(encoder, payload, encoder.finish(state))
 
 
+def test_counting_after_a_batch_counts_the_whole_text(encoder: PromptEncoderAdapter) -> None:
+    """The counter shares the batch encoder's Rust tokenizer, on which a batch sets padding and
+    truncation (to the encoder's longest sequence): a count after it must still see every token
+    of a text that is too long, or the stage would let it through to be cut silently."""
+    too_long = "word " * (encoder.limits.max_sequence_length + 500)
+    before = encoder.prompt_token_count(too_long)
+    encoder.step(_states(encoder, [PromptInput(SHORT), PromptInput(LONG)]))
+    assert encoder.prompt_token_count(too_long) == before > encoder.limits.max_sequence_length + 400
+    assert encoder.prompt_token_count(SHORT) < encoder.prompt_token_count(LONG)
+
+
 def test_a_failed_batch_changes_no_state(
     encoder: PromptEncoderAdapter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
