@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.models.qwen_image import ensure_model
@@ -65,8 +66,10 @@ def tiny_model_dir() -> Path:
     return ensure_model("tiny")
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def image_stages(tiny_model_dir: Path) -> AsyncIterator[dict[str, RunningStage]]:
+    """The three image stages, shared by a module's tests (each leaves them idle): a module
+    using them runs its tests on one event loop (`pytest.mark.asyncio(loop_scope="module")`)."""
     stages = {}
     for name in IMAGE_STAGES:
         bundle = build_stage(name, tiny_model_dir, IMAGE_STAGE_OPTIONS.get(name))

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -31,7 +32,8 @@ from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2, dit_service_p
 from stagemesh.shared.stage_runtime import start_stage, stop_stage
 from stagemesh.shared.torch_tensors import to_proto
 
-pytestmark = pytest.mark.timeout(120)
+#: The stages are the module's (see conftest's image_stages): one event loop for every test.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 
 
 def reflected_services(address: str) -> list[str]:
@@ -52,7 +54,7 @@ async def generate(core: GatewayCore, **fields: Any) -> list[bytes]:
     return [image.png for image in images]
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope="module")
 async def core(image_stages: dict[str, Any], tiny_model_dir: Path,
                make_image_recipe: Any) -> AsyncIterator[GatewayCore]:
     recipe = make_image_recipe({n: s.address for n, s in image_stages.items()}, tiny_model_dir)

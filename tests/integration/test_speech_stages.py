@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import pytest_asyncio
 import soundfile
 from prometheus_client import REGISTRY
 
@@ -29,7 +30,8 @@ from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.stage_runtime import StageBundle, start_stage, stop_stage
 
-pytestmark = pytest.mark.timeout(180)
+#: The talker and codec are the module's (see `speech`): one event loop for every test.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
 SAMPLES_PER_FRAME = 1920  # Mimi: 24 kHz / 12.5 Hz
 OnPiece = Callable[[AudioPiece], Awaitable[None]]
@@ -57,8 +59,10 @@ def speech_model_dir() -> Path:
     return ensure_speech_model()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def speech(speech_model_dir: Path) -> AsyncIterator[Speech]:
+    """The gateway over one talker and one codec, shared by the module's tests (each leaves
+    them idle)."""
     running = []
     for name in ("talker", "codec"):
         bundle = build_stage(name, speech_model_dir, {"max_running": 4})
