@@ -176,10 +176,12 @@ def measure_ceilings(folder: Path, sizes: tuple[int, ...], concurrency: tuple[in
 
 
 def _as_the_dit_stage() -> None:
-    """Before torch loads: the DiT stage's thread count and OpenMP wait policy."""
-    from stagemesh.cli import quiet_openmp_waits, stage_threads
+    """Before torch loads: the DiT stage's thread count, OpenMP wait policy and malloc
+    thresholds."""
+    from stagemesh.cli import keep_freed_memory, quiet_openmp_waits, stage_threads
 
     quiet_openmp_waits()
+    keep_freed_memory()
     import torch
 
     torch.set_num_threads(stage_threads("dit"))
