@@ -11,26 +11,15 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import av
 import httpx
-import numpy as np
 import pytest
 from PIL import Image
+
+from tests.video_forms import form, frames_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 T2V, I2V = "wan-t2v-tiny", "wan-i2v-tiny"
-
-
-def form(**fields: str) -> dict[str, Any]:
-    """A multipart form, as `curl -F name=value` sends it."""
-    return {"files": [(name, (None, value.encode(), "text/plain"))
-                      for name, value in fields.items()]}
-
-
-def frames_of(mp4: bytes) -> list[np.ndarray]:
-    with av.open(io.BytesIO(mp4), "r") as container:
-        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
 def status(served: Any, job_id: str) -> dict[str, Any]:

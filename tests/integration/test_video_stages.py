@@ -14,11 +14,8 @@ import io
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import av
 import httpx
-import numpy as np
 import openai
 import pytest
 from PIL import Image
@@ -31,6 +28,7 @@ from stagemesh.models.wan import WanVariant, ensure_wan_model
 from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.stage_runtime import start_stage, stop_stage
+from tests.video_forms import form, frames_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,16 +80,6 @@ async def client(recipes: dict[str, Recipe]) -> AsyncIterator[httpx.AsyncClient]
         async with httpx.AsyncClient(transport=transport, base_url="http://gw",
                                      timeout=60) as client:
             yield client
-
-
-def form(**fields: str) -> dict[str, Any]:
-    return {"files": [(name, (None, value.encode(), "text/plain"))
-                      for name, value in fields.items()]}
-
-
-def frames_of(mp4: bytes) -> list[np.ndarray]:
-    with av.open(io.BytesIO(mp4), "r") as container:
-        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
 def png() -> bytes:
