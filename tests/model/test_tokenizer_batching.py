@@ -140,15 +140,22 @@ def test_a_text_repeated_in_a_batch_is_encoded_once(
         _assert_as_alone(encoder, payload, encoder.finish(state))
 
 
-def test_counting_after_a_batch_counts_the_whole_text(encoder: PromptEncoderAdapter) -> None:
-    """The counter shares the batch encoder's Rust tokenizer, on which a batch sets padding and
-    truncation (to the encoder's longest sequence): a count after it must still see every token
-    of a text that is too long, or the stage would let it through to be cut silently."""
+def test_counting_ignores_the_padding_and_truncation_a_batch_leaves(
+    encoder: PromptEncoderAdapter,
+) -> None:
+    """The counter shares the batch encoder's Rust tokenizer, on which a batch call sets
+    padding and truncation: a count must still see every token of a text that is too long (or
+    the stage would let it through to be cut silently) and no padding of a short one."""
     too_long = "word " * (encoder.limits.max_sequence_length + 500)
-    before = encoder.prompt_token_count(too_long)
-    encoder.step(_states(encoder, [PromptInput(SHORT), PromptInput(LONG)]))
-    assert encoder.prompt_token_count(too_long) == before > encoder.limits.max_sequence_length + 400
-    assert encoder.prompt_token_count(SHORT) < encoder.prompt_token_count(LONG)
+    before = encoder.prompt_token_count(too_long), encoder.prompt_token_count(SHORT)
+    backend = encoder._pipeline.tokenizer.backend_tokenizer
+    backend.enable_truncation(max_length=64)  # settings a batch encoder could leave behind
+    backend.enable_padding(length=96)
+    after = encoder.prompt_token_count(too_long), encoder.prompt_token_count(SHORT)
+    assert after == before
+    assert before[0] > encoder.limits.max_sequence_length + 400 and before[1] < 64
+    encoder.step(_states(encoder, [PromptInput(SHORT), PromptInput(LONG)]))  # still encodes
+    assert encoder.prompt_token_count(SHORT) == before[1]
 
 
 def test_a_failed_batch_changes_no_state(
