@@ -12,12 +12,14 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import math
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 # Nothing in stagemesh may try the network: model hubs are unreachable by design.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -181,8 +183,18 @@ def _cmd_stage(args: argparse.Namespace) -> None:
         raise SystemExit(f"stagemesh stage: {error}") from error
     status = eventloop.run(serve_stage(bundle, host=args.host, port=args.port,
                                      metrics_port=args.metrics_port, runtime=runtime))
-    if status:
-        raise SystemExit(status)
+    exit_without_teardown(status)
+
+
+def exit_without_teardown(status: int) -> NoReturn:
+    """Run the atexit handlers (log and trace flushes), then end the process without the
+    interpreter's teardown: freeing a torch stage's modules and tensors one object at a time
+    takes ~1 s of CPU, and `serve` stops every stage on the same cores at once (17 by default:
+    ~10 s of its Ctrl-C on two cores). Nothing is left to write: the stage has drained."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> None:
