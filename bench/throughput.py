@@ -1,7 +1,7 @@
 """`stagemesh bench throughput`: the mesh against stock diffusers, on the same cores, at scale.
 
-Every number comes from one run, in three phases that never overlap (each would steal the
-other's cores):
+Every number comes from one run, from three measurements that never overlap (each would steal
+the other's cores):
 
 1. **peer** — stock `diffusers.QwenImagePipeline` in this process at its own default threads (what
    a user runs instead of the mesh), on the same model folder, prompt, seed, steps and guidance:
@@ -9,15 +9,23 @@ other's cores):
 2. **ceiling** — the raw batching gain of the model itself: one transformer forward of
    2c rows (c requests x cond/uncond) against 2c forwards of one row, best of 3, for every
    size and concurrency c > 1, in a child process that runs as the DiT stage does (its thread
-   count and OpenMP wait policy, see `stagemesh.cli`);
+   count, OpenMP wait policy and malloc thresholds, see `stagemesh.cli`);
 3. **mesh** — `stagemesh serve` at its defaults on the benchmark recipe: bursts of c
    simultaneous requests per size (and mixed sizes), then staggered arrivals (Poisson) at a few
    offered loads, as fractions of the mesh's measured burst throughput.
 
+Same-size bursts are measured in **paired rounds**: just before each burst, on the same thread,
+one peer image of that size and (c > 1) one ceiling probe, so that the three numbers a round
+compares see the same machine. On a shared machine whose speed drifts by 20% within minutes,
+phases measured minutes apart compare the drift, not the systems; a round's share of the ceiling
+does not. The DiT stage's mean step time during each burst (its metrics) is recorded beside the
+ceiling's batched forward: it tells whether a gap is in the DiT or around it.
+
 Reported: images/s, p50/p99 latency, the mesh's speed-up over the peer serving the same burst
-serially, that speed-up as a share of the ceiling, and for mixed sizes each size's p99 against
-its p99 under same-size load at the same concurrency (starvation shows there). The machine's
-load average is recorded around every phase: other work on the machine skews every number.
+serially, that speed-up as a share of the ceiling (medians over the rounds), and for mixed sizes
+each size's p99 against its p99 under same-size load at the same concurrency (starvation shows
+there). The machine's load average is recorded around every phase: other work on the machine
+skews every number.
 JSON + PNG; the README table comes from the JSON's `table` field.
 """
 
@@ -48,6 +56,8 @@ from stagemesh.bench.common import (
     interrupt_on_sigterm,
     machine_info,
     markdown_table,
+    metric_value,
+    scrape,
     serve_mesh,
     summarize,
     write_bar_chart,
@@ -111,15 +121,32 @@ class Options:
 
 @dataclass
 class Burst:
-    """c requests sent at once: their latencies and the wall time until the last finished."""
+    """c requests sent at once: their latencies, the wall time until the last finished, and (a
+    same-size burst) what its round measured beside it."""
 
     sizes: list[int]
     latencies: list[float] = field(default_factory=list)
     wall: float = 0.0
+    #: The DiT stage's mean step call during the burst (from its metrics).
+    dit_step_s: float | None = None
+    #: The peer's seconds for one image of this size, measured just before the burst.
+    peer_s: float | None = None
+    #: The ceiling probe measured just before the burst (c > 1).
+    ceiling: dict[str, float] | None = None
 
     @property
     def images_per_s(self) -> float:
         return len(self.latencies) / self.wall if self.wall else 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        """Over the peer serving the burst's requests one after another (same round)."""
+        return len(self.sizes) * self.peer_s / self.wall if self.peer_s and self.wall else None
+
+    @property
+    def ceiling_share(self) -> float | None:
+        speedup = self.speedup
+        return speedup / self.ceiling["speedup"] if speedup and self.ceiling else None
 
 
 # -- phase 1 and 2: in-process peer and raw ceiling ---------------------------------------------
@@ -151,10 +178,9 @@ def peer_image(pipe: QwenImagePipeline, size: int, steps: int, seed: int,
     return seconds, image
 
 
-def measure_peer(folder: Path, sizes: tuple[int, ...], options: Options, repeats: int = 2
-                 ) -> dict[int, float]:
+def measure_peer(pipe: QwenImagePipeline, sizes: tuple[int, ...], options: Options,
+                 repeats: int = 2) -> dict[int, float]:
     """Median seconds per image of stock diffusers at its default threads, per size."""
-    pipe = load_peer(folder)
     result = {}
     for size in sizes:
         peer_image(pipe, size, options.steps, 0)  # warm-up: allocator, kernels
@@ -165,39 +191,54 @@ def measure_peer(folder: Path, sizes: tuple[int, ...], options: Options, repeats
     return result
 
 
-def measure_ceilings(folder: Path, sizes: tuple[int, ...], concurrency: tuple[int, ...]
-                     ) -> dict[str, dict[str, float]]:
-    """The raw batching gain per `<size>px c=<c>` (c > 1), measured in a child process set up
-    like the DiT stage (see `_as_the_dit_stage`), so that this process's OpenMP state (the
-    peer's) does not skew it."""
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch loaded yet
-    with ProcessPoolExecutor(1, mp_context=context, initializer=_as_the_dit_stage) as child:
-        return child.submit(_ceilings, folder, sizes, concurrency).result()
+class CeilingProbe:
+    """Measures the raw batching gain on demand, in a child process set up like the DiT stage
+    (see `_as_the_dit_stage`) so that this process's OpenMP state (the peer's) does not skew
+    it. The child loads the transformer once and sleeps between probes."""
+
+    def __init__(self, folder: Path) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch loaded
+        self._child = ProcessPoolExecutor(1, mp_context=context, initializer=_as_the_dit_stage,
+                                          initargs=(folder,))
+        self._child.submit(int).result()  # start it (and load the model) now, not mid-phase
+
+    def measure(self, size: int, c: int) -> dict[str, float]:
+        """The `<size>px c=<c>` ceiling: 2c rows in one forward against 2c one-row forwards."""
+        return self._child.submit(_ceiling_in_child, size, 2 * c).result()
+
+    def __enter__(self) -> CeilingProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._child.shutdown()
 
 
-def _as_the_dit_stage() -> None:
-    """Before torch loads: the DiT stage's thread count, OpenMP wait policy and malloc
-    thresholds."""
+#: The ceiling child's transformer, loaded once by `_as_the_dit_stage`.
+_child_transformer: QwenImageTransformer2DModel | None = None
+
+
+def _as_the_dit_stage(folder: Path) -> None:
+    """The ceiling child's set-up: before torch loads, the DiT stage's thread count, OpenMP wait
+    policy and malloc thresholds; then the transformer."""
     from stagemesh.cli import keep_freed_memory, quiet_openmp_waits, stage_threads
 
     quiet_openmp_waits()
     keep_freed_memory()
     import torch
-
-    torch.set_num_threads(stage_threads("dit"))
-
-
-def _ceilings(folder: Path, sizes: tuple[int, ...], concurrency: tuple[int, ...]
-              ) -> dict[str, dict[str, float]]:
-    import torch
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
-    transformer = QwenImageTransformer2DModel.from_pretrained(
+    torch.set_num_threads(stage_threads("dit"))
+    global _child_transformer
+    _child_transformer = QwenImageTransformer2DModel.from_pretrained(
         folder, subfolder="transformer", local_files_only=True).eval()
     log.info("ceiling: %d torch threads, OMP_WAIT_POLICY=%s", torch.get_num_threads(),
              os.environ.get("OMP_WAIT_POLICY"))
-    return {f"{size}px c={c}": measure_ceiling(transformer, size, 2 * c)
-            for size in sizes for c in concurrency if c > 1}
+
+
+def _ceiling_in_child(size: int, rows: int) -> dict[str, float]:
+    if _child_transformer is None:
+        raise RuntimeError("the ceiling child has no transformer: its initializer did not run")
+    return measure_ceiling(_child_transformer, size, rows)
 
 
 def measure_ceiling(transformer: QwenImageTransformer2DModel, size: int, rows: int,
@@ -235,6 +276,24 @@ def measure_ceiling(transformer: QwenImageTransformer2DModel, size: int, rows: i
              batched, single, single / batched)
     return {"size": size, "rows": rows, "batched_s": batched, "one_by_one_s": single,
             "speedup": single / batched}
+
+
+@dataclass
+class Baselines:
+    """What a same-size burst is compared against, measured on this (the main) thread just
+    before the burst: the peer at its defaults runs here, as a user's script would."""
+
+    peer: QwenImagePipeline
+    ceiling: CeilingProbe
+    options: Options
+
+    def measure(self, size: int, c: int, round_index: int
+                ) -> tuple[float, dict[str, float] | None]:
+        """Seconds for one peer image of `size`, and (c > 1) the `size`/`c` ceiling probe."""
+        seed = round_index + 1
+        peer_s = peer_image(self.peer, size, self.options.steps, seed,
+                            self.options.prompt(seed))[0]
+        return peer_s, self.ceiling.measure(size, c) if c > 1 else None
 
 
 # -- phase 3: the mesh --------------------------------------------------------------------------
@@ -281,65 +340,131 @@ async def poisson(client: httpx.AsyncClient, size: int, rate: float, count: int,
     return result
 
 
-async def measure_mesh(base_url: str, options: Options) -> dict[str, Any]:
+async def dit_metrics_url(client: httpx.AsyncClient) -> str:
+    """Where the benchmark recipe's DiT stage serves its metrics (GET /v1/stages)."""
+    response = await client.get("/v1/stages")
+    response.raise_for_status()
+    return next(str(stage["metrics_url"]) for stage in response.json()["stages"]
+                if stage["name"] == "dit" and stage["recipe"] == RECIPE_NAME)
+
+
+async def measured_burst(client: httpx.AsyncClient, sizes: list[int], options: Options,
+                         dit_metrics: str) -> Burst:
+    """A burst, with the DiT stage's mean step call during it."""
+    before = await scrape(client, dit_metrics)
+    result = await burst(client, sizes, options)
+    after = await scrape(client, dit_metrics)
+
+    def delta(name: str) -> float:
+        return (metric_value(after, name, stage="dit")
+                - metric_value(before, name, stage="dit"))
+
+    steps = delta("stagemesh_step_seconds_count")
+    result.dit_step_s = delta("stagemesh_step_seconds_sum") / steps if steps else None
+    return result
+
+
+def measure_mesh(base_url: str, options: Options, baselines: Baselines) -> dict[str, Any]:
+    """Every burst and staggered load against the running mesh. One event loop serves all the
+    requests; between same-size bursts it is idle while `baselines` measures the peer and the
+    ceiling on this thread (see the module docstring: paired rounds)."""
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
-        c_max = max(options.concurrency)
-        # Warm-up: allocator and kernels at every batch size the first measured burst uses.
-        await burst(client, [options.sizes[0]] * c_max, options)
-        bursts: dict[str, list[Burst]] = {}
-        for size in sorted({*options.sizes, *options.mixed_sizes}):
-            for c in options.concurrency:
-                key = f"{size}px c={c}"
-                bursts[key] = [await burst(client, [size] * c, options)
-                               for _ in range(options.rounds)]
-                log.info("mesh %s: %.2f images/s", key, bursts[key][-1].images_per_s)
-        if options.mixed_sizes:
-            mixed = [options.mixed_sizes[i % len(options.mixed_sizes)] for i in range(c_max)]
-            bursts[f"mixed c={c_max}"] = [await burst(client, mixed, options)
-                                          for _ in range(options.rounds)]
-        staggered: dict[str, Burst] = {}
-        size = options.sizes[0]
-        capacity = max(b.images_per_s for b in bursts[f"{size}px c={c_max}"])
-        rng = random.Random(0)
-        for load in options.loads:
-            staggered[f"{size}px load={load:.0%}"] = await poisson(
-                client, size, load * capacity, options.poisson_requests, options, rng)
+    client = httpx.AsyncClient(base_url=base_url, limits=limits)
+    with asyncio.Runner() as loop:
+        try:
+            return _measure_mesh(loop, client, options, baselines)
+        finally:
+            loop.run(client.aclose())
+
+
+def _measure_mesh(loop: asyncio.Runner, client: httpx.AsyncClient, options: Options,
+                  baselines: Baselines) -> dict[str, Any]:
+    c_max = max(options.concurrency)
+    dit_metrics = loop.run(dit_metrics_url(client))
+    # Warm-up: allocator and kernels at every batch size the first measured burst uses.
+    loop.run(burst(client, [options.sizes[0]] * c_max, options))
+    bursts: dict[str, list[Burst]] = {}
+    for size in sorted({*options.sizes, *options.mixed_sizes}):
+        for c in options.concurrency:
+            key = f"{size}px c={c}"
+            bursts[key] = []
+            for round_index in range(options.rounds):
+                peer_s, ceiling = baselines.measure(size, c, round_index)
+                measured = loop.run(measured_burst(client, [size] * c, options, dit_metrics))
+                measured.peer_s, measured.ceiling = peer_s, ceiling
+                bursts[key].append(measured)
+                log.info("mesh %s round %d: %.2f images/s, wall %.2f s (peer %.2f s/image: "
+                         "%.2fx), DiT step %.3f s (ceiling's batched forward %s), "
+                         "of ceiling %s", key, round_index, measured.images_per_s,
+                         measured.wall, measured.peer_s or 0.0, measured.speedup or 0.0,
+                         measured.dit_step_s or 0.0,
+                         f"{measured.ceiling['batched_s']:.3f} s" if measured.ceiling else "-",
+                         f"{measured.ceiling_share:.0%}" if measured.ceiling_share else "-")
+    if options.mixed_sizes:
+        mixed = [options.mixed_sizes[i % len(options.mixed_sizes)] for i in range(c_max)]
+        bursts[f"mixed c={c_max}"] = [loop.run(burst(client, mixed, options))
+                                      for _ in range(options.rounds)]
+    staggered: dict[str, Burst] = {}
+    size = options.sizes[0]
+    capacity = max(b.images_per_s for b in bursts[f"{size}px c={c_max}"])
+    rng = random.Random(0)
+    for load in options.loads:
+        staggered[f"{size}px load={load:.0%}"] = loop.run(poisson(
+            client, size, load * capacity, options.poisson_requests, options, rng))
     return {"bursts": bursts, "staggered": staggered, "capacity_images_per_s": capacity}
 
 
 # -- report -------------------------------------------------------------------------------------
 
 
-def report(options: Options, peer: dict[int, float], ceilings: dict[str, dict[str, float]],
-           mesh: dict[str, Any], loads: dict[str, list[float]]) -> dict[str, Any]:
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def report(options: Options, peer: dict[int, float], mesh: dict[str, Any],
+           loads: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians over rounds; a paired round's speed-up and share use its own peer and ceiling,
+    an unpaired burst (mixed sizes) the peer phase's."""
     rows, summary = [], {}
     for key, runs in mesh["bursts"].items():
         sizes = runs[0].sizes
+        c = len(sizes)
         latencies = [x for run in runs for x in run.latencies]
         wall = statistics.median(run.wall for run in runs)
-        peer_serial = sum(peer.get(s, 0.0) for s in sizes)
-        speedup = peer_serial / wall if peer_serial else float("nan")
-        c = len(sizes)
-        ceiling = ceilings.get(key, {}).get("speedup")  # same-size bursts of c > 1 only
-        share = speedup / ceiling if ceiling else None
+        paired_peer = _median([run.peer_s for run in runs])
+        peer_serial = (c * paired_peer if paired_peer is not None
+                       else sum(peer.get(s, 0.0) for s in sizes))
+        speedup = _median([run.speedup for run in runs]) or (
+            peer_serial / wall if peer_serial else float("nan"))
+        share = _median([run.ceiling_share for run in runs])
+        dit_step = _median([run.dit_step_s for run in runs])
+        ceiling_forward = _median([run.ceiling["batched_s"] if run.ceiling else None
+                                   for run in runs])
         stats = summarize(latencies)
         by_size = {str(s): summarize([lat for run in runs
                                       for lat, sz in zip(run.latencies, run.sizes, strict=True)
                                       if sz == s]) for s in sorted(set(sizes))}
-        summary[key] = {"c": c, "images_per_s": c / wall, "wall_s": wall, "latency": stats,
-                        "latency_by_size": by_size, "peer_serial_s": peer_serial,
-                        "speedup_over_peer_serial": speedup, "ceiling_share": share}
+        summary[key] = {
+            "c": c, "images_per_s": c / wall, "wall_s": wall, "latency": stats,
+            "latency_by_size": by_size, "peer_serial_s": peer_serial,
+            "speedup_over_peer_serial": speedup, "ceiling_share": share,
+            "dit_step_s": dit_step, "ceiling_batched_forward_s": ceiling_forward,
+            "rounds": [{"wall_s": run.wall, "peer_s": run.peer_s, "speedup": run.speedup,
+                        "ceiling": run.ceiling, "ceiling_share": run.ceiling_share,
+                        "dit_step_s": run.dit_step_s} for run in runs]}
         rows.append([key, f"{c / wall:.2f}", f"{stats['p50']:.2f}", f"{stats['p99']:.2f}",
                      f"{peer_serial:.2f}", f"{speedup:.2f}x",
-                     "" if share is None else f"{share:.0%}"])
+                     "" if share is None else f"{share:.0%}",
+                     "" if dit_step is None or ceiling_forward is None
+                     else f"{dit_step:.3f} / {ceiling_forward:.3f}"])
     for key, run in mesh["staggered"].items():
         stats = summarize(run.latencies)
         summary[key] = {"images_per_s": run.images_per_s, "latency": stats}
         rows.append([key, f"{run.images_per_s:.2f}", f"{stats['p50']:.2f}",
-                     f"{stats['p99']:.2f}", "", "", ""])
+                     f"{stats['p99']:.2f}", "", "", "", ""])
     table = markdown_table(["load", "images/s", "p50 s", "p99 s", "diffusers serial s",
-                            "speed-up", "of ceiling"], rows)
+                            "speed-up", "of ceiling", "DiT step / ceiling forward s"], rows)
     mixed = mixed_sizes_p99(summary)
     if mixed:
         table += "\n\n" + markdown_table(
@@ -349,7 +474,7 @@ def report(options: Options, peer: dict[int, float], ceilings: dict[str, dict[st
     return {"when": datetime.now(UTC).isoformat(),
             "machine": {**machine_info(), "load_average_by_phase": loads},
             "options": {k: str(v) for k, v in asdict(options).items()},
-            "peer_seconds_per_image": peer, "ceiling": ceilings,
+            "peer_seconds_per_image": peer,
             "mesh_capacity_images_per_s": mesh["capacity_images_per_s"],
             "results": summary, "mixed_sizes_p99": mixed, "table": table}
 
@@ -451,16 +576,16 @@ def main(argv: list[str]) -> None:
     interrupt_on_sigterm()
     folder = prepare_model()
     loads: dict[str, list[float]] = {}
-    with phase("ceiling", loads):
-        ceilings = measure_ceilings(folder, options.sizes, options.concurrency)
-    with phase("peer", loads):
-        peer = measure_peer(folder, tuple(sorted({*options.sizes, *options.mixed_sizes})),
-                            options)
-    with tempfile.TemporaryDirectory() as tmp:
-        recipes = write_recipes(Path(tmp) / "recipes.yaml", options.steps)
-        with serve_mesh(recipes, options.out / "serve.log") as served, phase("mesh", loads):
-            mesh = asyncio.run(measure_mesh(served.base_url, options))
-    result = report(options, peer, ceilings, mesh, loads)
+    with CeilingProbe(folder) as ceiling:
+        with phase("peer", loads):
+            pipe = load_peer(folder)
+            peer = measure_peer(pipe, tuple(sorted({*options.sizes, *options.mixed_sizes})),
+                                options)
+        with tempfile.TemporaryDirectory() as tmp:
+            recipes = write_recipes(Path(tmp) / "recipes.yaml", options.steps)
+            with serve_mesh(recipes, options.out / "serve.log") as served, phase("mesh", loads):
+                mesh = measure_mesh(served.base_url, options, Baselines(pipe, ceiling, options))
+    result = report(options, peer, mesh, loads)
     write_json(options.out / "throughput.json", result)
     chart(result, options.out / "throughput.png", options)
     log.info("results in %s\n%s", options.out, result["table"])
