@@ -2,19 +2,24 @@
 gateway, and keep the stages running.
 
 This process hosts the gateway, so it never imports torch, diffusers, transformers or
-stagemesh.models: the distinct models of the recipes are resolved (a built-in one built on first
-use) by one `stagemesh model prepare SPEC...` child process, which prints their folders. Stages
-are then started as `python -m stagemesh stage ...` subprocesses — the same entry point a
-Kubernetes Deployment runs — one per replica a stage address lists (`ipv4:h:p1,h:p2`, or
-`--replicas dit=2`), and the gateway waits until each reports SERVING on grpc.health, from the
-process serve started (the pid its load report gives; another process answering on the port is
-an error, as is a port already in use before start).
+stagemesh.models: its children do. They come from the stage launcher (`stagemesh.launcher`), one
+child process that imports those once and forks each of them, so that none imports them again
+(~6.5 s of CPU each; most of serve's start-up on two cores before it). Without it
+(STAGEMESH_STAGE_LAUNCHER=spawn, elsewhere than Linux, or once it is gone) each child is
+`python -m stagemesh ...` and imports them itself. First one `stagemesh model prepare SPEC...`
+child resolves the distinct models of the recipes (a built-in one built on first use) and
+prints their folders. Then `stagemesh stage ...` — the same entry point a Kubernetes Deployment
+runs — runs once per replica a stage address lists (`ipv4:h:p1,h:p2`, or `--replicas dit=2`),
+and the gateway waits until each reports SERVING on grpc.health, from the process serve started
+(the pid its load report gives; another process answering on the port is an error, as is a port
+already in use before start).
 
 Supervision: a stage process that exits is restarted, with a backoff (1 s, doubling up to
 60 s; back to 1 s once a process has stayed up for a minute), and logged; the gateway routes
 around it meanwhile and sends it traffic again once it serves. No orphans: each child gets
-SIGTERM when serve dies, even by `kill -9` (Linux PR_SET_PDEATHSIG, see `cli.die_with_parent`).
-Ctrl-C (SIGINT) or SIGTERM stops the gateway, then the stages, each with a grace period.
+SIGTERM when serve dies, even by `kill -9` (Linux PR_SET_PDEATHSIG, see `cli.die_with_parent`);
+a forked one when the launcher dies, which dies with serve. Ctrl-C (SIGINT) or SIGTERM stops
+the gateway, then the stages, each with a grace period, then the launcher.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ import ipaddress
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +47,7 @@ from grpc_health.v1 import health, health_pb2
 from stagemesh.cli import PARENT_PID_ENV, stage_threads, usable_cores
 from stagemesh.gateway.app import GatewayConfig, run_gateway
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, TargetKind, split_host_port
+from stagemesh.launcher import ChildProcess, Launcher, LauncherUnavailable, StartMode, start_mode
 from stagemesh.shared import eventloop
 from stagemesh.shared.mesh_auth import METADATA_KEY, ensure_mesh_token, mesh_token
 from stagemesh.shared.proto.v1 import control_service_pb2, control_service_pb2_grpc
@@ -211,23 +218,57 @@ def _child_env() -> dict[str, str]:
             PARENT_PID_ENV: str(os.getpid())}
 
 
-def prepare_models(specs: Iterable[str], timeout: float = MODEL_PREPARE_TIMEOUT_S
-                   ) -> dict[str, Path]:
+def start_child(argv: Sequence[str], launcher: Launcher | None = None,
+                stdout: int | None = None) -> ChildProcess:
+    """`stagemesh ARGV` as a child of serve (with `stdout` as its stdout): forked by the
+    launcher, which has torch & co. imported already; spawned as `python -m stagemesh ARGV`
+    without one, or once it is gone (it logs why)."""
+    env = _child_env()
+    if launcher is not None:
+        with contextlib.suppress(LauncherUnavailable):
+            return launcher.run(argv, env, stdout)
+    return subprocess.Popen(_stagemesh_command(*argv), env=env, stdout=stdout)
+
+
+def _read_to_end(fd: int, deadline: float) -> bytes:
+    """Everything written to the pipe `fd` until its writers close it; TimeoutError after
+    `deadline` (time.monotonic)."""
+    chunks: list[bytes] = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def prepare_models(specs: Iterable[str], timeout: float = MODEL_PREPARE_TIMEOUT_S,
+                   launcher: Launcher | None = None) -> dict[str, Path]:
     """Model spec -> folder, every distinct spec resolved by one `stagemesh model prepare`
-    child, so that building a model never loads torch into this process (and the child
-    imports it once for all the specs)."""
+    child (forked by `launcher` when given), so that building a model never loads torch into
+    this process (and torch is imported once for all the specs)."""
     distinct = list(dict.fromkeys(specs))
     if not distinct:
         return {}
-    child = subprocess.Popen(_stagemesh_command("model", "prepare", *distinct),
-                             stdout=subprocess.PIPE, env=_child_env())
+    deadline = time.monotonic() + timeout
+    read_end, write_end = os.pipe()
     try:
-        out, _ = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired as error:
-        child.kill()
-        child.wait()
-        raise TimeoutError(f"preparing models {distinct} took longer than {timeout:.0f} s"
-                           ) from error
+        try:
+            child = start_child(["model", "prepare", *distinct], launcher, stdout=write_end)
+        finally:
+            os.close(write_end)  # the child has its own: the pipe ends when the child does
+        try:
+            out = _read_to_end(read_end, deadline)
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, subprocess.TimeoutExpired) as error:
+            child.kill()
+            child.wait()
+            raise TimeoutError(f"preparing models {distinct} took longer than {timeout:.0f} s"
+                               ) from error
+    finally:
+        os.close(read_end)
     folders = out.decode().splitlines()
     if child.returncode != 0 or len(folders) != len(distinct):
         failed = distinct[min(len(folders), len(distinct) - 1)]  # one line per spec done
@@ -236,25 +277,31 @@ def prepare_models(specs: Iterable[str], timeout: float = MODEL_PREPARE_TIMEOUT_
     return {spec: Path(folder) for spec, folder in zip(distinct, folders, strict=True)}
 
 
-def stage_command(launch: StageLaunch) -> list[str]:
-    """`stagemesh stage ...` for a launch, with its torch threads chosen here (see
-    `stagemesh.cli.stage_threads`), so that the log says what each stage runs with."""
+def stage_argv(launch: StageLaunch) -> list[str]:
+    """`stage ...`, the arguments of `stagemesh` for a launch, with its torch threads chosen
+    here (see `stagemesh.cli.stage_threads`), so that the log says what each stage runs with.
+    The port comes first: a forked stage shows them as its command line, cut to the length
+    of the launcher's (see `launcher._retitle`)."""
     endpoint = launch.endpoint
     host, port = split_host_port(launch.address)
-    command = _stagemesh_command(
-        "stage", endpoint.name, "--host", host, "--port", str(port),
-        "--model", str(launch.model_dir), "--options", json.dumps(endpoint.options),
-        "--threads", str(stage_threads(endpoint.name)))
+    argv = ["stage", endpoint.name, "--port", str(port), "--host", host,
+            "--model", str(launch.model_dir), "--options", json.dumps(endpoint.options),
+            "--threads", str(stage_threads(endpoint.name))]
     if launch.metrics_port:
-        command += ["--metrics-port", str(launch.metrics_port)]
-    return command
+        argv += ["--metrics-port", str(launch.metrics_port)]
+    return argv
 
 
-def spawn_stage(launch: StageLaunch) -> subprocess.Popen[bytes]:
+def stage_command(launch: StageLaunch) -> list[str]:
+    """`python -m stagemesh stage ...`: how a launch runs without the launcher."""
+    return _stagemesh_command(*stage_argv(launch))
+
+
+def spawn_stage(launch: StageLaunch, launcher: Launcher | None = None) -> ChildProcess:
     log.info("starting stage %s on %s (torch threads: %d; usable cores: %d)",
              launch.endpoint.name, launch.address, stage_threads(launch.endpoint.name),
              usable_cores())
-    return subprocess.Popen(stage_command(launch), env=_child_env())
+    return start_child(stage_argv(launch), launcher)
 
 
 def _serving_pid(channel: grpc.Channel) -> int | None:
@@ -275,7 +322,7 @@ def _serving_pid(channel: grpc.Channel) -> int | None:
     return int(load.pid)
 
 
-def wait_serving(launch: StageLaunch, process: subprocess.Popen[bytes],
+def wait_serving(launch: StageLaunch, process: ChildProcess,
                  timeout: float = STAGE_START_TIMEOUT_S) -> None:
     """Poll until the process serve started reports SERVING; fail fast if it dies, or if
     another process answers on its port."""
@@ -300,7 +347,7 @@ def wait_serving(launch: StageLaunch, process: subprocess.Popen[bytes],
     raise TimeoutError(f"stage {launch.name} not SERVING after {timeout:.0f} s")
 
 
-def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+def stop_processes(processes: Sequence[ChildProcess]) -> None:
     """SIGTERM all (they drain), then SIGKILL what is left after the grace period."""
     for process in processes:
         if process.poll() is None:
@@ -320,7 +367,7 @@ class StageProcess:
     """A launch and the process that runs it now, with its restart bookkeeping."""
 
     launch: StageLaunch
-    process: subprocess.Popen[bytes]
+    process: ChildProcess
     started_at: float = field(default_factory=time.monotonic)
     backoff: float = RESTART_BACKOFF_S
     restart_at: float | None = None  # when it exited: when it is started again
@@ -329,21 +376,22 @@ class StageProcess:
 class Supervisor:
     """Starts the stage processes and restarts any that exits (see the module docstring)."""
 
-    def __init__(self, launches: list[StageLaunch]) -> None:
+    def __init__(self, launches: list[StageLaunch], launcher: Launcher | None = None) -> None:
         self.launches = launches
+        self.launcher = launcher  # forks the stages (restarts too) while it is there
         self.stages: list[StageProcess] = []
         self.stopping = False
         self._waits: set[asyncio.Task[None]] = set()  # restarted stages coming up
 
     @property
-    def processes(self) -> list[subprocess.Popen[bytes]]:
+    def processes(self) -> list[ChildProcess]:
         return [stage.process for stage in self.stages]
 
     def start_all(self) -> None:
         """Spawn every stage, then wait for each (serve's own process) to serve."""
         check_ports_free(self.launches)
         for launch in self.launches:
-            self.stages.append(StageProcess(launch, spawn_stage(launch)))
+            self.stages.append(StageProcess(launch, spawn_stage(launch, self.launcher)))
         for stage in self.stages:
             wait_serving(stage.launch, stage.process)
         log.info("all %d stage processes are serving", len(self.stages))
@@ -370,7 +418,7 @@ class Supervisor:
             stage.backoff = min(stage.backoff * 2, MAX_RESTART_BACKOFF_S)
         elif now >= stage.restart_at:
             stage.process, stage.started_at, stage.restart_at = (
-                spawn_stage(stage.launch), time.monotonic(), None)
+                spawn_stage(stage.launch, self.launcher), time.monotonic(), None)
             self._waits.add(asyncio.create_task(self._restarted(stage)))
 
     async def _restarted(self, stage: StageProcess) -> None:
@@ -418,12 +466,18 @@ def serve(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
     """Prepare models, start stages, wait for them, run the gateway (and restart stages that
     exit) until Ctrl-C, then stop."""
     ensure_mesh_token()  # before any child starts: they inherit it through the environment
-    launches = plan_launches(recipes, prepare_models(r.model for r in recipes.values()))
-    supervisor = Supervisor(launches)
+    launcher = Launcher.start(_child_env()) if start_mode() is StartMode.FORK else None
+    supervisor: Supervisor | None = None
     try:
+        launches = plan_launches(recipes, prepare_models(
+            (r.model for r in recipes.values()), launcher=launcher))
+        supervisor = Supervisor(launches, launcher)
         supervisor.start_all()
         eventloop.run(run_gateway_until_signal(recipes, config, supervisor))  # STAGEMESH_UVLOOP
     except KeyboardInterrupt:
         pass
     finally:
-        supervisor.stop()
+        if supervisor is not None:
+            supervisor.stop()
+        if launcher is not None:
+            launcher.close()

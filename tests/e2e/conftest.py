@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,6 +35,33 @@ def wait_until(condition: Callable[[], bool], timeout: float = 30.0,
 def wait_until_fixture() -> Callable[..., None]:
     """The bounded wait above, for tests (synchronise on a condition, never on a sleep)."""
     return wait_until
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """pid -> command line of every descendant of `pid`: serve's stages are children of its
+    stage launcher, or its own children when spawned (STAGEMESH_STAGE_LAUNCHER=spawn)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+    tree, frontier = {}, {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        for child in frontier:
+            try:
+                tree[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(
+                    b"\0", b" ").decode()
+            except OSError:
+                continue
+    return tree
+
+
+def stage_processes(pid: int) -> dict[int, str]:
+    """pid -> command line of the `stagemesh stage` processes below `pid`."""
+    return {child: cmd for child, cmd in process_tree(pid).items() if " stage " in f" {cmd} "}
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import pytest
 
+from .conftest import stage_processes
+
 
 class _Served(Protocol):
     """The part of the e2e conftest's `Served` used here."""
@@ -31,23 +33,10 @@ def _torch_libraries(pid: int) -> list[str]:
     return sorted(path for path in _mapped_files(pid) if "/torch/" in path or "libtorch" in path)
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # a process that ended while we looked
-        if parent == pid:
-            children.append(int(stat.parent.name))
-    return children
-
-
 def test_the_serve_process_loads_no_torch_while_its_stages_do(served: _Served) -> None:
     pid = served.process.pid
     assert any("grpc" in path for path in _mapped_files(pid))  # the gateway's own native code
     assert _torch_libraries(pid) == []
-    stages = _children(pid)
+    stages = list(stage_processes(pid))
     assert len(stages) >= 5  # tokenizer, dit, vae, talker, codec
     assert all(_torch_libraries(stage) for stage in stages)  # so the check does see torch

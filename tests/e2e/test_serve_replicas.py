@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Served, start_serve, stop_serve
+from .conftest import Served, process_tree, stage_processes, start_serve, stop_serve
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,22 +43,8 @@ def replicated(tmp_path: Path) -> Iterator[Served]:
         stop_serve(served)
 
 
-def _children(pid: int) -> dict[int, str]:
-    """pid -> command line of every child of `pid`."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if parent == pid:
-                cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
-                children[int(stat.parent.name)] = cmdline.decode()
-        except (OSError, IndexError, ValueError):
-            continue  # a process that ended while we looked
-    return children
-
-
 def _dit_pid(served: Served, port: str) -> int | None:
-    return next((pid for pid, cmd in _children(served.process.pid).items()
+    return next((pid for pid, cmd in stage_processes(served.process.pid).items()
                  if " stage dit " in f" {cmd} " and f"--port {port} " in f"{cmd} "), None)
 
 
@@ -125,9 +111,10 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
         assert _image(replicated, 4, seed).status_code == 200
     assert _metric(victim, "stagemesh_steps_total") > steps_before
 
-    stages = list(_children(replicated.process.pid))
+    stages = list(stage_processes(replicated.process.pid))
     assert len(stages) == 4  # tokenizer, two DiT replicas, vae
+    children = list(process_tree(replicated.process.pid))  # the stages and their launcher
     replicated.process.kill()  # kill -9 of serve: its stages must not outlive it
     replicated.process.wait()
-    wait_until(lambda: not any(_alive(stage) for stage in stages), timeout=90,
+    wait_until(lambda: not any(_alive(child) for child in children), timeout=90,
                what="every stage process gone after serve was killed")

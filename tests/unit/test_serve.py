@@ -12,6 +12,7 @@ import pytest
 
 from stagemesh import cli
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
+from stagemesh.launcher import LAUNCHER_ENV, StartMode, start_mode
 from stagemesh.models.registry import resolve_model
 from stagemesh.serve import (
     StageLaunch,
@@ -204,3 +205,12 @@ def test_a_stage_thread_reuses_what_its_last_step_freed(monkeypatch: pytest.Monk
     # an operator's own malloc tuning is left alone.
     assert _page_faults("default", 40) > 5 * kept_40
     assert _page_faults("keep", 40, {"MALLOC_TRIM_THRESHOLD_": "131072"}) > 5 * kept_40
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="spawn is the only mode there")
+def test_stages_are_forked_unless_the_operator_asks_for_spawn() -> None:
+    assert start_mode({}) is StartMode.FORK
+    assert start_mode({LAUNCHER_ENV: "spawn"}) is StartMode.SPAWN
+    assert start_mode({LAUNCHER_ENV: " Fork "}) is StartMode.FORK
+    with pytest.raises(SystemExit, match=f"{LAUNCHER_ENV} must be one of"):
+        start_mode({LAUNCHER_ENV: "0"})
