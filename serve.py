@@ -371,6 +371,7 @@ class StageProcess:
     started_at: float = field(default_factory=time.monotonic)
     backoff: float = RESTART_BACKOFF_S
     restart_at: float | None = None  # when it exited: when it is started again
+    restarting: bool = False  # being started again (off the event loop)
 
 
 class Supervisor:
@@ -406,7 +407,7 @@ class Supervisor:
             await asyncio.sleep(SUPERVISE_INTERVAL_S)
 
     def _check(self, stage: StageProcess, now: float) -> None:
-        if stage.process.poll() is None or self.stopping:
+        if stage.restarting or stage.process.poll() is None or self.stopping:
             return
         if stage.restart_at is None:
             if now - stage.started_at >= HEALTHY_UPTIME_S:
@@ -417,12 +418,22 @@ class Supervisor:
                       stage.backoff)
             stage.backoff = min(stage.backoff * 2, MAX_RESTART_BACKOFF_S)
         elif now >= stage.restart_at:
-            stage.process, stage.started_at, stage.restart_at = (
-                spawn_stage(stage.launch, self.launcher), time.monotonic(), None)
-            self._waits.add(asyncio.create_task(self._restarted(stage)))
+            stage.restarting = True
+            self._waits.add(asyncio.create_task(self._restart(stage)))
 
-    async def _restarted(self, stage: StageProcess) -> None:
-        """Log when a restarted stage serves again (or kill it if it does not)."""
+    async def _restart(self, stage: StageProcess) -> None:
+        """Start the stage again, then log when it serves (or kill it if it does not). The
+        start runs off the event loop: asking the launcher waits for its answer, and the
+        gateway shares this loop."""
+        try:
+            process = await asyncio.to_thread(spawn_stage, stage.launch, self.launcher)
+        except OSError as error:  # no process could be started: try again after the backoff
+            log.error("could not start stage %s again: %s", stage.launch.name, error)
+            stage.restart_at = time.monotonic() + stage.backoff
+            stage.restarting = False
+            return
+        stage.process, stage.started_at, stage.restart_at = process, time.monotonic(), None
+        stage.restarting = False
         try:
             await asyncio.to_thread(wait_serving, stage.launch, stage.process)
         except (RuntimeError, TimeoutError) as error:
