@@ -295,7 +295,8 @@ def _to_response(
             return None
         return wire.respond("progress", common_pb2.Progress(
             step_index=event.step_index, total_steps=event.total_steps or 0,
-            step_seconds=event.step_seconds, elapsed_seconds=event.elapsed_seconds))
+            step_seconds=event.step_seconds, elapsed_seconds=event.elapsed_seconds,
+            reused=event.reused))
     if isinstance(event, Preempted):
         if not wire.has_field("preempted"):
             return None
