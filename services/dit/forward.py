@@ -74,7 +74,9 @@ class _Stream(Protocol):
 
 
 def run_blocks(
-    blocks: Sequence[torch.nn.Module], stream: _Stream, hooks: RowHooks | None
+    blocks: torch.nn.ModuleList | Sequence[torch.nn.Module],
+    stream: _Stream,
+    hooks: RowHooks | None,
 ) -> torch.Tensor:
     """Every block over the batch, or with `hooks` the first over all rows and the others over
     the rows the hooks keep; the image hidden states of every row after the last block."""
