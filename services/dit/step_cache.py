@@ -357,7 +357,9 @@ class _FirstBlockHooks:
         residuals = after - before
         self._residuals = residuals
         step, slots = self._step, self._slots
-        candidates = [i for i, s in enumerate(slots) if s.cache and not step._forced(s)]
+        candidates = [
+            i for i, s in enumerate(slots) if s.cache is not None and not step._forced(s)
+        ]
         changes = _relative_changes(residuals, slots, candidates)
         for i, change in zip(candidates, changes, strict=True):
             slot = slots[i]

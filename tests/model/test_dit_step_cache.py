@@ -29,7 +29,7 @@ from diffusers.hooks import first_block_cache
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 from PIL import Image
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.registry import resolve_model
@@ -527,3 +527,16 @@ def test_the_request_threshold_is_checked(
         dit.check_inputs(_tiny(1, step_cache_threshold=asked))
     assert caught.value.field_name == "step_cache_threshold"
     dit.check_inputs(_tiny(1, step_cache_threshold=0.0))  # off is always allowed
+
+
+def test_rows_are_counted_by_pass(cached: DenoiseAdapter) -> None:
+    """stagemesh_dit_rows_total{pass}: one row per (step, branch), full or reused."""
+
+    def count(kind: str) -> float:
+        return REGISTRY.get_sample_value("stagemesh_dit_rows_total", {"pass": kind}) or 0.0
+
+    before = {kind: count(kind) for kind in ("full", "reused")}
+    _, reused = _alone(cached, _tiny(1))
+    full, skipped = count("full") - before["full"], count("reused") - before["reused"]
+    assert full + skipped == 2 * TINY_STEPS  # guided: two branches a step
+    assert skipped >= 2 * sum(reused) > 0  # a step is reused when both branches are
