@@ -21,9 +21,14 @@ from stagemesh.services.codec.csm_adapter import (
     EncodeState,
     FramesInput,
 )
-from stagemesh.services.codec.servicer import DEFAULT_MAX_RUNNING, CodecServicer, codec_bundle
+from stagemesh.services.codec.servicer import (
+    DEFAULT_MAX_RUNNING,
+    CodecServicer,
+    codec_bundle,
+    decode_wire,
+)
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
-from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, NoStream, StepBudget
+from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, NoStream
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
@@ -59,21 +64,16 @@ class _DecodeWire:
     def __init__(self, adapter: CodecDecoderAdapter, defaults: DecodeInput) -> None:
         self._adapter = adapter
         self._defaults = defaults
-        self.wire: DecodeAudioWire = StageWire(
-            response_cls=pb.DecodeAudioResponse, make_request=self._request,
-            encode_result=self._result, encode_partial=self._chunk, make_input=self._input)
+        self.wire: DecodeAudioWire = decode_wire(
+            self._payload, self._input, lambda pcm: to_proto(pcm.to(torch.float32)),
+            adapter.sample_rate, adapter.samples_per_frame)
 
-    def _request(
-        self, message: pb.DecodeAudioRequest, deadline: float | None
-    ) -> EngineRequest[DecodeInput]:
-        start, d = message.start, self._defaults
-        return EngineRequest(
-            request_id=start.request_id, deadline=deadline,
-            budget=StepBudget(total_steps=None),  # runs until its final frames are decoded
-            payload=DecodeInput(
-                chunk_frames=start.chunk_frames or d.chunk_frames,
-                initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
-                left_context_frames=start.left_context_frames or d.left_context_frames))
+    def _payload(self, start: pb.DecodeAudioStart) -> DecodeInput:
+        d = self._defaults
+        return DecodeInput(
+            chunk_frames=start.chunk_frames or d.chunk_frames,
+            initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
+            left_context_frames=start.left_context_frames or d.left_context_frames)
 
     def _input(self, message: pb.DecodeAudioRequest) -> FramesInput:
         frames = message.input
@@ -83,16 +83,6 @@ class _DecodeWire:
         # An undecodable tensor raises TensorDecodeError: serve_stage_stream then ends the
         # request with INVALID_ARGUMENT.
         return FramesInput(frames=from_proto(frames.codes), final=frames.final)
-
-    def _chunk(self, pcm: torch.Tensor) -> pb.DecodeAudioResponse:
-        return pb.DecodeAudioResponse(chunk=pb.AudioChunk(
-            pcm=to_proto(pcm.to(torch.float32)), sample_rate=self._adapter.sample_rate,
-            frames=pcm.shape[0] // self._adapter.samples_per_frame))
-
-    @staticmethod
-    def _result(result: DecodeResult) -> pb.DecodeAudioResult:
-        return pb.DecodeAudioResult(total_samples=result.num_samples,
-                                    sample_rate=result.sample_rate)
 
 
 def _clip_elements(limits: CodecLimits) -> int:

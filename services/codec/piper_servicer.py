@@ -21,9 +21,14 @@ from stagemesh.services.codec.piper_adapter import (
     LatentFramesInput,
     PiperCodecAdapter,
 )
-from stagemesh.services.codec.servicer import DEFAULT_MAX_RUNNING, CodecServicer, codec_bundle
+from stagemesh.services.codec.servicer import (
+    DEFAULT_MAX_RUNNING,
+    CodecServicer,
+    codec_bundle,
+    decode_wire,
+)
 from stagemesh.shared.devices import CPU_FLOAT32, cpu_threads
-from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepBudget
+from stagemesh.shared.engine.adapter import InvalidInputError
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
@@ -55,21 +60,17 @@ class _LatentDecodeWire:
     def __init__(self, adapter: PiperCodecAdapter, defaults: LatentDecodeInput) -> None:
         self._adapter = adapter
         self._defaults = defaults
-        self.wire: LatentDecodeWire = StageWire(
-            response_cls=pb.DecodeAudioResponse, make_request=self._request,
-            encode_result=self._result, encode_partial=self._chunk, make_input=self._input)
+        self.wire: LatentDecodeWire = decode_wire(
+            self._payload, self._input, array_to_proto, adapter.sample_rate,
+            adapter.samples_per_frame)
 
-    def _request(self, message: pb.DecodeAudioRequest,
-                 deadline: float | None) -> EngineRequest[LatentDecodeInput]:
-        start, d = message.start, self._defaults
-        return EngineRequest(
-            request_id=start.request_id, deadline=deadline,
-            budget=StepBudget(total_steps=None),  # runs until its final frames are decoded
-            payload=LatentDecodeInput(
-                chunk_frames=start.chunk_frames or d.chunk_frames,
-                initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
-                left_context_frames=start.left_context_frames or d.left_context_frames,
-                right_context_frames=start.right_context_frames or d.right_context_frames))
+    def _payload(self, start: pb.DecodeAudioStart) -> LatentDecodeInput:
+        d = self._defaults
+        return LatentDecodeInput(
+            chunk_frames=start.chunk_frames or d.chunk_frames,
+            initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
+            left_context_frames=start.left_context_frames or d.left_context_frames,
+            right_context_frames=start.right_context_frames or d.right_context_frames)
 
     def _input(self, message: pb.DecodeAudioRequest) -> LatentFramesInput:
         frames = message.input
@@ -84,16 +85,6 @@ class _LatentDecodeWire:
                                     f"{latents.dtype}")
         return LatentFramesInput(frames=latents.astype(np.float32, copy=False),
                                  final=frames.final)
-
-    def _chunk(self, pcm: Floats) -> pb.DecodeAudioResponse:
-        return pb.DecodeAudioResponse(chunk=pb.AudioChunk(
-            pcm=array_to_proto(pcm), sample_rate=self._adapter.sample_rate,
-            frames=pcm.shape[0] // self._adapter.samples_per_frame))
-
-    @staticmethod
-    def _result(result: LatentDecodeResult) -> pb.DecodeAudioResult:
-        return pb.DecodeAudioResult(total_samples=result.num_samples,
-                                    sample_rate=result.sample_rate)
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object], *,

@@ -12,15 +12,17 @@ calls it).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import grpc
 
+from stagemesh.shared.engine.adapter import EngineRequest, InputT, StepBudget, StreamT
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
-from stagemesh.shared.proto.v1 import codec_service_pb2_grpc
+from stagemesh.shared.proto.v1 import codec_service_pb2_grpc, common_pb2
 from stagemesh.shared.stage_runtime import StageBundle, StageEngine
-from stagemesh.shared.stage_stream import StreamHandler
+from stagemesh.shared.stage_stream import StageWire, StreamHandler
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
 #: Requests that share each decode step unless the recipe sets `max_running`.
@@ -29,6 +31,58 @@ _NO_RESPONSES: tuple[pb.EncodeAudioResponse, ...] = ()
 
 DecodeAudioHandler = StreamHandler[pb.DecodeAudioRequest, pb.DecodeAudioResponse]
 EncodeAudioHandler = StreamHandler[pb.EncodeAudioRequest, pb.EncodeAudioResponse]
+
+
+class Pcm(Protocol):
+    """A chunk of decoded samples, [samples] first (a torch tensor or a numpy array)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+class DecodeSummary(Protocol):
+    """What a family's decoder reports when a decode has finished."""
+
+    @property
+    def sample_rate(self) -> int: ...
+
+    @property
+    def num_samples(self) -> int: ...
+
+
+PcmT = TypeVar("PcmT", bound=Pcm)
+SummaryT = TypeVar("SummaryT", bound=DecodeSummary)
+
+
+def decode_wire(
+    make_payload: Callable[[pb.DecodeAudioStart], InputT],
+    make_input: Callable[[pb.DecodeAudioRequest], StreamT],
+    pcm_to_proto: Callable[[PcmT], common_pb2.Tensor],
+    sample_rate: int,
+    samples_per_frame: int,
+) -> StageWire[pb.DecodeAudioRequest, pb.DecodeAudioResponse, InputT, StreamT, PcmT, SummaryT]:
+    """DecodeAudio <-> a family's decoder engine: the family reads its start (`make_payload`,
+    e.g. chunk sizes with the stage's defaults) and its frames (`make_input`) and encodes its
+    samples; every request runs until its final frames are decoded, a chunk per partial."""
+
+    def make_request(message: pb.DecodeAudioRequest,
+                     deadline: float | None) -> EngineRequest[InputT]:
+        return EngineRequest(request_id=message.start.request_id, deadline=deadline,
+                             budget=StepBudget(total_steps=None),
+                             payload=make_payload(message.start))
+
+    def encode_chunk(pcm: PcmT) -> pb.DecodeAudioResponse:
+        return pb.DecodeAudioResponse(chunk=pb.AudioChunk(
+            pcm=pcm_to_proto(pcm), sample_rate=sample_rate,
+            frames=pcm.shape[0] // samples_per_frame))
+
+    def encode_result(result: SummaryT) -> pb.DecodeAudioResult:
+        return pb.DecodeAudioResult(total_samples=result.num_samples,
+                                    sample_rate=result.sample_rate)
+
+    return StageWire(response_cls=pb.DecodeAudioResponse, make_request=make_request,
+                     encode_result=encode_result, encode_partial=encode_chunk,
+                     make_input=make_input)
 
 
 class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
