@@ -23,10 +23,9 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
-from stagemesh.services.dit.adapter import (
+from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
-    DenoisedLatents,
     DenoiseInput,
     DenoiseState,
     DitLimits,
@@ -36,6 +35,7 @@ from stagemesh.services.dit.step_cache import (
     StepCacheOptions,
     check_capacity,
 )
+from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
     WAN_TASKS,
     VideoDenoiseInput,

@@ -77,6 +77,7 @@ from stagemesh.services.dit.stepping import (
     seeded_noise,
     step_batch,
 )
+from stagemesh.services.dit.types import CPU, DenoisedLatents
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -100,7 +101,6 @@ VISION_TOKEN_SIDE = 28
 #: A larger DiT gains on that Xeon: qwen-image-bench (32.5 M parameters) steps at 256x256 in
 #: 147 ms in float32 and 87 ms in bfloat16 (1.64x); its recipe may set `dtype: bfloat16`.
 CPU_DTYPE = CpuDtype(with_native_bf16=torch.float32)
-CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -119,16 +119,6 @@ class DenoiseInput:
     condition_latents: tuple[torch.Tensor, ...] = ()
     #: The request's step cache: None = the stage's setting, 0 = off.
     step_cache_threshold: float | None = None
-
-
-@dataclass(frozen=True)
-class DenoisedLatents:
-    """The DiT stage's result: packed latents [1, tokens, z_dim * 4], the pixel size they make."""
-
-    latents: torch.Tensor
-    height: int
-    width: int
-    num_frames: int = 0  # video frames the latents decode to; 0 for an image
 
 
 @dataclass(frozen=True)
