@@ -34,8 +34,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.registry import resolve_model
 from stagemesh.services.dit import step_cache
-from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
 from stagemesh.services.dit.forward import Branch, RowMeta, qwen_image_forward, wan_forward
+from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
 from stagemesh.services.dit.step_cache import (
     Slot,
     StepCache,
