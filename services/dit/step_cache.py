@@ -58,7 +58,8 @@ class StepCacheMethod(enum.Enum):
 class StepCacheOptions(TypedDict, total=False):
     """The DiT's step-cache options (flat, published in Describe)."""
 
-    step_cache: str  # off | first_block | taylorseer
+    #: off | first_block | taylorseer; YAML 1.1 reads a bare `off` as false, which means off
+    step_cache: str | bool
     step_cache_threshold: float  # first_block: the relative change under which a row reuses
     step_cache_interval: int  # taylorseer: a full pass every this many steps
     step_cache_warmup_steps: int  # first steps always computed
@@ -84,6 +85,8 @@ class StepCacheConfig:
         """The options, checked; a bad one raises ValueError naming it."""
         default = cls()
         name = options.get("step_cache", default.method.value)
+        if name is False:
+            name = StepCacheMethod.OFF.value
         methods = {method.value: method for method in StepCacheMethod}
         if name not in methods:
             raise ValueError(f"option step_cache must be one of {sorted(methods)}, got {name!r}")

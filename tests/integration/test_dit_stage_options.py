@@ -85,10 +85,16 @@ async def test_the_step_cache_options_are_published(tiny_model_dir: Path) -> Non
     assert bundle.info["step_cache"] == "first_block"
 
 
+def test_a_bare_yaml_off_turns_the_cache_off(tiny_model_dir: Path) -> None:
+    """`step_cache: off` unquoted in a recipe reaches the stage as false (YAML 1.1)."""
+    assert build_stage("dit", tiny_model_dir, {"step_cache": False}).info["step_cache"] == "off"
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
         ({"step_cache": "teacache"}, "step_cache"),
+        ({"step_cache": True}, "step_cache"),
         ({"step_cache": "first_block", "step_cache_threshold": 0.9}, "step_cache_threshold"),
         ({"step_cache_interval": 0}, "step_cache_interval"),
         ({"max_step_cache_threshold": 2.0}, "max_step_cache_threshold"),
