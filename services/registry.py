@@ -5,8 +5,8 @@ process never loads the talker, a Piper stage never loads transformers.
 The family is what a prepared folder names in its `stagemesh.json`
 (`stagemesh.models.families.family_of`); a plain checkpoint folder (diffusers / transformers
 layout) has none and gets the stage's default builder, which reads the folder's own pipeline
-class where a stage serves several (`dit.servicer.pipeline_class`, `tokenizer.families`,
-`vae.kinds`).
+class where a stage serves several (read by `services.folders`: `dit.servicer.pipeline_class`,
+`tokenizer.families`, `vae.kinds`).
 """
 
 from __future__ import annotations
