@@ -12,8 +12,8 @@ requests preempted by more urgent ones, lower `priority` first).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Literal, TypeAlias, TypedDict, TypeVar
 
@@ -22,20 +22,26 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
-from stagemesh.services.dit.adapter import (
+from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
-    DenoisedLatents,
     DenoiseInput,
     DenoiseState,
     DitLimits,
 )
+from stagemesh.services.dit.step_cache import (
+    StepCacheConfig,
+    StepCacheOptions,
+    check_capacity,
+)
+from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
     WAN_TASKS,
     VideoDenoiseInput,
     VideoDenoiseState,
     WanDenoiseAdapter,
 )
+from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -84,8 +90,9 @@ DEFAULT_ADMISSION_WINDOW_MS = BURST_ADMISSION_WINDOW_SECONDS * 1000
 MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
-class DitModeOptions(TypedDict, total=False):
-    """How the stage runs a request by default (step execution unless set false)."""
+class DitModeOptions(StepCacheOptions, total=False):
+    """How the stage runs a request by default (step execution unless set false), and its
+    step cache (`StepCacheOptions`: off unless set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -180,7 +187,8 @@ def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineReques
     payload = DenoiseInput(embeddings=_embeddings(start), height=start.height, width=start.width,
                            num_inference_steps=start.num_inference_steps,
                            true_cfg_scale=start.true_cfg_scale, seed=start.seed, sigmas=sigmas,
-                           condition_latents=_condition_latents(start))
+                           condition_latents=_condition_latents(start),
+                           step_cache_threshold=_threshold(start))
     return _engine_request(start, deadline, total, payload)
 
 
@@ -198,8 +206,13 @@ def _video_request(message: pb.DenoiseRequest,
         condition_latents=_condition_latents(start),
         guidance_scale_2=_optional(start, "guidance_scale_2"),
         boundary_ratio=_optional(start, "boundary_ratio"),
-        flow_shift=_optional(start, "flow_shift"))
+        flow_shift=_optional(start, "flow_shift"), step_cache_threshold=_threshold(start))
     return _engine_request(start, deadline, start.num_inference_steps, payload)
+
+
+def _threshold(start: pb.DenoiseStart) -> float | None:
+    """The request's step_cache_threshold; None (unset) = the stage's setting."""
+    return start.step_cache_threshold if start.HasField("step_cache_threshold") else None
 
 
 def _result(latents: DenoisedLatents) -> pb.DenoiseResult:
@@ -241,12 +254,26 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, State
         return self.description
 
 
+@dataclass(frozen=True)
+class CacheFacts:
+    """The step cache a DiT stage runs, and what a guided request's cache holds at most."""
+
+    config: StepCacheConfig
+    bytes_per_row: int
+
+
+#: A stage without a step cache.
+NO_CACHE = CacheFacts(StepCacheConfig(), 0)
+
+
 def _describe(
     model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, NoStream, DenoisedLatents],
     limits: DitLimits, mode: ExecutionMode, placement: Placement, request_mode: bool = False,
+    cache: CacheFacts = NO_CACHE,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first, and REQUEST only
     when it is the default or the `request_mode` option allows it."""
+    config = cache.config
     modes = [mode, *(other for other in ExecutionMode
                      if other is not mode and (other is not ExecutionMode.REQUEST
                                                or request_mode))]
@@ -261,7 +288,12 @@ def _describe(
         max_condition_images=limits.max_condition_images,
         has_second_transformer=limits.has_second_transformer,
         accepts_flow_shift=limits.accepts_flow_shift, task=limits.task,
-        max_video_pixels=limits.max_video_pixels)
+        max_video_pixels=limits.max_video_pixels, step_cache=config.method.value,
+        step_cache_threshold=config.request_threshold(None),
+        step_cache_interval=config.interval, step_cache_warmup_steps=config.warmup_steps,
+        step_cache_final_steps=config.final_steps, step_cache_max_skips=config.max_skips,
+        max_step_cache_threshold=config.published_max_threshold,
+        step_cache_bytes_per_row=cache.bytes_per_row)
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -276,8 +308,8 @@ def admission_window_seconds(options: DitEngineOptions) -> float:
 def pipeline_class(model_dir: Path) -> str:
     """The folder's diffusers pipeline class (model_index.json `_class_name`): it picks the
     adapter. QwenImage* folders run on DenoiseAdapter, Wan* (`WAN_TASKS`) on WanDenoiseAdapter."""
-    name = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", "")
-    if not isinstance(name, str) or not (name.startswith("QwenImage") or name in WAN_TASKS):
+    name = folder_class(model_dir)
+    if name is None or not (name.startswith("QwenImage") or name in WAN_TASKS):
         raise ValueError(f"{model_dir}: the DiT stage serves QwenImage* and {sorted(WAN_TASKS)} "
                          f"pipelines, not {name!r}")
     return name
@@ -288,29 +320,33 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     20 ms by default), DeviceOptions, and the model's limits: DitLimitOptions for a Qwen-Image
     folder, VideoLimitOptions for a Wan folder."""
     # a bad key, device or dtype fails before the model folder is read
-    *_, device_options = parse_options("dit", options, DitModeOptions, DitEngineOptions,
-                                       AnyLimitOptions, DeviceOptions)
+    first_options, *_, device_options = parse_options(
+        "dit", options, DitModeOptions, DitEngineOptions, AnyLimitOptions, DeviceOptions)
     resolve_placement("dit", device_options, CPU_DTYPE)
+    cache = StepCacheConfig.from_options(first_options)
     if pipeline_class(model_dir) in WAN_TASKS:
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
-        video = WanDenoiseAdapter(model_dir, **video_options, placement=placement)
+        video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
+                                  step_cache=cache)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
-                       placement)
+                       placement, CacheFacts(cache, video.step_cache_bytes_per_row()))
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image = DenoiseAdapter(model_dir, **limit_options, placement=placement)
-    return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement)
+    image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache)
+    return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
+                   CacheFacts(cache, image.step_cache_bytes_per_row()))
 
 
 def _bundle(
     model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, NoStream, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
-    engine_options: DitEngineOptions, placement: Placement,
+    engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
 ) -> StageBundle:
-    """The engine over `adapter`, its servicer and the stage bundle (any DiT model)."""
+    """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
+    running request's step cache must fit (`check_capacity`)."""
     step_execution = mode_options.get("step_execution", True)
     mode = ExecutionMode.STEP if step_execution else ExecutionMode.REQUEST
     engine = StepEngine(
@@ -319,11 +355,14 @@ def _bundle(
             "max_running", engine_options.get("max_running", DEFAULT_MAX_RUNNING)),
         max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)),
         admission_window=admission_window_seconds(engine_options))
+    check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
     servicer = DitServicer(engine, wire, _describe(
-        model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False)))
+        model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
+        cache))
     return StageBundle(
         name="dit", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(
             servicer, server),
         info={"model": str(model_dir), **placement.facts(), "mode": mode.value,
-              "max_running": str(engine.max_running), "max_batch": str(engine.max_batch)})
+              "max_running": str(engine.max_running), "max_batch": str(engine.max_batch),
+              "step_cache": cache.config.method.value})

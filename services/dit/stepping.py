@@ -18,6 +18,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from stagemesh.services.dit.step_cache import RowCache
 from stagemesh.shared.devices import synchronize
 from stagemesh.shared.engine.adapter import NoStream, StepOutput
 
@@ -52,6 +53,8 @@ class StepState(Generic[PlanT, WorkT]):
     plan: PlanT
     work: WorkT | None
     step_index: int = 0  # denoise steps done
+    request_id: str = ""
+    cache: RowCache | None = None  # the row's step cache (None: off); freed on release
 
     def live(self) -> WorkT:
         if self.work is None:
@@ -62,28 +65,38 @@ class StepState(Generic[PlanT, WorkT]):
         """The timestep of the step to do next."""
         return self.plan.timesteps[self.step_index]
 
-    def advance(self, noise_pred: torch.Tensor) -> StepOutput[NoStream]:
+    def advance(self, prediction: Prediction) -> StepOutput[NoStream]:
         """The scheduler step for this state (its own scheduler copy, its own timestep).
 
         Runs after the batch's forwards, so a failure here is this state's error output:
         raising would leave its batch mates half advanced."""
         work = self.live()
         try:
-            stepped = work.scheduler_step(noise_pred, self.timestep())
+            stepped = work.scheduler_step(prediction.noise, self.timestep())
         except Exception as exc:
             logger.exception("scheduler step %d failed", self.step_index)
             return StepOutput(step_index=self.step_index, error=f"scheduler step failed: {exc}")
         work.latents = stepped
         self.step_index += 1
         return StepOutput(
-            step_index=self.step_index, finished=self.step_index == len(self.plan.timesteps)
+            step_index=self.step_index,
+            finished=self.step_index == len(self.plan.timesteps),
+            reused=prediction.reused,
         )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A state's noise prediction for one step (guidance applied)."""
+
+    noise: torch.Tensor
+    reused: bool = False  # every branch reused its step cache: no full transformer pass ran
 
 
 class Advancing(Protocol):
     """A state one step advances: `StepState` of any plan and work."""
 
-    def advance(self, noise_pred: torch.Tensor) -> StepOutput[NoStream]: ...
+    def advance(self, prediction: Prediction) -> StepOutput[NoStream]: ...
 
 
 StateT = TypeVar("StateT", bound=Advancing)
@@ -91,7 +104,7 @@ StateT = TypeVar("StateT", bound=Advancing)
 
 def step_batch(
     states: Sequence[StateT],
-    predict: Callable[[Sequence[StateT]], list[torch.Tensor]],
+    predict: Callable[[Sequence[StateT]], list[Prediction]],
     device: torch.device,
 ) -> list[StepOutput[NoStream]]:
     """One denoising step for every state: `predict` gives each state's noise prediction

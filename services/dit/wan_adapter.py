@@ -24,6 +24,9 @@ rows of different lengths cannot be padded into one), each row with its own time
 result matches the request stepped alone within float rounding.
 
 Mid-step abort: `BlockInterruptHooks` on the blocks of both transformers.
+
+The forward is our own block loop (`services/dit/forward.py`); each row may carry a step cache
+(`services/dit/step_cache.py`), started anew when a Wan 2.2 row switches transformer.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import logging
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
+from math import prod
 from pathlib import Path
 from typing import assert_never
 
@@ -51,10 +55,19 @@ from stagemesh.models.families.wan import (
 )
 from stagemesh.models.options import capped_option
 from stagemesh.services.dit import checks
-from stagemesh.services.dit.adapter import CPU, DenoisedLatents
+from stagemesh.services.dit.forward import Branch, RowHooks, RowMeta, wan_forward
 from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min_steps
-from stagemesh.services.dit.stepping import StepState, check_one_batch, seeded_noise, step_batch
+from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
+from stagemesh.services.dit.stepping import (
+    Prediction,
+    StepState,
+    check_one_batch,
+    seeded_noise,
+    step_batch,
+)
+from stagemesh.services.dit.types import CPU, DenoisedLatents
+from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import CPU_FLOAT32, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -91,7 +104,7 @@ class WanFolder:
     def read(cls, model_dir: str | Path) -> WanFolder:
         root = Path(model_dir)
         index = json.loads((root / "model_index.json").read_text())
-        task = WAN_TASKS.get(index.get("_class_name", ""))
+        task = WAN_TASKS.get(folder_class(root) or "")
         if task is None:
             raise ValueError(f"{root}: not a Wan pipeline folder ({sorted(WAN_TASKS)})")
         if index.get("expand_timesteps"):
@@ -141,6 +154,7 @@ class VideoDenoiseInput:
     guidance_scale_2: float | None = None
     boundary_ratio: float | None = None
     flow_shift: float | None = None
+    step_cache_threshold: float | None = None  # None = the stage's setting, 0 = off
 
 
 @dataclass(frozen=True)
@@ -182,7 +196,7 @@ class _Row:
     """One row of a forward: a state's model input under one of its prompts."""
 
     state: int  # index in the step's states
-    negative: bool  # the unconditional row of a guided state
+    meta: RowMeta  # its request and branch
     model: int  # 0: transformer, 1: transformer_2
     hidden: torch.Tensor  # [1, in_channels, F_lat, h, w] in the transformer's dtype
     timestep: torch.Tensor  # scalar
@@ -205,11 +219,12 @@ class WanDenoiseAdapter:
         max_frames: int = DEFAULT_MAX_FRAMES,
         max_video_pixels: int | None = None,
         placement: Placement = CPU_FLOAT32,
+        step_cache: StepCacheConfig | None = None,
     ) -> None:
         """max_video_pixels: frames x height x width; None: DEFAULT_MAX_VIDEO_PIXELS or, if
         less, what max_frames and max_pixels allow. placement: where the transformers compute,
         and in what dtype; the latents stay in float32 there (as in the pipelines) and leave on
-        the CPU."""
+        the CPU. step_cache: the stage's step cache (None: off)."""
         folder = WanFolder.read(model_dir)
         names = ["transformer", SECOND_TRANSFORMER][: 1 + folder.has_second_transformer]
         transformers = [
@@ -234,6 +249,7 @@ class WanDenoiseAdapter:
         self._dtype = self.placement.dtype
         self._pacer = LaunchPacer(self._device)
         self._hooks = BlockInterruptHooks(self._pacer)
+        self.step_cache = StepCache(step_cache or StepCacheConfig())
         self.limits = self._limits(
             max_steps=max_steps,
             max_pixels=max_pixels,
@@ -323,6 +339,7 @@ class WanDenoiseAdapter:
         self._check_flow_shift(payload.flow_shift)
         self._check_embeddings(payload)
         self._check_conditions(payload)
+        self.step_cache.config.request_threshold(payload.step_cache_threshold)
 
     def _check_frames(self, payload: VideoDenoiseInput) -> None:
         """4k+1 frames, at most max_frames, and frames x pixels at most max_video_pixels."""
@@ -448,7 +465,13 @@ class WanDenoiseAdapter:
             scheduler=scheduler,
             condition=self.prepare_condition(payload),
         )
-        return VideoDenoiseState(plan=plan, work=work)
+        threshold = self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        return VideoDenoiseState(
+            plan=plan,
+            work=work,
+            request_id=request.request_id,
+            cache=self.step_cache.new_row(threshold),
+        )
 
     def add_input(self, state: VideoDenoiseState, payload: NoStream) -> None:
         assert_never(payload)  # the DiT stage takes no streamed input
@@ -469,6 +492,8 @@ class WanDenoiseAdapter:
         return DenoisedLatents(latents, plan.height, plan.width, num_frames=plan.num_frames)
 
     def release(self, state: VideoDenoiseState) -> None:
+        self.step_cache.free(state.cache)
+        state.cache = None
         state.work = None
 
     def batch_key(self, state: VideoDenoiseState) -> Hashable:
@@ -510,8 +535,9 @@ class WanDenoiseAdapter:
         boundary = state.plan.boundary_timestep
         return 0 if boundary is None or bool(state.timestep() >= boundary) else 1
 
-    def _predict(self, states: Sequence[VideoDenoiseState]) -> list[torch.Tensor]:
-        """Each state's noise prediction, guidance applied."""
+    def _predict(self, states: Sequence[VideoDenoiseState]) -> list[Prediction]:
+        """Each state's noise prediction, guidance applied; the rows' step caches take this
+        step's entries once every prediction is made."""
         rows = [self._row(i, state, negative=False) for i, state in enumerate(states)]
         rows += [
             self._row(i, state, negative=True)
@@ -521,19 +547,39 @@ class WanDenoiseAdapter:
         groups: dict[tuple[int, int], list[_Row]] = {}
         for row in rows:
             groups.setdefault((row.model, row.embeds.shape[1]), []).append(row)
-        out: dict[tuple[int, bool], torch.Tensor] = {}
+        cache = self.step_cache.begin()
+        out: dict[tuple[int, Branch], tuple[torch.Tensor, bool]] = {}
         for (model, _), members in groups.items():
-            prediction = self._forward(self.transformers[model], members)
-            for k, row in enumerate(members):
-                out[(row.state, row.negative)] = prediction[k : k + 1]
+            slots = [
+                cache.slot(
+                    states[row.state].cache,
+                    row.meta.branch,
+                    states[row.state].step_index,
+                    len(states[row.state].plan.timesteps),
+                    model,
+                )
+                for row in members
+            ]
+            transformer = self.transformers[model]
+            outputs = forward_rows(
+                cache,
+                slots,
+                lambda run, hooks, m=members, t=transformer: self._forward(  # type: ignore[misc]
+                    t, [m[i] for i in run], hooks
+                ),
+            )
+            for row, slot, output in zip(members, slots, outputs, strict=True):
+                out[(row.state, row.meta.branch)] = (output, slot.reused)
         predictions = []
         for i, state in enumerate(states):
-            cond = out[(i, False)]
+            cond, reused = out[(i, Branch.COND)]
             if state.plan.do_cfg:
                 scale = (state.plan.guidance_scale, state.plan.guidance_scale_2)[self._model(state)]
-                uncond = out[(i, True)]
+                uncond, uncond_reused = out[(i, Branch.UNCOND)]
                 cond = uncond + scale * (cond - uncond)
-            predictions.append(cond)
+                reused = reused and uncond_reused
+            predictions.append(Prediction(cond, reused))
+        cache.commit()
         return predictions
 
     def _row(self, index: int, state: VideoDenoiseState, *, negative: bool) -> _Row:
@@ -547,23 +593,42 @@ class WanDenoiseAdapter:
             raise RuntimeError("guidance planned without negative embeddings")
         return _Row(
             state=index,
-            negative=negative,
+            meta=RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND),
             model=self._model(state),
             hidden=latents.to(self._dtype),
             timestep=state.timestep(),
             embeds=embeds,
         )
 
-    def _forward(self, transformer: WanTransformer3DModel, rows: Sequence[_Row]) -> torch.Tensor:
+    def _forward(
+        self,
+        transformer: WanTransformer3DModel,
+        rows: Sequence[_Row],
+        hooks: RowHooks | None = None,
+    ) -> torch.Tensor:
         """One forward over `rows` (one video shape, one text length): [rows, z, F, h, w]."""
         self._pacer.reset()
-        prediction: torch.Tensor = transformer(
+        return wan_forward(
+            transformer,
             hidden_states=torch.cat([row.hidden for row in rows]),
             timestep=torch.stack([row.timestep for row in rows]),
             encoder_hidden_states=torch.cat([row.embeds for row in rows]),
-            return_dict=False,
-        )[0]
-        return prediction
+            rows=[row.meta for row in rows],
+            hooks=hooks,
+        )
+
+    def step_cache_bytes_per_row(self) -> int:
+        """What one guided request's step cache holds at most: max_frames at the most pixels
+        max_video_pixels leaves each of them (one token per size_multiple^2 pixels per latent
+        frame)."""
+        limits, config, geometry = self.limits, self.transformers[0].config, self.folder.geometry
+        pixels = min(limits.max_pixels, limits.max_video_pixels // limits.max_frames)
+        frames = geometry.latent_frames(limits.max_frames) // config["patch_size"][0]
+        tokens = frames * (pixels // limits.size_multiple**2)
+        hidden = config["num_attention_heads"] * config["attention_head_dim"]
+        # the output: z channels x every latent pixel of the patches
+        output = tokens * geometry.z_dim * prod(config["patch_size"])
+        return self.step_cache.config.bytes_per_row(tokens, hidden, output, self._dtype.itemsize)
 
 
 def _video_shape(state: VideoDenoiseState) -> tuple[int, int, int]:

@@ -117,6 +117,7 @@ class StepOutput(Generic[PartialT_co]):
     partial: an optional piece of output to stream now (codec frames, an audio chunk).
     waiting_for_input: the state cannot advance until `add_input` brings more (streamed input).
     error: the step failed for this request only.
+    reused: the step reused cached work instead of computing (a DiT's step cache).
     """
 
     step_index: int | None
@@ -124,6 +125,7 @@ class StepOutput(Generic[PartialT_co]):
     partial: PartialT_co | None = None
     waiting_for_input: bool = False
     error: str | None = None
+    reused: bool = False
 
 
 class StageAdapter(Protocol[InputT_contra, StreamT_contra, StateT, PartialT_co, ResultT_co]):

@@ -683,7 +683,7 @@ class StepEngine(Generic[InputT, StreamT, StateT, PartialT, ResultT]):
             total = record.request.budget.total_steps
             elapsed = now - record.submitted_at
             slot.sink(Progress(output.step_index, total, slot.step_seconds, elapsed,
-                               prepared=slot.prepare_timing))
+                               prepared=slot.prepare_timing, reused=output.reused))
             if output.partial is not None:
                 slot.sink(Partial(output.partial))
 

@@ -43,6 +43,8 @@ class Progress:
     #: The request's prepare (None if the engine did not say): it splits the time before the
     #: first step into queue wait and prepare, for the stage's trace.
     prepared: PrepareTiming | None = field(default=None, compare=False, kw_only=True)
+    #: The step reused cached work instead of computing it (a DiT's step cache).
+    reused: bool = field(default=False, kw_only=True)
     at: float = field(default_factory=time.monotonic, compare=False, kw_only=True)
 
 

@@ -26,7 +26,7 @@ from stagemesh.models import wan
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.families.wan import PROMPT_MAX_TOKENS
 from stagemesh.services.dit import servicer
-from stagemesh.services.dit.adapter import DenoisedLatents
+from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
     VideoDenoiseInput,
     WanDenoiseAdapter,
@@ -169,7 +169,11 @@ def test_the_boundary_picks_the_transformer(i2v: WanDenoiseAdapter) -> None:
     """Timesteps at or above boundary_ratio * 1000 run `transformer`, the rest `transformer_2`."""
     calls: list[int] = []
     for index, transformer in enumerate(i2v.transformers):
-        transformer.register_forward_pre_hook(lambda m, a, index=index: calls.append(index))
+        # the patch embedding runs once per forward of its transformer (our block loop calls
+        # the transformer's modules, not its `forward`)
+        transformer.patch_embedding.register_forward_pre_hook(
+            lambda m, a, index=index: calls.append(index)
+        )
     condition = torch.zeros(1, 16, 3, HEIGHT // 8, WIDTH // 8)
     _run(i2v, _video(_embeddings(), num_inference_steps=6, guidance_scale=1.0,
                      condition_latents=(condition,)))
@@ -225,8 +229,9 @@ async def test_an_abort_stops_the_video_at_the_next_step(i2v: WanDenoiseAdapter)
         forwards.append(1)
         engine.abort("video")
 
-    i2v.transformers[0].register_forward_pre_hook(lambda m, a: forwards.append(0))
-    i2v.transformers[1].register_forward_pre_hook(abort_on_the_low_noise_expert)
+    # once per forward of each transformer (see test_the_boundary_picks_the_transformer)
+    i2v.transformers[0].patch_embedding.register_forward_pre_hook(lambda m, a: forwards.append(0))
+    i2v.transformers[1].patch_embedding.register_forward_pre_hook(abort_on_the_low_noise_expert)
     condition = torch.zeros(1, 16, 3, HEIGHT // 8, WIDTH // 8)
     payload = _video(_embeddings(), num_inference_steps=6, guidance_scale=1.0,
                      condition_latents=(condition,))

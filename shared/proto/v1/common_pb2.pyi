@@ -215,6 +215,7 @@ class Progress(_message.Message):
     TOTAL_STEPS_FIELD_NUMBER: _builtins.int
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
     ELAPSED_SECONDS_FIELD_NUMBER: _builtins.int
+    REUSED_FIELD_NUMBER: _builtins.int
     step_index: _builtins.int
     """Steps completed so far (1 after the first step)."""
     total_steps: _builtins.int
@@ -223,6 +224,8 @@ class Progress(_message.Message):
     """Wall time of this step."""
     elapsed_seconds: _builtins.float
     """Wall time since the request was admitted."""
+    reused: _builtins.bool
+    """The step reused the request's step cache (a DiT: no full transformer pass ran for it)."""
     def __init__(
         self,
         *,
@@ -230,10 +233,11 @@ class Progress(_message.Message):
         total_steps: _builtins.int = ...,
         step_seconds: _builtins.float = ...,
         elapsed_seconds: _builtins.float = ...,
+        reused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_seconds", b"elapsed_seconds", "step_index", b"step_index", "step_seconds", b"step_seconds", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_seconds", b"elapsed_seconds", "reused", b"reused", "step_index", b"step_index", "step_seconds", b"step_seconds", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

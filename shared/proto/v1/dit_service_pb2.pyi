@@ -71,6 +71,7 @@ class DenoiseStart(_message.Message):
     GUIDANCE_SCALE_2_FIELD_NUMBER: _builtins.int
     BOUNDARY_RATIO_FIELD_NUMBER: _builtins.int
     FLOW_SHIFT_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     height: _builtins.int
@@ -96,6 +97,11 @@ class DenoiseStart(_message.Message):
     """
     flow_shift: _builtins.float
     """Shift of the flow-matching schedule; only when the model's scheduler has one (Wan)."""
+    step_cache_threshold: _builtins.float
+    """Step cache of this request: unset = the stage's setting, 0 = off; at most
+    DescribeDitResponse.max_step_cache_threshold (a taylorseer stage takes 0 or its own
+    step_cache_threshold).
+    """
     @_builtins.property
     def prompt_embeds(self) -> _common_pb2.Tensor:
         """Prompt embeddings from the Tokenizer stage [batch, tokens, dim]."""
@@ -144,10 +150,11 @@ class DenoiseStart(_message.Message):
         guidance_scale_2: _builtins.float | None = ...,
         boundary_ratio: _builtins.float | None = ...,
         flow_shift: _builtins.float | None = ...,
+        step_cache_threshold: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "boundary_ratio", b"boundary_ratio", "condition_latents", b"condition_latents", "execution_mode", b"execution_mode", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "condition_latents", b"condition_latents", "execution_mode", b"execution_mode", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
     _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
@@ -155,12 +162,16 @@ class DenoiseStart(_message.Message):
     _WhichOneofArgType__flow_shift: _TypeAlias = _typing.Literal["_flow_shift", b"_flow_shift"]  # noqa: Y015
     _WhichOneofReturnType__guidance_scale_2: _TypeAlias = _typing.Literal["guidance_scale_2"]  # noqa: Y015
     _WhichOneofArgType__guidance_scale_2: _TypeAlias = _typing.Literal["_guidance_scale_2", b"_guidance_scale_2"]  # noqa: Y015
+    _WhichOneofReturnType__step_cache_threshold: _TypeAlias = _typing.Literal["step_cache_threshold"]  # noqa: Y015
+    _WhichOneofArgType__step_cache_threshold: _TypeAlias = _typing.Literal["_step_cache_threshold", b"_step_cache_threshold"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__boundary_ratio) -> _WhichOneofReturnType__boundary_ratio | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__flow_shift) -> _WhichOneofReturnType__flow_shift | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__guidance_scale_2) -> _WhichOneofReturnType__guidance_scale_2 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_cache_threshold) -> _WhichOneofReturnType__step_cache_threshold | None: ...
 
 Global___DenoiseStart: _TypeAlias = DenoiseStart  # noqa: Y015
 
@@ -283,6 +294,14 @@ class DescribeDitResponse(_message.Message):
     ACCEPTS_FLOW_SHIFT_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
     MAX_VIDEO_PIXELS_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_INTERVAL_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_WARMUP_STEPS_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_FINAL_STEPS_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_MAX_SKIPS_FIELD_NUMBER: _builtins.int
+    MAX_STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_BYTES_PER_ROW_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -315,6 +334,24 @@ class DescribeDitResponse(_message.Message):
     """What the model does: "text-to-image", "image-edit", "text-to-video", "image-to-video"."""
     max_video_pixels: _builtins.int
     """Largest num_frames x height x width of one request; 0 for an image model."""
+    step_cache: _builtins.str
+    """Step cache: "off", "first_block" (reuse a row's cached blocks while its first block's
+    residual changes less than the threshold) or "taylorseer" (forecast a row's output on a
+    fixed schedule).
+    """
+    step_cache_threshold: _builtins.float
+    """The threshold a request runs at unless it sets step_cache_threshold (0 when off)."""
+    step_cache_interval: _builtins.int
+    """taylorseer: a full pass every this many steps."""
+    step_cache_warmup_steps: _builtins.int
+    """First and last steps of a request that always run in full."""
+    step_cache_final_steps: _builtins.int
+    step_cache_max_skips: _builtins.int
+    """Most reuses in a row before a full pass; 0 = no limit."""
+    max_step_cache_threshold: _builtins.float
+    """The largest step_cache_threshold a request may set; 0 when the stage runs no cache."""
+    step_cache_bytes_per_row: _builtins.int
+    """Bytes one guided request's cache holds at most (at the largest size the stage accepts)."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -342,10 +379,18 @@ class DescribeDitResponse(_message.Message):
         accepts_flow_shift: _builtins.bool = ...,
         task: _builtins.str = ...,
         max_video_pixels: _builtins.int = ...,
+        step_cache: _builtins.str = ...,
+        step_cache_threshold: _builtins.float = ...,
+        step_cache_interval: _builtins.int = ...,
+        step_cache_warmup_steps: _builtins.int = ...,
+        step_cache_final_steps: _builtins.int = ...,
+        step_cache_max_skips: _builtins.int = ...,
+        max_step_cache_threshold: _builtins.float = ...,
+        step_cache_bytes_per_row: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

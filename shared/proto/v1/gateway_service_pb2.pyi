@@ -75,6 +75,7 @@ class GenerateImageRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     EXECUTION_MODE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default image recipe."""
     prompt: _builtins.str
@@ -98,6 +99,8 @@ class GenerateImageRequest(_message.Message):
     """Step or request execution in the DiT stage."""
     priority: _builtins.int
     """Scheduling priority in the DiT stage: lower runs sooner; 0 is the default."""
+    step_cache_threshold: _builtins.float
+    """The DiT's step cache for this request: unset = the stage's setting, 0 = off."""
     def __init__(
         self,
         *,
@@ -113,21 +116,26 @@ class GenerateImageRequest(_message.Message):
         request_id: _builtins.str = ...,
         execution_mode: _common_pb2.ExecutionMode.ValueType = ...,
         priority: _builtins.int = ...,
+        step_cache_threshold: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__step_cache_threshold: _TypeAlias = _typing.Literal["step_cache_threshold"]  # noqa: Y015
+    _WhichOneofArgType__step_cache_threshold: _TypeAlias = _typing.Literal["_step_cache_threshold", b"_step_cache_threshold"]  # noqa: Y015
     _WhichOneofReturnType__true_cfg_scale: _TypeAlias = _typing.Literal["true_cfg_scale"]  # noqa: Y015
     _WhichOneofArgType__true_cfg_scale: _TypeAlias = _typing.Literal["_true_cfg_scale", b"_true_cfg_scale"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__negative_prompt) -> _WhichOneofReturnType__negative_prompt | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_cache_threshold) -> _WhichOneofReturnType__step_cache_threshold | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__true_cfg_scale) -> _WhichOneofReturnType__true_cfg_scale | None: ...
 
@@ -765,6 +773,7 @@ class EditImageRequest(_message.Message):
     TRUE_CFG_SCALE_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default image-edit recipe."""
     prompt: _builtins.str
@@ -784,6 +793,8 @@ class EditImageRequest(_message.Message):
     """Seed of the first image; unset = random."""
     request_id: _builtins.str
     """Client-chosen id for cancel-by-id and logs; empty = the gateway assigns one."""
+    step_cache_threshold: _builtins.float
+    """The DiT's step cache for this request: unset = the stage's setting, 0 = off."""
     @_builtins.property
     def images(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The image(s) to edit: PNG, JPEG or WebP bytes (at most the model's limit; most take one)."""
@@ -802,21 +813,26 @@ class EditImageRequest(_message.Message):
         true_cfg_scale: _builtins.float | None = ...,
         seed: _builtins.int | None = ...,
         request_id: _builtins.str = ...,
+        step_cache_threshold: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_true_cfg_scale", b"_true_cfg_scale", "height", b"height", "images", b"images", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "height", b"height", "images", b"images", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__step_cache_threshold: _TypeAlias = _typing.Literal["step_cache_threshold"]  # noqa: Y015
+    _WhichOneofArgType__step_cache_threshold: _TypeAlias = _typing.Literal["_step_cache_threshold", b"_step_cache_threshold"]  # noqa: Y015
     _WhichOneofReturnType__true_cfg_scale: _TypeAlias = _typing.Literal["true_cfg_scale"]  # noqa: Y015
     _WhichOneofArgType__true_cfg_scale: _TypeAlias = _typing.Literal["_true_cfg_scale", b"_true_cfg_scale"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__negative_prompt) -> _WhichOneofReturnType__negative_prompt | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_cache_threshold) -> _WhichOneofReturnType__step_cache_threshold | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__true_cfg_scale) -> _WhichOneofReturnType__true_cfg_scale | None: ...
 
@@ -909,6 +925,7 @@ class CreateVideoRequest(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     INPUT_REFERENCE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default text-to-video recipe (image-to-video when
     an input image is given).
@@ -941,6 +958,8 @@ class CreateVideoRequest(_message.Message):
     """Image-to-video: the first frame, PNG/JPEG/WebP bytes."""
     request_id: _builtins.str
     """Client-chosen job id; empty = the gateway assigns one."""
+    step_cache_threshold: _builtins.float
+    """The DiT's step cache for this request: unset = the stage's setting, 0 = off."""
     def __init__(
         self,
         *,
@@ -960,10 +979,11 @@ class CreateVideoRequest(_message.Message):
         seed: _builtins.int | None = ...,
         input_reference: _builtins.bytes = ...,
         request_id: _builtins.str = ...,
+        step_cache_threshold: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "negative_prompt", b"negative_prompt", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
     _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
@@ -977,6 +997,8 @@ class CreateVideoRequest(_message.Message):
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__step_cache_threshold: _TypeAlias = _typing.Literal["step_cache_threshold"]  # noqa: Y015
+    _WhichOneofArgType__step_cache_threshold: _TypeAlias = _typing.Literal["_step_cache_threshold", b"_step_cache_threshold"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__boundary_ratio) -> _WhichOneofReturnType__boundary_ratio | None: ...
     @_typing.overload
@@ -989,6 +1011,8 @@ class CreateVideoRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__negative_prompt) -> _WhichOneofReturnType__negative_prompt | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_cache_threshold) -> _WhichOneofReturnType__step_cache_threshold | None: ...
 
 Global___CreateVideoRequest: _TypeAlias = CreateVideoRequest  # noqa: Y015
 

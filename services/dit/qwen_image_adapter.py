@@ -24,12 +24,14 @@ their condition shapes match too (the rotary embedding again takes the first row
 
 Mid-step abort: `BlockInterruptHooks` on the transformer's blocks (no state has been touched
 before the forward ends, so an interrupted step leaves every state as it was).
+
+The forward is our own block loop (`services/dit/forward.py`, bit for bit the transformer's);
+each row may carry a step cache (`services/dit/step_cache.py`).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ from stagemesh.models.families.qwen_image import (
     latent_factor,
 )
 from stagemesh.services.dit import checks
+from stagemesh.services.dit.forward import Branch, RowHooks, RowMeta, qwen_image_forward
 from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 
 # The limits live in services/dit/limits.py (every DiT adapter's); re-exported here, where the
@@ -65,7 +68,16 @@ from stagemesh.services.dit.limits import MAX_TRUE_CFG_SCALE as MAX_TRUE_CFG_SCA
 from stagemesh.services.dit.limits import DitLimits as DitLimits
 from stagemesh.services.dit.limits import image_limits
 from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
-from stagemesh.services.dit.stepping import StepState, check_one_batch, seeded_noise, step_batch
+from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
+from stagemesh.services.dit.stepping import (
+    Prediction,
+    StepState,
+    check_one_batch,
+    seeded_noise,
+    step_batch,
+)
+from stagemesh.services.dit.types import CPU, DenoisedLatents
+from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -89,7 +101,6 @@ VISION_TOKEN_SIDE = 28
 #: A larger DiT gains on that Xeon: qwen-image-bench (32.5 M parameters) steps at 256x256 in
 #: 147 ms in float32 and 87 ms in bfloat16 (1.64x); its recipe may set `dtype: bfloat16`.
 CPU_DTYPE = CpuDtype(with_native_bf16=torch.float32)
-CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -106,16 +117,8 @@ class DenoiseInput:
     #: Image edit: the input image's normalized latents [1, C, 1, h, w] (VAE EncodeImage);
     #: exactly `DitLimits.max_condition_images` of them (none for a text-to-image model).
     condition_latents: tuple[torch.Tensor, ...] = ()
-
-
-@dataclass(frozen=True)
-class DenoisedLatents:
-    """The DiT stage's result: packed latents [1, tokens, z_dim * 4], the pixel size they make."""
-
-    latents: torch.Tensor
-    height: int
-    width: int
-    num_frames: int = 0  # video frames the latents decode to; 0 for an image
+    #: The request's step cache: None = the stage's setting, 0 = off.
+    step_cache_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -171,11 +174,13 @@ class DenoiseAdapter:
         max_true_cfg_scale: float = 20.0,
         max_images_per_request: int = 4,
         placement: Placement = CPU_FLOAT32,
+        step_cache: StepCacheConfig | None = None,
     ) -> None:
         """placement: where the transformer computes, and in what dtype; latents, timesteps and
         embeddings of a request live there, latents leave on the CPU in that dtype.
         max_pixels: None = DEFAULT_MAX_PIXELS, or for an edit model every size its pipeline's
-        default-size rule makes within max_side (`edit_pixels_bound`)."""
+        default-size rule makes within max_side (`edit_pixels_bound`).
+        step_cache: the stage's step cache (None: off)."""
         transformer = QwenImageTransformer2DModel.from_pretrained(
             model_dir,
             subfolder="transformer",
@@ -197,7 +202,7 @@ class DenoiseAdapter:
             max_true_cfg_scale=max_true_cfg_scale,
             max_images_per_request=max_images_per_request,
         )
-        self._setup(transformer, scheduler, factor, limits)
+        self._setup(transformer, scheduler, factor, limits, step_cache)
 
     @classmethod
     def from_components(
@@ -205,11 +210,12 @@ class DenoiseAdapter:
         transformer: QwenImageTransformer2DModel,
         scheduler: FlowMatchEulerDiscreteScheduler,
         limits: DitLimits,
+        step_cache: StepCacheConfig | None = None,
     ) -> DenoiseAdapter:
         """An adapter over a transformer already built, on its device in its dtype: e.g. a
         real-size one with random weights (`stagemesh bench gpu`), which no folder holds."""
         adapter = cls.__new__(cls)
-        adapter._setup(transformer, scheduler, limits.size_multiple, limits)
+        adapter._setup(transformer, scheduler, limits.size_multiple, limits, step_cache)
         return adapter
 
     def _setup(
@@ -218,6 +224,7 @@ class DenoiseAdapter:
         scheduler: FlowMatchEulerDiscreteScheduler,
         factor: int,
         limits: DitLimits,
+        step_cache: StepCacheConfig | None,
     ) -> None:
         if transformer.config["guidance_embeds"]:
             raise ValueError("guidance-distilled Qwen-Image transformers are not supported")
@@ -239,6 +246,7 @@ class DenoiseAdapter:
         self._pacer = LaunchPacer(self._device)
         self._hooks = BlockInterruptHooks(self._pacer)
         self.limits = limits
+        self.step_cache = StepCache(step_cache or StepCacheConfig())
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -253,6 +261,7 @@ class DenoiseAdapter:
         checks.check_seed(payload.seed)
         self._check_embeddings(payload.embeddings)
         self._check_conditions(payload.condition_latents)
+        self.step_cache.config.request_threshold(payload.step_cache_threshold)
 
     def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
         dim, most = self._text_dim, self._max_text_tokens
@@ -317,7 +326,13 @@ class DenoiseAdapter:
             width=payload.width,
         )
         condition = torch.cat([packed for packed, _ in conditions], dim=1) if conditions else None
-        return DenoiseState(plan=plan, work=_Work(latents, embeddings, scheduler, condition))
+        threshold = self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        return DenoiseState(
+            plan=plan,
+            work=_Work(latents, embeddings, scheduler, condition),
+            request_id=request.request_id,
+            cache=self.step_cache.new_row(threshold),
+        )
 
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:
         assert_never(payload)  # the DiT stage takes no streamed input
@@ -340,12 +355,26 @@ class DenoiseAdapter:
         return DenoisedLatents(latents, state.plan.height, state.plan.width)
 
     def release(self, state: DenoiseState) -> None:
+        self.step_cache.free(state.cache)
+        state.cache = None
         state.work = None
 
     def batch_key(self, state: DenoiseState) -> Hashable:
         """The image size, and each condition image's: rows of one forward must share them
         (guided or not does not matter)."""
         return (state.plan.height, state.plan.width, *state.plan.img_shapes[1:])
+
+    def step_cache_bytes_per_row(self) -> int:
+        """What one guided request's step cache holds at most: at max_pixels, with as many
+        condition images of that size as the model takes."""
+        limits, config = self.limits, self.transformer.config
+        out_tokens = limits.max_pixels // self.latent_factor**2
+        tokens = out_tokens * (1 + limits.max_condition_images)
+        hidden = config["num_attention_heads"] * config["attention_head_dim"]
+        itemsize = self._dtype.itemsize
+        return self.step_cache.config.bytes_per_row(
+            tokens, hidden, out_tokens * config["in_channels"], itemsize
+        )
 
     # -- mid-step abort -----------------------------------------------------------------------
 
@@ -399,22 +428,32 @@ class DenoiseAdapter:
         scheduler.set_begin_index(0)
         return timesteps
 
-    def _predict(self, states: Sequence[DenoiseState]) -> list[torch.Tensor]:
-        """Each state's noise prediction (true CFG applied), from one transformer forward."""
+    def _predict(self, states: Sequence[DenoiseState]) -> list[Prediction]:
+        """Each state's noise prediction (true CFG applied), from one transformer forward over
+        the rows that compute (the step cache may forecast or reuse the others); the rows'
+        caches take this step's entries once every prediction is made."""
         guided = [state for state in states if state.plan.do_true_cfg]
         rows = [_row(state, negative=False) for state in states]
         rows += [_row(state, negative=True) for state in guided]
-        output = self._forward(rows)
-        predictions = [output[i : i + 1] for i in range(len(states))]
+        cache = self.step_cache.begin()
+        slots = [
+            cache.slot(owner.cache, row.meta.branch, owner.step_index, len(owner.plan.timesteps))
+            for owner, row in zip([*states, *guided], rows, strict=True)
+        ]
+        output = forward_rows(
+            cache, slots, lambda run, hooks: self._forward([rows[i] for i in run], hooks)
+        )
+        predictions = [Prediction(output[i], slots[i].reused) for i in range(len(states))]
         unconditional = iter(range(len(states), len(rows)))
         for i, state in enumerate(states):
             if state.plan.do_true_cfg:
                 row = next(unconditional)
-                uncond = output[row : row + 1]
-                predictions[i] = _true_cfg(predictions[i], uncond, state.plan.true_cfg_scale)
+                noise = _true_cfg(output[i], output[row], state.plan.true_cfg_scale)
+                predictions[i] = Prediction(noise, slots[i].reused and slots[row].reused)
+        cache.commit()
         return predictions
 
-    def _forward(self, rows: Sequence[_Row]) -> torch.Tensor:
+    def _forward(self, rows: Sequence[_Row], hooks: RowHooks | None = None) -> torch.Tensor:
         """One transformer forward over `rows` (all of one image size, and one condition size):
         [rows, tokens, C], the output tokens only (condition tokens are input alone)."""
         tokens = rows[0].latents.shape[1]
@@ -422,15 +461,16 @@ class DenoiseAdapter:
         timestep = torch.stack([row.timestep for row in rows]).to(latents.dtype)
         self._pacer.reset()
         embeds, mask = _padded_text(rows, self._device)
-        prediction: torch.Tensor = self.transformer(
+        prediction = qwen_image_forward(
+            self.transformer,
             hidden_states=latents,
             timestep=timestep / 1000,
-            guidance=None,
             encoder_hidden_states_mask=mask,
             encoder_hidden_states=embeds,
             img_shapes=[list(rows[0].img_shapes)] * len(rows),
-            return_dict=False,
-        )[0]
+            rows=[row.meta for row in rows],
+            hooks=hooks,
+        )
         return prediction[:, :tokens]
 
 
@@ -444,6 +484,7 @@ class _Row:
     mask: torch.Tensor | None  # [1, seq]; None = every token is valid
     img_shapes: tuple[tuple[int, int, int], ...]
     condition: torch.Tensor | None  # packed condition tokens, appended after the latents
+    meta: RowMeta
 
     def model_input(self) -> torch.Tensor:
         """The transformer's hidden_states for this row: the noisy tokens, then (image edit)
@@ -471,6 +512,7 @@ def _row(state: DenoiseState, *, negative: bool) -> _Row:
         mask,
         plan.img_shapes,
         work.condition,
+        RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND),
     )
 
 
@@ -519,8 +561,7 @@ def _check_sigmas(sigmas: list[float], steps: int) -> None:
 
 def is_edit_folder(model_dir: str | Path) -> bool:
     """Whether the folder is a Qwen-Image-Edit pipeline (its DiT takes a condition image)."""
-    index = json.loads((Path(model_dir) / "model_index.json").read_text())
-    return bool(index.get("_class_name") == EDIT_PIPELINE_CLASS)
+    return folder_class(model_dir) == EDIT_PIPELINE_CLASS
 
 
 def _vision_tokens_bound(max_pixels: int, max_side: int) -> int:
