@@ -48,6 +48,12 @@ def _thinker() -> StageBuilder:
     return build_stage
 
 
+def _transcriber() -> StageBuilder:
+    from stagemesh.services.transcriber import build_stage
+
+    return build_stage
+
+
 #: Each stage's builder, behind an import that runs only when that stage is built.
 STAGE_BUILDERS: dict[str, Callable[[], StageBuilder]] = {
     "tokenizer": _tokenizer,
@@ -56,6 +62,7 @@ STAGE_BUILDERS: dict[str, Callable[[], StageBuilder]] = {
     "talker": _talker,
     "codec": _codec,
     "thinker": _thinker,
+    "transcriber": _transcriber,
 }
 
 

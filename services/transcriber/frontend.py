@@ -66,7 +66,7 @@ class StreamResampler:
         inside = (local >= 0) & (local < self._kept.shape[0])
         values = np.where(inside, self._kept[np.clip(local, 0, max(self._kept.shape[0] - 1, 0))],
                           0.0) if self._kept.shape[0] else np.zeros_like(weights)
-        out = (weights * values).sum(axis=1).astype(np.float32)
+        out: Floats = (weights * values).sum(axis=1).astype(np.float32)
         self._next = end
         keep_from = max(self._base, math.floor(end * self.step - self.half_width) - 1)
         self._kept = self._kept[keep_from - self._base :]

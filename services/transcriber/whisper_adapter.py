@@ -161,7 +161,7 @@ class TranscribeState:
     @property
     def available(self) -> int:
         """Model-rate samples received so far."""
-        return self.base + self.audio.shape[0]
+        return self.base + int(self.audio.shape[0])
 
 
 class _Work(enum.Enum):
@@ -213,18 +213,6 @@ class WhisperTranscriberAdapter:
             raise InvalidInputError("silence_duration_ms", f"silence_duration_ms must be in "
                                     f"1..10000, got {payload.silence_duration_ms}")
 
-    def check_audio(self, samples: Floats, sample_rate: int) -> None:
-        """One input message's audio: mono, finite, at most MAX_CHUNK_SECONDS."""
-        if samples.ndim != 1:
-            raise InvalidInputError("input.pcm", f"audio must be mono [samples], got shape "
-                                    f"{tuple(samples.shape)}")
-        if samples.shape[0] > MAX_CHUNK_SECONDS * sample_rate:
-            raise InvalidInputError("input.pcm", f"one input carries at most "
-                                    f"{MAX_CHUNK_SECONDS:g} s ({int(MAX_CHUNK_SECONDS * sample_rate)}"
-                                    f" samples at {sample_rate} Hz), got {samples.shape[0]}")
-        if not bool(np.isfinite(samples).all()):
-            raise InvalidInputError("input.pcm", "audio contains NaN or infinite values")
-
     # -- engine contract ----------------------------------------------------------------------
 
     def prepare(self, request: EngineRequest[TranscribeInput]) -> TranscribeState:
@@ -239,7 +227,12 @@ class WhisperTranscriberAdapter:
     def add_input(self, state: TranscribeState, payload: AudioInput) -> None:
         if state.final:
             raise InvalidInputError("input", "audio arrived after the final input")
-        limit = int(self.max_seconds * state.rule.sample_rate)
+        rate, samples = state.rule.sample_rate, payload.samples.shape[0]
+        if samples > MAX_CHUNK_SECONDS * rate:
+            raise InvalidInputError("input.pcm", f"one input carries at most "
+                                    f"{MAX_CHUNK_SECONDS:g} s ({int(MAX_CHUNK_SECONDS * rate)} "
+                                    f"samples at {rate} Hz), got {samples}")
+        limit = int(self.max_seconds * rate)
         if state.received + payload.samples.shape[0] > limit:
             raise InvalidInputError("input.pcm", f"more than {self.max_seconds:g} s of audio "
                                     f"({limit} samples at {state.rule.sample_rate} Hz)")
@@ -258,7 +251,8 @@ class WhisperTranscriberAdapter:
         decoding = [(s, w) for s, w in zip(states, work, strict=True)
                     if w in (_Work.DECODE, _Work.PARTIAL)]
         started = time.perf_counter()
-        decoded = [] if not decoding else self._decode([(self._span(s, w), s.prompt_ids) for s, w in decoding])
+        spans = [(self._span(s, w), s.prompt_ids) for s, w in decoding]
+        decoded = self._decode(spans) if spans else []
         seconds = (time.perf_counter() - started) / max(len(decoding), 1)
         heard = {id(s): self._listen(s) for s, w in zip(states, work, strict=True)
                  if w is _Work.LISTEN}  # (probabilities, the detector's next state)
