@@ -98,9 +98,9 @@ def log_mel(audio: Floats, n_mels: int) -> Floats:
     samples = WINDOW_SECONDS * 16_000
     frames = samples // HOP
     audio = audio[:samples].astype(np.float64)
-    padded = np.concatenate([audio, np.zeros(N_FFT + 1)])  # what the 30 s padding starts with
-    head = padded[1 : N_FFT // 2 + 1][::-1]  # the centred STFT's reflect padding
-    signal = np.concatenate([head, padded])
+    padded = np.zeros(samples)
+    padded[: audio.shape[0]] = audio
+    signal = np.pad(padded, N_FFT // 2, mode="reflect")  # the centred STFT's padding
     voiced = min(frames, (audio.shape[0] + N_FFT // 2) // HOP + 1)
     strided = np.lib.stride_tricks.sliding_window_view(signal, N_FFT)[: voiced * HOP : HOP]
     power = np.abs(np.fft.rfft(strided * _hann(), axis=1)) ** 2
