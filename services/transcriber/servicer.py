@@ -14,6 +14,7 @@ from typing import TypeAlias, TypedDict
 
 import grpc
 import numpy as np
+import torch
 
 from stagemesh.services.transcriber.whisper_adapter import (
     DEFAULT_MAX_SECONDS,
@@ -32,7 +33,7 @@ from stagemesh.services.transcriber.whisper_adapter import (
     TranscriptEvent,
     WhisperTranscriberAdapter,
 )
-from stagemesh.shared.devices import CPU_FLOAT32
+from stagemesh.shared.devices import CpuDtype, DeviceOptions, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import parse_options
@@ -44,6 +45,9 @@ from stagemesh.shared.tensors import array_from_proto, is_set
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TranscriberService"].full_name
 DEFAULT_MAX_SESSIONS = 4
+#: The activations' dtype on the CPU (the weights are int8 whatever it is): float32, as
+#: CTranslate2's own CPU default; bfloat16 is an option where the CPU computes it natively.
+CPU_DTYPE = CpuDtype(with_native_bf16=torch.float32)
 #: PCM16 full scale.
 _INT16_SCALE = 32768.0
 
@@ -156,16 +160,18 @@ class TranscriberServicer(transcriber_service_pb2_grpc.TranscriberServiceService
 
 def build_stage(model_dir: Path, options: Mapping[str, object], *,
                 threads: int = 1) -> StageBundle:
-    """options: SessionOptions (max_sessions, default 4; max_seconds, default 600) and
-    ListeningDefaults; `threads`: CTranslate2 intra-op threads."""
-    sessions, defaults = parse_options("transcriber", options, SessionOptions,
-                                       ListeningDefaults)
+    """options: SessionOptions (max_sessions, default 4; max_seconds, default 600),
+    ListeningDefaults and DeviceOptions (CTranslate2 runs on the CPU or CUDA); `threads`:
+    CTranslate2's intra-op threads on the CPU."""
+    sessions, defaults, device_options = parse_options(
+        "transcriber", options, SessionOptions, ListeningDefaults, DeviceOptions)
+    placement = resolve_placement("transcriber", device_options, CPU_DTYPE)
     max_sessions = sessions.get("max_sessions", DEFAULT_MAX_SESSIONS)
     if max_sessions < 1:
         raise ValueError(f"stage transcriber: option 'max_sessions' must be >= 1, got "
                          f"{max_sessions}")
     adapter = WhisperTranscriberAdapter(
-        model_dir, threads=threads,
+        model_dir, threads=threads, device=placement.device, dtype=placement.dtype_name,
         max_seconds=float(sessions.get("max_seconds", DEFAULT_MAX_SECONDS)))
     probe = _request(defaults, pb.TranscribeRequest(start=pb.TranscribeStart(
         request_id="options", sample_rate=adapter.sample_rate)), None)
@@ -173,7 +179,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object], *,
     engine = StepEngine(adapter, max_running=max_sessions, max_pending=max_sessions)
     rule = probe.payload
     description = pb.DescribeTranscriberResponse(
-        stage=stage_description("transcriber", model_dir, engine, CPU_FLOAT32),
+        stage=stage_description("transcriber", model_dir, engine, placement),
         sample_rates=SAMPLE_RATES, model_sample_rate=adapter.sample_rate,
         languages=adapter.folder.languages, max_seconds=adapter.max_seconds,
         max_sessions=max_sessions, max_chunk_seconds=MAX_CHUNK_SECONDS,
@@ -190,5 +196,6 @@ def build_stage(model_dir: Path, options: Mapping[str, object], *,
         name="transcriber", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: add_servicer(servicer, server),
         info={"model": str(model_dir), "runtime": "ctranslate2+onnxruntime",
+              "device": placement.device_name, "compute_type": adapter.compute_type,
               "threads": str(threads), "max_sessions": str(max_sessions),
               "max_seconds": f"{adapter.max_seconds:g}"})

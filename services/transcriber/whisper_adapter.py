@@ -28,6 +28,7 @@ from pathlib import Path
 import ctranslate2  # type: ignore[import-untyped]  # ships no type information
 import numpy as np
 import tokenizers
+import torch
 
 from stagemesh.models.families.whisper import WhisperFolder
 from stagemesh.services.transcriber.frontend import (
@@ -188,12 +189,17 @@ class WhisperTranscriberAdapter:
     stage = "transcriber"
 
     def __init__(self, model_dir: str | Path, *, threads: int = 1,
-                 max_seconds: float = DEFAULT_MAX_SECONDS) -> None:
+                 max_seconds: float = DEFAULT_MAX_SECONDS, device: torch.device | None = None,
+                 dtype: str = "float32") -> None:
+        device = device or torch.device("cpu")
         self.folder = WhisperFolder.load(model_dir)
         self.sample_rate = self.folder.sample_rate
         self.max_seconds = max_seconds
+        # int8 weights, activations in the stage's dtype (CTranslate2's `int8_<dtype>`).
+        self.compute_type = f"int8_{dtype}"
         self._model = ctranslate2.models.Whisper(
-            str(self.folder.root), device="cpu", compute_type="int8", intra_threads=threads)
+            str(self.folder.root), device=device.type, device_index=device.index or 0,
+            compute_type=self.compute_type, intra_threads=threads)
         self._tokenizer = tokenizers.Tokenizer.from_file(str(self.folder.tokenizer_file))
         self._vad = SileroVad(self.folder.vad_graph)
 

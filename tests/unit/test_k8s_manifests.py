@@ -51,9 +51,8 @@ ALL_STAGES = (*STAGES, *LISTENING_STAGES)
 #: The stages that compute on a GPU in the gpu overlay (the real Qwen-Image and Wan text
 #: encoders are billions of parameters, so the tokenizers need one too; the codecs stay on CPU).
 GPU_STAGES = {*IMAGE_AND_VIDEO_STAGES, "csm-tiny-talker", "smollm2-thinker"}
-#: Stages that run on ONNX Runtime's CPU provider (the transcriber: and CTranslate2 on the CPU):
-#: they have no `device` option at all.
-ONNX_STAGES = {"piper-joe-talker", "piper-joe-codec", "whisper-tiny-en-transcriber"}
+#: Stages that run on ONNX Runtime's CPU provider: they have no `device` option at all.
+ONNX_STAGES = {"piper-joe-talker", "piper-joe-codec"}
 #: Options only the gpu overlay adds (where a stage computes), on top of default.yaml's.
 PLACEMENT_OPTIONS = {"device", "dtype"}
 #: The gauges a stage's autoscaler sums: its engines' queue (waiting) and what they run.
