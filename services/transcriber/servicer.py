@@ -33,7 +33,7 @@ from stagemesh.services.transcriber.whisper_adapter import (
     TranscriptEvent,
     WhisperTranscriberAdapter,
 )
-from stagemesh.shared.devices import CpuDtype, DeviceOptions, resolve_placement
+from stagemesh.shared.devices import CpuDtype, DeviceOptions, cpu_threads, resolve_placement
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import parse_options
@@ -159,13 +159,14 @@ class TranscriberServicer(transcriber_service_pb2_grpc.TranscriberServiceService
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object], *,
-                threads: int = 1) -> StageBundle:
+                threads: int | None = None) -> StageBundle:
     """options: SessionOptions (max_sessions, default 4; max_seconds, default 600),
     ListeningDefaults and DeviceOptions (CTranslate2 runs on the CPU or CUDA); `threads`:
-    CTranslate2's intra-op threads on the CPU."""
+    CTranslate2's intra-op threads on the CPU (default: the stage's share, `cpu_threads`)."""
     sessions, defaults, device_options = parse_options(
         "transcriber", options, SessionOptions, ListeningDefaults, DeviceOptions)
     placement = resolve_placement("transcriber", device_options, CPU_DTYPE)
+    threads = cpu_threads(threads)
     max_sessions = sessions.get("max_sessions", DEFAULT_MAX_SESSIONS)
     if max_sessions < 1:
         raise ValueError(f"stage transcriber: option 'max_sessions' must be >= 1, got "
