@@ -8,6 +8,8 @@ control: the detector hears no speech in it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -42,7 +44,7 @@ def adapter() -> WhisperTranscriberAdapter:
 
 
 def listen(adapter: WhisperTranscriberAdapter, pcm: npt.NDArray[np.float32], rate: int,
-           **rule: object) -> tuple[list[tuple[int, TranscriptEvent]], TranscribeResult]:
+           **rule: Any) -> tuple[list[tuple[int, TranscriptEvent]], TranscribeResult]:
     """Every event with the index of the chunk after which it came, and the result."""
     state = adapter.prepare(EngineRequest("listen", TranscribeInput(sample_rate=rate, **rule)))
     events: list[tuple[int, TranscriptEvent]] = []
