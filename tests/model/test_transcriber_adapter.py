@@ -126,3 +126,15 @@ def test_bad_starts_and_inputs_name_their_field(adapter: WhisperTranscriberAdapt
     with pytest.raises(InvalidInputError, match="after the final") as raised:
         adapter.add_input(state, AudioInput(np.zeros(160, np.float32)))
     assert raised.value.field_name == "input"
+
+
+def test_a_prompt_is_context_before_the_transcript(adapter: WhisperTranscriberAdapter) -> None:
+    prompt = adapter._prompt(TranscribeInput(sample_rate=16_000, prompt="Joe from stagemesh."))
+    tokens = adapter._tokenizer
+    assert prompt[0] == tokens.token_to_id("<|startofprev|>")
+    assert prompt[-2:] == [tokens.token_to_id("<|startoftranscript|>"),
+                           tokens.token_to_id("<|notimestamps|>")]
+    assert "stagemesh" in tokens.decode(prompt[1:-2])
+    pcm, rate = spoken(SENTENCES[:1])
+    _, result = listen(adapter, pcm, rate, prompt="Joe from stagemesh.", partial_interval_ms=-1)
+    assert word_error_rate([SENTENCES[0]], [result.text]) <= MAX_WER, result.text
