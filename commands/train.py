@@ -1,26 +1,18 @@
-"""`stagemesh train MODEL` and `stagemesh eval MODEL`: train a shipped model, and measure it
-through a running mesh."""
+"""`stagemesh train MODEL` and `stagemesh eval MODEL`: train a model stagemesh ships, and
+measure it through a running mesh. A model is added to TRAINERS / EVALUATORS (its options are
+shared by all: name them so)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from stagemesh.commands import Command
 
 
-def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", choices=["tiny-shapes"])
-    parser.add_argument("--out", default=None,
-                        help="output folder (default: the shipped assets/tiny-shapes)")
-    parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1 is fastest on a busy 2-core machine)")
-
-
-def _train(args: argparse.Namespace) -> None:
+def _train_tiny_shapes(args: argparse.Namespace) -> None:
     from stagemesh.models.registry import SHIPPED_TINY_SHAPES
     from stagemesh.models.tiny_shapes.train import TrainConfig, train
 
@@ -30,8 +22,29 @@ def _train(args: argparse.Namespace) -> None:
           config=config)
 
 
+def _eval_tiny_shapes(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
+
+    eval_main(args)
+
+
+#: Model name -> what `stagemesh train NAME` / `stagemesh eval NAME` runs.
+TRAINERS: dict[str, Callable[[argparse.Namespace], None]] = {"tiny-shapes": _train_tiny_shapes}
+EVALUATORS: dict[str, Callable[[argparse.Namespace], None]] = {"tiny-shapes": _eval_tiny_shapes}
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", choices=sorted(TRAINERS))
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: the shipped assets/tiny-shapes)")
+    parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is fastest on a busy 2-core machine)")
+
+
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", choices=["tiny-shapes"])
+    parser.add_argument("model", choices=sorted(EVALUATORS))
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--out", default="eval-results/tiny-shapes")
     parser.add_argument("--subset", type=int, default=0, help="0 = the whole grammar")
@@ -41,11 +54,7 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _eval(args: argparse.Namespace) -> None:
-    from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
-
-    eval_main(args)
-
-
-TRAIN = Command("train", "train the shipped tiny-shapes model", _add_train_arguments, _train)
-EVAL = Command("eval", "evaluate tiny-shapes through a running mesh", _add_eval_arguments, _eval)
+TRAIN = Command("train", "train a model stagemesh ships", _add_train_arguments,
+                lambda args: TRAINERS[args.model](args))
+EVAL = Command("eval", "evaluate a shipped model through a running mesh", _add_eval_arguments,
+               lambda args: EVALUATORS[args.model](args))
