@@ -62,6 +62,12 @@ def _smollm2() -> Path:
     return ensure_smollm2()
 
 
+def _whisper_tiny_en() -> Path:
+    from stagemesh.models.whisper import ensure_whisper_model
+
+    return ensure_whisper_model()
+
+
 BUILTIN: dict[str, Callable[[], Path]] = {
     "tiny-shapes": _tiny_shapes,
     "qwen-image-tiny": _qwen_image("tiny"),
@@ -72,6 +78,7 @@ BUILTIN: dict[str, Callable[[], Path]] = {
     "csm-tiny": _speech,
     "piper-joe": _piper_joe,
     "smollm2-135m": _smollm2,
+    "whisper-tiny-en": _whisper_tiny_en,
 }
 
 
