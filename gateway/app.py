@@ -19,21 +19,21 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stagemesh.gateway.admission import Admission, AdmissionMiddleware
-from stagemesh.gateway.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, header
-from stagemesh.gateway.cancel import new_request_id
-from stagemesh.gateway.catalog import StageCatalog
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.grpc_api import GatewayServicer
-from stagemesh.gateway.grpc_decode import DecodeErrorInterceptor
-from stagemesh.gateway.http_io import MAX_BODY_BYTES, REQUEST_ID_HEADER, error_response
-from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.metrics import RequestMetricsMiddleware
-from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.grpc.api import GatewayServicer
+from stagemesh.gateway.grpc.decode import DecodeErrorInterceptor
+from stagemesh.gateway.grpc.native import NativeApi
+from stagemesh.gateway.http.admission import Admission, AdmissionMiddleware
+from stagemesh.gateway.http.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, header
+from stagemesh.gateway.http.metrics import RequestMetricsMiddleware
+from stagemesh.gateway.http.routes import rest_routes
+from stagemesh.gateway.mesh.cancel import new_request_id
+from stagemesh.gateway.mesh.catalog import StageCatalog
+from stagemesh.gateway.mesh.channels import Mesh
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.gateway.request_ids import check_request_id
-from stagemesh.gateway.routes import rest_routes
+from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES, REQUEST_ID_HEADER, error_response
 from stagemesh.shared.proto.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from stagemesh.shared.server import RunningServer, start_server
 from stagemesh.shared.tracing import GrpcServerSpans, TracingMiddleware

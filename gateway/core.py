@@ -16,7 +16,10 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from stagemesh.gateway.cancel import (
+from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
+from stagemesh.gateway.images.pipeline import GeneratedImage, generate_images
+from stagemesh.gateway.images.protocol import ImageParams, ImageRequest, resolve_image_request
+from stagemesh.gateway.mesh.cancel import (
     CancelOutcome,
     CancelScope,
     DeadlineExceeded,
@@ -25,22 +28,19 @@ from stagemesh.gateway.cancel import (
     new_request_id,
     stage_request_id,
 )
-from stagemesh.gateway.catalog import StageCatalog
-from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
-from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipeline
-from stagemesh.gateway.image_params import ImageParams, ImageRequest, resolve_image_request
-from stagemesh.gateway.image_pipeline import GeneratedImage, generate_images
-from stagemesh.gateway.mesh import Mesh, StageCancel
+from stagemesh.gateway.mesh.catalog import StageCatalog
+from stagemesh.gateway.mesh.channels import Mesh, StageCancel
+from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
+from stagemesh.gateway.mesh.stage_client import StageCallError
 from stagemesh.gateway.recipes import VIDEO_TASKS, Recipe, Task
-from stagemesh.gateway.speech_params import SpeechParams, SpeechRequest, resolve_speech_request
-from stagemesh.gateway.speech_pipeline import AudioPiece, SpeechSummary, synthesize, synthesize_all
-from stagemesh.gateway.stage_client import StageCallError
-from stagemesh.gateway.video_jobs import VideoJobs
-from stagemesh.gateway.video_mux import Mp4Writer, check_encoder
-from stagemesh.gateway.video_params import VideoParams, VideoRequest, resolve_video_request
-from stagemesh.gateway.video_pipeline import FrameSink, Mp4Sink, OnProgress, VideoSummary
-from stagemesh.gateway.video_pipeline import make_video as run_video_pipeline
-from stagemesh.gateway.video_store import StoreLimits, VideoStore, default_root
+from stagemesh.gateway.speech.pipeline import AudioPiece, SpeechSummary, synthesize, synthesize_all
+from stagemesh.gateway.speech.protocol import SpeechParams, SpeechRequest, resolve_speech_request
+from stagemesh.gateway.videos.jobs import VideoJobs
+from stagemesh.gateway.videos.mux import Mp4Writer, check_encoder
+from stagemesh.gateway.videos.pipeline import FrameSink, Mp4Sink, OnProgress, VideoSummary
+from stagemesh.gateway.videos.pipeline import make_video as run_video_pipeline
+from stagemesh.gateway.videos.protocol import VideoParams, VideoRequest, resolve_video_request
+from stagemesh.gateway.videos.store import StoreLimits, VideoStore, default_root
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_service_pb2
 

@@ -21,15 +21,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stagemesh.gateway.audio import AudioFormat, Samples, StreamEncoder
-from stagemesh.gateway.cancel import CancelScope, side_by_side
 from stagemesh.gateway.core import GatewayCore, RequestContext, SpeechJob
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipeline
+from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
+from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
+from stagemesh.gateway.mesh.stage_client import call_stage
 from stagemesh.gateway.recipes import Recipe, Task
-from stagemesh.gateway.speech_params import SpeechRequest
-from stagemesh.gateway.speech_pipeline import AudioPiece, synthesize
-from stagemesh.gateway.stage_client import call_stage
+from stagemesh.gateway.speech.audio import AudioFormat, Samples, StreamEncoder
+from stagemesh.gateway.speech.pipeline import AudioPiece, synthesize
+from stagemesh.gateway.speech.protocol import SpeechRequest
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as gateway_pb
 from stagemesh.shared.proto.v1 import thinker_service_pb2 as pb

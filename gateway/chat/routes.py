@@ -27,8 +27,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stagemesh.gateway.audio import AudioFormat, StreamEncoder, encode_audio
-from stagemesh.gateway.chat_pipeline import (
+from stagemesh.gateway.chat.pipeline import (
     ROLES,
     AudioOutput,
     ChatEvents,
@@ -43,11 +42,14 @@ from stagemesh.gateway.chat_pipeline import (
     prepare_chat,
 )
 from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.edit_params import EditRequest, image_data_url
-from stagemesh.gateway.edit_pipeline import prepare_edit, run_edit
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.events import Done, Output
-from stagemesh.gateway.http_io import (
+from stagemesh.gateway.images.edit_protocol import EditRequest, image_data_url
+from stagemesh.gateway.images.edits import prepare_edit, run_edit
+from stagemesh.gateway.images.routes import CLIENT_GONE_STATUS, b64_png
+from stagemesh.gateway.mesh.events import Done, Output
+from stagemesh.gateway.recipes import Task
+from stagemesh.gateway.speech.audio import AudioFormat, StreamEncoder, encode_audio
+from stagemesh.gateway.wire.bodies import (
     SSE_DONE,
     ClientGone,
     JsonObject,
@@ -57,9 +59,7 @@ from stagemesh.gateway.http_io import (
     sse_event,
     until_disconnect,
 )
-from stagemesh.gateway.openai_images import CLIENT_GONE_STATUS, b64_png
-from stagemesh.gateway.openai_requests import JsonFields, chat_image_request, openai_body
-from stagemesh.gateway.recipes import Task
+from stagemesh.gateway.wire.fields import JsonFields, chat_image_request, openai_body
 
 #: How long OpenAI says a returned audio may be referred to again (we keep none: informative).
 AUDIO_EXPIRES_S = 3600

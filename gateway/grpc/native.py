@@ -11,20 +11,20 @@ import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
-from stagemesh.gateway.audio import StreamEncoder
-from stagemesh.gateway.chat_pipeline import native_chat
+from stagemesh.gateway.chat.pipeline import native_chat
 from stagemesh.gateway.core import GatewayCore, ImageEvents, RequestContext
-from stagemesh.gateway.edit_params import EditRequest
-from stagemesh.gateway.edit_pipeline import edit_events, prepare_edit
-from stagemesh.gateway.events import Done, Output, StageEvent
-from stagemesh.gateway.image_params import ImageRequest
-from stagemesh.gateway.image_pipeline import GeneratedImage
+from stagemesh.gateway.images.edit_protocol import EditRequest
+from stagemesh.gateway.images.edits import edit_events, prepare_edit
+from stagemesh.gateway.images.pipeline import GeneratedImage
+from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.mesh.events import Done, Output, StageEvent
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
-from stagemesh.gateway.speech_params import SpeechRequest
-from stagemesh.gateway.video_jobs import new_video_id, page
-from stagemesh.gateway.video_params import VideoRequest
-from stagemesh.gateway.video_store import JobRecord, JobStatus
+from stagemesh.gateway.speech.audio import StreamEncoder
+from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.gateway.videos.jobs import new_video_id, page
+from stagemesh.gateway.videos.protocol import VideoRequest
+from stagemesh.gateway.videos.store import JobRecord, JobStatus
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 

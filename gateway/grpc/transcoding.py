@@ -23,7 +23,8 @@ from starlette.routing import Route
 
 from stagemesh.gateway.core import RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.http_io import (
+from stagemesh.gateway.grpc.native import NativeApi
+from stagemesh.gateway.wire.bodies import (
     REQUEST_ID_HEADER,
     error_response,
     ndjson_line,
@@ -33,7 +34,6 @@ from stagemesh.gateway.http_io import (
     read_body,
     request_id,
 )
-from stagemesh.gateway.native import NativeApi
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GatewayService"]

@@ -21,8 +21,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from stagemesh.gateway.edit_forms import EDIT_FIELDS
-from stagemesh.gateway.transcoding import SERVICE, HttpBinding, http_bindings
+from stagemesh.gateway.grpc.transcoding import SERVICE, HttpBinding, http_bindings
+from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
 
 Schema = dict[str, object]
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from starlette.routing import Route
 
+from stagemesh.gateway.chat.routes import ChatRoutes
 from stagemesh.gateway.core import GatewayCore
-from stagemesh.gateway.metrics import metrics_endpoint
-from stagemesh.gateway.native import NativeApi
-from stagemesh.gateway.openai_audio import AudioRoutes
-from stagemesh.gateway.openai_chat import ChatRoutes
-from stagemesh.gateway.openai_images import ImageRoutes
-from stagemesh.gateway.openai_models import ModelRoutes
-from stagemesh.gateway.openai_videos import VideoRoutes
-from stagemesh.gateway.openapi import openapi_endpoint
-from stagemesh.gateway.transcoding import annotated_routes
+from stagemesh.gateway.grpc.native import NativeApi
+from stagemesh.gateway.grpc.transcoding import annotated_routes
+from stagemesh.gateway.http.metrics import metrics_endpoint
+from stagemesh.gateway.http.models import ModelRoutes
+from stagemesh.gateway.http.openapi import openapi_endpoint
+from stagemesh.gateway.images.routes import ImageRoutes
+from stagemesh.gateway.speech.routes import AudioRoutes
+from stagemesh.gateway.videos.routes import VideoRoutes
 
 
 def rest_routes(core: GatewayCore) -> list[Route]:

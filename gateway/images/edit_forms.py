@@ -10,11 +10,11 @@ prepared (edit_params.py). Every refusal names its field.
 
 from __future__ import annotations
 
-from stagemesh.gateway.edit_params import EditRequest
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.http_io import Form, FormFields
-from stagemesh.gateway.image_params import ImageRequest, parse_size
-from stagemesh.gateway.openai_requests import execution_mode
+from stagemesh.gateway.images.edit_protocol import EditRequest
+from stagemesh.gateway.images.protocol import ImageRequest, parse_size
+from stagemesh.gateway.wire.bodies import Form, FormFields
+from stagemesh.gateway.wire.fields import execution_mode
 
 #: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
 EDIT_FIELDS = frozenset({

@@ -23,9 +23,9 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image, UnidentifiedImageError
 
-from stagemesh.gateway.catalog import EditFacts, ImageFacts
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.image_params import ImageParams, ImageRequest, resolve_image_request
+from stagemesh.gateway.images.protocol import ImageParams, ImageRequest, resolve_image_request
+from stagemesh.gateway.mesh.catalog import EditFacts, ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
 
 #: The pixel area Qwen-Image-Edit resizes its input image to before encoding it (VAE) and

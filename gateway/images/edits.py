@@ -11,10 +11,10 @@ import asyncio
 from dataclasses import dataclass
 
 from stagemesh.gateway.core import GatewayCore, ImageEvents, RequestContext
-from stagemesh.gateway.edit_params import EditParams, EditRequest, resolve_edit_request
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.events import Emit, stream_pipeline
-from stagemesh.gateway.image_pipeline import GeneratedImage, edit_images
+from stagemesh.gateway.images.edit_protocol import EditParams, EditRequest, resolve_edit_request
+from stagemesh.gateway.images.pipeline import GeneratedImage, edit_images
+from stagemesh.gateway.mesh.events import Emit, stream_pipeline
 from stagemesh.gateway.recipes import Recipe, Task
 
 

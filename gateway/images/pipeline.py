@@ -14,12 +14,12 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from stagemesh.gateway.cancel import CancelScope, side_by_side
-from stagemesh.gateway.edit_params import EditParams
-from stagemesh.gateway.events import Emit, Output, Part, StageEvent
-from stagemesh.gateway.image_params import ImageParams
-from stagemesh.gateway.stage_client import call_stage
-from stagemesh.gateway.stubs import ImageStubs
+from stagemesh.gateway.images.edit_protocol import EditParams
+from stagemesh.gateway.images.protocol import ImageParams
+from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
+from stagemesh.gateway.mesh.events import Emit, Output, Part, StageEvent
+from stagemesh.gateway.mesh.stage_client import call_stage
+from stagemesh.gateway.mesh.stubs import ImageStubs
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,

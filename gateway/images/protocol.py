@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from stagemesh.gateway.catalog import ExecutionMode, ImageFacts
 from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.mesh.catalog import ExecutionMode, ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
 from stagemesh.gateway.seeds import random_seed
 from stagemesh.shared.limits import MAX_SEED

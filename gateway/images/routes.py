@@ -12,11 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.edit_forms import edit_request
-from stagemesh.gateway.edit_pipeline import prepare_edit, run_edit
 from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipeline
-from stagemesh.gateway.http_io import (
+from stagemesh.gateway.images.edit_forms import edit_request
+from stagemesh.gateway.images.edits import prepare_edit, run_edit
+from stagemesh.gateway.images.pipeline import GeneratedImage
+from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
+from stagemesh.gateway.wire.bodies import (
     SSE_DONE,
     ClientGone,
     error_response,
@@ -26,8 +27,7 @@ from stagemesh.gateway.http_io import (
     sse_event,
     until_disconnect,
 )
-from stagemesh.gateway.image_pipeline import GeneratedImage
-from stagemesh.gateway.openai_requests import JsonFields, image_request, openai_body
+from stagemesh.gateway.wire.fields import JsonFields, image_request, openai_body
 from stagemesh.shared.proto.v1 import common_pb2
 
 #: The status a request answers when its client left before the answer (nginx's convention).

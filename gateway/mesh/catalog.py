@@ -20,11 +20,11 @@ from typing import Generic, TypeAlias, TypeVar
 
 import grpc
 
-from stagemesh.gateway.balancer import NoReplica
 from stagemesh.gateway.errors import StageUnavailable
-from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.mesh.balancer import NoReplica
+from stagemesh.gateway.mesh.channels import Mesh
+from stagemesh.gateway.mesh.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
 from stagemesh.gateway.recipes import Recipe, StageEndpoint
-from stagemesh.gateway.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
 from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import (
     codec_service_pb2,

@@ -16,16 +16,15 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
-from stagemesh.gateway.balancer import (
+from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.mesh.balancer import (
     HEALTH_CHECK,
     OnChange,
     Replica,
     ReplicaChannel,
     ReplicaSet,
 )
-from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.recipes import Recipe, StageEndpoint, TargetKind, Task, default_recipe
-from stagemesh.gateway.stubs import (
+from stagemesh.gateway.mesh.stubs import (
     ImageStubs,
     SpeechStubs,
     codec_stub,
@@ -34,6 +33,7 @@ from stagemesh.gateway.stubs import (
     tokenizer_stub,
     vae_stub,
 )
+from stagemesh.gateway.recipes import Recipe, StageEndpoint, TargetKind, Task, default_recipe
 from stagemesh.shared.proto.v1 import (
     control_service_pb2,
     control_service_pb2_grpc,

@@ -9,8 +9,8 @@ from typing import Generic, Literal, Never, Protocol, TypeVar
 
 import grpc
 
-from stagemesh.gateway.balancer import CONNECT_TIMEOUT_S, Replica, RoutedStreamStream
-from stagemesh.gateway.cancel import CancelScope, OpenCall, RequestCancelled
+from stagemesh.gateway.mesh.balancer import CONNECT_TIMEOUT_S, Replica, RoutedStreamStream
+from stagemesh.gateway.mesh.cancel import CancelScope, OpenCall, RequestCancelled
 from stagemesh.shared.control import OWNER_METADATA_KEY
 from stagemesh.shared.errors import StageError, parse_rpc_error
 from stagemesh.shared.proto.v1 import common_pb2

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from stagemesh.gateway.audio import ReferenceAudio, Samples, encode_audio
-from stagemesh.gateway.cancel import CancelScope, side_by_side
-from stagemesh.gateway.events import Emit, Output, StageEvent
-from stagemesh.gateway.speech_params import SpeechParams
-from stagemesh.gateway.stage_client import call_stage
-from stagemesh.gateway.stubs import SpeechStubs
+from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
+from stagemesh.gateway.mesh.events import Emit, Output, StageEvent
+from stagemesh.gateway.mesh.stage_client import call_stage
+from stagemesh.gateway.mesh.stubs import SpeechStubs
+from stagemesh.gateway.speech.audio import ReferenceAudio, Samples, encode_audio
+from stagemesh.gateway.speech.protocol import SpeechParams
 from stagemesh.shared.proto.v1 import codec_service_pb2, common_pb2, talker_service_pb2
 from stagemesh.shared.tensors import array_from_proto, array_to_proto
 

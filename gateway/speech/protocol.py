@@ -11,10 +11,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from stagemesh.gateway.audio import AudioFormat, ReferenceAudio, decode_reference
-from stagemesh.gateway.catalog import SpeechFacts
 from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.mesh.catalog import SpeechFacts
 from stagemesh.gateway.seeds import random_seed
+from stagemesh.gateway.speech.audio import AudioFormat, ReferenceAudio, decode_reference
 from stagemesh.shared.limits import CLONE_VOICE, DEFAULT_VOICE, MAX_SEED
 
 #: OpenAI's accepted speed range; only 1.0 is served (see `_check_speed`).

@@ -9,11 +9,14 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stagemesh.gateway.audio import MEDIA_TYPES, AudioFormat, StreamEncoder
 from stagemesh.gateway.core import GatewayCore, RequestContext, SpeechEvents, SpeechJob
 from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.events import Done, Output
-from stagemesh.gateway.http_io import (
+from stagemesh.gateway.http.metrics import TTFP_SECONDS
+from stagemesh.gateway.images.routes import CLIENT_GONE_STATUS
+from stagemesh.gateway.mesh.events import Done, Output
+from stagemesh.gateway.speech.audio import MEDIA_TYPES, AudioFormat, StreamEncoder
+from stagemesh.gateway.speech.pipeline import AudioPiece, SpeechSummary
+from stagemesh.gateway.wire.bodies import (
     ClientGone,
     error_response,
     off_loop,
@@ -21,10 +24,7 @@ from stagemesh.gateway.http_io import (
     rest_context,
     until_disconnect,
 )
-from stagemesh.gateway.metrics import TTFP_SECONDS
-from stagemesh.gateway.openai_images import CLIENT_GONE_STATUS
-from stagemesh.gateway.openai_requests import openai_body, speech_request
-from stagemesh.gateway.speech_pipeline import AudioPiece, SpeechSummary
+from stagemesh.gateway.wire.fields import openai_body, speech_request
 
 log = logging.getLogger(__name__)
 

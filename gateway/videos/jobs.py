@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import grpc
 
-from stagemesh.gateway.cancel import CANCEL_ACK_TIMEOUT_S, CancelOutcome
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.video_mux import Mp4Writer
-from stagemesh.gateway.video_pipeline import Mp4Sink
-from stagemesh.gateway.video_store import (
+from stagemesh.gateway.mesh.cancel import CANCEL_ACK_TIMEOUT_S, CancelOutcome
+from stagemesh.gateway.videos.mux import Mp4Writer
+from stagemesh.gateway.videos.pipeline import Mp4Sink
+from stagemesh.gateway.videos.store import (
     HEARTBEAT_S,
     JobLimit,
     JobRecord,

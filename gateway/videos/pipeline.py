@@ -17,11 +17,11 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from stagemesh.gateway.cancel import CancelScope, side_by_side
-from stagemesh.gateway.stage_client import StageCallError, call_stage
-from stagemesh.gateway.stubs import ImageStubs
-from stagemesh.gateway.video_mux import Frames, Mp4Writer
-from stagemesh.gateway.video_params import VideoParams
+from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
+from stagemesh.gateway.mesh.stage_client import StageCallError, call_stage
+from stagemesh.gateway.mesh.stubs import ImageStubs
+from stagemesh.gateway.videos.mux import Frames, Mp4Writer
+from stagemesh.gateway.videos.protocol import VideoParams
 from stagemesh.shared.errors import StageError
 from stagemesh.shared.proto.v1 import (
     common_pb2,

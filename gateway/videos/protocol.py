@@ -15,10 +15,10 @@ import json
 import math
 from dataclasses import dataclass
 
-from stagemesh.gateway.catalog import VideoFacts
-from stagemesh.gateway.edit_params import RgbImage, decode_image, image_data_url
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.image_params import ImageRequest, resolve_image_request
+from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image, image_data_url
+from stagemesh.gateway.images.protocol import ImageRequest, resolve_image_request
+from stagemesh.gateway.mesh.catalog import VideoFacts
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
 from stagemesh.shared.limits import MAX_FLOW_SHIFT
 

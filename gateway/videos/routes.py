@@ -20,7 +20,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.http_io import (
+from stagemesh.gateway.images.protocol import parse_size
+from stagemesh.gateway.images.routes import CLIENT_GONE_STATUS
+from stagemesh.gateway.videos.jobs import new_video_id, page
+from stagemesh.gateway.videos.protocol import VideoRequest, image_from_reference
+from stagemesh.gateway.videos.store import JobRecord, JobStatus
+from stagemesh.gateway.wire.bodies import (
     REQUEST_ID_HEADER,
     ClientGone,
     Form,
@@ -34,11 +39,6 @@ from stagemesh.gateway.http_io import (
     rest_context,
     until_disconnect,
 )
-from stagemesh.gateway.image_params import parse_size
-from stagemesh.gateway.openai_images import CLIENT_GONE_STATUS
-from stagemesh.gateway.video_jobs import new_video_id, page
-from stagemesh.gateway.video_params import VideoRequest, image_from_reference
-from stagemesh.gateway.video_store import JobRecord, JobStatus
 
 #: The id of a sync video whose client gave none starts with this (as the seed's).
 SYNC_ID_PREFIX = "video_sync-"

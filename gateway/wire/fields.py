@@ -12,11 +12,11 @@ import binascii
 import re
 from collections.abc import Mapping
 
-from stagemesh.gateway.edit_params import MAX_DATA_URL_HEADER_CHARS
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.http_io import JsonObject
-from stagemesh.gateway.image_params import EXECUTION_MODES, ImageRequest, parse_size
-from stagemesh.gateway.speech_params import SpeechRequest
+from stagemesh.gateway.images.edit_protocol import MAX_DATA_URL_HEADER_CHARS
+from stagemesh.gateway.images.protocol import EXECUTION_MODES, ImageRequest, parse_size
+from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.gateway.wire.bodies import JsonObject
 from stagemesh.shared.proto.v1 import common_pb2
 
 DATA_URL_PREFIX = "data:"

@@ -19,8 +19,8 @@ import grpc
 import numpy as np
 
 from stagemesh.gateway.core import GatewayCore
-from stagemesh.gateway.grpc_api import GatewayServicer
-from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.grpc.api import GatewayServicer
+from stagemesh.gateway.grpc.native import NativeApi
 from stagemesh.shared.proto.v1 import (
     codec_service_pb2,
     codec_service_pb2_grpc,

@@ -23,12 +23,12 @@ from PIL import Image
 
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.events import Output, StageEvent
-from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.mesh.events import Output, StageEvent
+from stagemesh.gateway.mesh.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
-from stagemesh.gateway.speech_params import SpeechRequest
-from stagemesh.gateway.speech_pipeline import AudioPiece
-from stagemesh.gateway.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
+from stagemesh.gateway.speech.pipeline import AudioPiece
+from stagemesh.gateway.speech.protocol import SpeechRequest
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.services.registry import build_stage

@@ -33,9 +33,9 @@ from stagemesh.gateway.app import (
     open_gateway,
     run_gateway,
 )
-from stagemesh.gateway.auth import ApiKeys, owner_id
-from stagemesh.gateway.http_io import MAX_BODY_BYTES
+from stagemesh.gateway.http.auth import ApiKeys, owner_id
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
+from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
 from stagemesh.serve import free_port
 from stagemesh.shared.errors import abort_with, parse_rpc_error
 from stagemesh.shared.proto.v1 import (

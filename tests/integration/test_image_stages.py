@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, ImageJob, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.gateway.images.protocol import ImageRequest
 from stagemesh.models.families.qwen_image import latent_factor
 from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage

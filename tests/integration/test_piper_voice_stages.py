@@ -18,10 +18,10 @@ import pytest
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.events import Output, StageEvent
+from stagemesh.gateway.mesh.events import Output, StageEvent
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.gateway.speech_params import SpeechRequest
-from stagemesh.gateway.speech_pipeline import AudioPiece
+from stagemesh.gateway.speech.pipeline import AudioPiece
+from stagemesh.gateway.speech.protocol import SpeechRequest
 from stagemesh.models.piper import ensure_piper_model
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.stage_runtime import StageBundle, start_stage, stop_stage

@@ -15,20 +15,20 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from stagemesh.gateway.app import open_gateway
-from stagemesh.gateway.balancer import (
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.errors import GatewayError
+from stagemesh.gateway.images.pipeline import GeneratedImage
+from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.mesh.balancer import (
     HEALTH_CHECK,
     Replica,
     ReplicaSet,
     ReplicaState,
     RoutedStreamStream,
 )
-from stagemesh.gateway.cancel import CancelScope
-from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.image_params import ImageRequest
-from stagemesh.gateway.image_pipeline import GeneratedImage
+from stagemesh.gateway.mesh.cancel import CancelScope
+from stagemesh.gateway.mesh.stage_client import StageCallError, call_stage
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task, parse_target
-from stagemesh.gateway.stage_client import StageCallError, call_stage
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.errors import StageError, parse_rpc_error

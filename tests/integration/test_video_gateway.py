@@ -29,10 +29,10 @@ import pytest
 from PIL import Image
 
 from stagemesh.gateway.app import build_rest_app, open_gateway
-from stagemesh.gateway.auth import ApiKeys
 from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.http.auth import ApiKeys
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task, VideoDefaults
-from stagemesh.gateway.video_store import STORE_ENV
+from stagemesh.gateway.videos.store import STORE_ENV
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from stagemesh.gateway.auth import owner_id
-from stagemesh.gateway.cancel import (
+from stagemesh.gateway.http.auth import owner_id
+from stagemesh.gateway.mesh.cancel import (
     CancelScope,
     DeadlineExceeded,
     RequestCancelled,

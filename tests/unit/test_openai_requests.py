@@ -8,8 +8,9 @@ import base64
 import pytest
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.image_params import ImageRequest
-from stagemesh.gateway.openai_requests import (
+from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.gateway.wire.fields import (
     chat_image_request,
     image_request,
     last_user_text,
@@ -17,7 +18,6 @@ from stagemesh.gateway.openai_requests import (
     ref_audio_bytes,
     speech_request,
 )
-from stagemesh.gateway.speech_params import SpeechRequest
 from stagemesh.shared.proto.v1 import common_pb2
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from stagemesh.gateway.edit_forms import EDIT_FIELDS
-from stagemesh.gateway.openai_videos import FORM_FIELDS
-from stagemesh.gateway.openapi import openapi_document
+from stagemesh.gateway.http.openapi import openapi_document
+from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
+from stagemesh.gateway.videos.routes import FORM_FIELDS
 
 
 def form_schema(path: str) -> dict[str, Any]:

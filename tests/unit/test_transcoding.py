@@ -12,18 +12,18 @@ import pytest
 from starlette.applications import Starlette
 
 from stagemesh.gateway.app import RequestIdMiddleware
-from stagemesh.gateway.catalog import StageCatalog
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.native import NativeApi, image_request
-from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.gateway.transcoding import (
+from stagemesh.gateway.grpc.native import NativeApi, image_request
+from stagemesh.gateway.grpc.transcoding import (
     HttpBinding,
     annotated_routes,
     http_bindings,
     parse_error_field,
 )
+from stagemesh.gateway.mesh.catalog import StageCatalog
+from stagemesh.gateway.mesh.channels import Mesh
+from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
