@@ -21,7 +21,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stagemesh.gateway.core import GatewayCore, RequestContext, SpeechJob
+from stagemesh.gateway.chat.protocol import AUDIO_FORMATS, ROLES, AudioOutput, ChatRequest, ChatTurn
+from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
 from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
@@ -30,6 +31,7 @@ from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.gateway.speech.audio import AudioFormat, Samples, StreamEncoder
 from stagemesh.gateway.speech.pipeline import AudioPiece, synthesize
 from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.gateway.speech.serving import SpeechJob, prepare_speech
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as gateway_pb
 from stagemesh.shared.proto.v1 import thinker_service_pb2 as pb
@@ -38,11 +40,6 @@ from stagemesh.shared.proto.v1 import thinker_service_pb2_grpc
 if TYPE_CHECKING:  # the async stub class exists only in the generated .pyi file
     from stagemesh.shared.proto.v1.thinker_service_pb2_grpc import ThinkerServiceAsyncStub
 
-#: Roles a conversation may hold; OpenAI's "developer" is the system prompt of newer models.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-#: OpenAI's audio output formats that stagemesh encodes -> its own format names.
-AUDIO_FORMATS = {"wav": AudioFormat.WAV, "pcm16": AudioFormat.PCM, "pcm": AudioFormat.PCM,
-                 "flac": AudioFormat.FLAC}
 #: A sentence longer than this is cut at a space: the talker starts sooner, and stays bounded.
 MAX_SENTENCE_CHARS = 300
 #: Text that stands in for the sentences while the speech request is checked before any stage.
@@ -52,34 +49,6 @@ ChatEvents = AsyncGenerator["StageEvent | Output[ChatPiece] | Done[ChatSummary]"
 
 
 # -- the request ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChatTurn:
-    role: str  # "system", "user" or "assistant"
-    content: str
-
-
-@dataclass(frozen=True)
-class AudioOutput:
-    """Speak the answer: a voice of the speech recipe (None = its default) and a format."""
-
-    voice: str | None = None
-    format: str | None = None  # one of AUDIO_FORMATS; None = wav
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """A chat request as the client sent it; None = not given."""
-
-    messages: tuple[ChatTurn, ...]
-    model: str = ""
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    audio: AudioOutput | None = None
-    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,7 +129,7 @@ async def _speech_job(core: GatewayCore, recipe: Recipe, audio: AudioOutput,
     fmt = AUDIO_FORMATS[audio.format or "wav"]
     speech_model = recipe.speech or (core.mesh.recipe("", Task.TEXT_TO_SPEECH).name)
     try:
-        return await core.prepare_speech(SpeechRequest(
+        return await prepare_speech(core, SpeechRequest(
             input=_PROBE_TEXT, model=speech_model, voice=audio.voice,
             response_format=fmt.value, seed=seed))
     except InvalidRequest as error:

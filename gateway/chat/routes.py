@@ -20,61 +20,42 @@ import base64
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from stagemesh.gateway.chat.pipeline import (
-    ROLES,
-    AudioOutput,
     ChatEvents,
     ChatJob,
-    ChatRequest,
     ChatSummary,
-    ChatTurn,
     SpokenPiece,
     TextPiece,
     chat_events,
     chat_recipe,
     prepare_chat,
 )
+from stagemesh.gateway.chat.protocol import (
+    CHAT_BODY_BYTES,
+    ChatOptions,
+    chat_edit_request,
+    chat_image_request,
+    chat_request,
+)
 from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.images.edit_protocol import EditRequest, image_data_url
-from stagemesh.gateway.images.edits import prepare_edit, run_edit
-from stagemesh.gateway.images.routes import CLIENT_GONE_STATUS, b64_png
+from stagemesh.gateway.images.routes import b64_png
+from stagemesh.gateway.images.serving import generate_images, prepare_edit, prepare_images, run_edit
 from stagemesh.gateway.mesh.events import Done, Output
 from stagemesh.gateway.recipes import Task
 from stagemesh.gateway.speech.audio import AudioFormat, StreamEncoder, encode_audio
-from stagemesh.gateway.wire.bodies import (
-    SSE_DONE,
-    ClientGone,
-    JsonObject,
-    error_response,
-    read_json_object,
-    rest_context,
-    sse_event,
-    until_disconnect,
-)
-from stagemesh.gateway.wire.fields import JsonFields, chat_image_request, openai_body
+from stagemesh.gateway.wire.bodies import JsonObject, read_json_object, rest_context
+from stagemesh.gateway.wire.fields import JsonFields, openai_body
+from stagemesh.gateway.wire.streams import Payload, sse_response, until_disconnect
 
 #: How long OpenAI says a returned audio may be referred to again (we keep none: informative).
 AUDIO_EXPIRES_S = 3600
-#: OpenAI fields stagemesh cannot honour: refused rather than silently ignored.
-UNSUPPORTED_FIELDS = ("stop", "tools", "functions", "logprobs", "response_format")
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """What the OpenAI body asks of the response itself (not of the thinker)."""
-
-    stream: bool = False
-    include_usage: bool = False
-
-
 @dataclass
 class _Completion:
     """One answer's ids and creation time, shared by every chunk of a stream."""
@@ -102,76 +83,6 @@ def _usage(summary: ChatSummary) -> JsonObject:
             "total_tokens": summary.prompt_tokens + summary.completion_tokens}
 
 
-# -- the body -------------------------------------------------------------------------------
-
-
-def _content(value: object, index: int) -> str:
-    """A message's text: a string, or the text parts of a content list."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"messages.[{index}].content",
-                                     "only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequest(f"messages.[{index}].content", "content must be a string or a list")
-
-
-def _turns(messages: object) -> tuple[ChatTurn, ...]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages", "messages must be a non-empty list")
-    turns = []
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if not isinstance(role, str) or role not in ROLES:
-            raise InvalidRequest(f"messages.[{index}].role",
-                                 f"role must be one of {sorted(ROLES)}, got {role!r}")
-        turns.append(ChatTurn(ROLES[role], _content(message.get("content"), index)))
-    return tuple(turns)
-
-
-def _audio(body: Mapping[str, object]) -> AudioOutput | None:
-    """`modalities` + `audio`: speak the answer, or not."""
-    modalities = body.get("modalities") or ["text"]
-    if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"} \
-            or "text" not in modalities:
-        raise InvalidRequest("modalities", 'modalities must be ["text"] or ["text", "audio"]')
-    raw = body.get("audio")
-    if "audio" not in modalities:
-        if raw is not None:
-            raise InvalidRequest("audio", 'audio needs modalities ["text", "audio"]')
-        return None
-    if not isinstance(raw, dict):
-        raise InvalidRequest("audio", 'modalities ["text", "audio"] needs audio: '
-                             '{"voice": ..., "format": ...}')
-    fields = JsonFields(raw)
-    return AudioOutput(voice=fields.string("voice"), format=fields.string("format"))
-
-
-def chat_request(body: Mapping[str, object]) -> tuple[ChatRequest, ChatOptions]:
-    """The OpenAI body of a chat answer -> (the request, the response's options)."""
-    fields = JsonFields(body)
-    for name in UNSUPPORTED_FIELDS:
-        if body.get(name) is not None:
-            raise InvalidRequest(name, f"{name} is not supported by this server")
-    if fields.integer("n") not in (None, 1):
-        raise InvalidRequest("n", "only n=1 is supported")
-    max_completion = fields.integer("max_completion_tokens")
-    stream_options = body.get("stream_options")
-    include_usage = isinstance(stream_options, dict) and stream_options.get("include_usage")
-    request = ChatRequest(
-        messages=_turns(body.get("messages")), model=fields.string("model") or "",
-        max_tokens=max_completion if max_completion is not None else fields.integer("max_tokens"),
-        temperature=fields.number("temperature"), top_p=fields.number("top_p"),
-        seed=fields.integer("seed"), audio=_audio(body), priority=fields.integer("priority") or 0)
-    return request, ChatOptions(stream=bool(fields.boolean("stream")),
-                                include_usage=include_usage is True)
-
-
 # -- the routes -----------------------------------------------------------------------------
 
 
@@ -182,22 +93,17 @@ class ChatRoutes:
         self.core = core
 
     async def completions(self, request: Request) -> Response:
-        try:
-            body = openai_body(await read_json_object(request))
-            recipe = chat_recipe(self.core, JsonFields(body).string("model") or "")
-            if recipe is None:
-                return await self._image(request, body)
-            chat, options = chat_request(body)
-            job = await prepare_chat(self.core, recipe, chat)  # 400 before any stage runs
-            context = rest_context(request, body.get("timeout"))
-            completion = _Completion(recipe.name, _format(job))
-            if options.stream:
-                return await self._stream(request, job, context, completion, options)
-            return await until_disconnect(request, self._answer(job, context, completion))
-        except GatewayError as error:
-            return error_response(error)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE_STATUS)
+        body = openai_body(await read_json_object(request, CHAT_BODY_BYTES))
+        recipe = chat_recipe(self.core, JsonFields(body).string("model") or "")
+        if recipe is None:
+            return await self._image(request, body)
+        chat, options = chat_request(body)
+        job = await prepare_chat(self.core, recipe, chat)  # 400 before any stage runs
+        context = rest_context(request, body.get("timeout"))
+        completion = _Completion(recipe.name, _format(job))
+        if options.stream:
+            return await self._stream(request, job, context, completion, options)
+        return await until_disconnect(request, self._answer(job, context, completion))
 
     async def _answer(self, job: ChatJob, context: RequestContext,
                       completion: _Completion) -> Response:
@@ -232,9 +138,7 @@ class ChatRoutes:
         except BaseException:
             await items.aclose()
             raise
-        return StreamingResponse(_chunks(first, items, completion, options),
-                                 media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        return sse_response(_chunks(first, items, completion, options))
 
     async def _image(self, request: Request, body: JsonObject) -> Response:
         """Chat with an image recipe (text-to-image, or image-edit when `model` names one):
@@ -245,9 +149,9 @@ class ChatRoutes:
             context = rest_context(request, body.get("timeout"))
             work = run_edit(self.core, edit, context)
         else:
-            job = await self.core.prepare_images(chat_image_request(body))
+            job = await prepare_images(self.core, chat_image_request(body))
             context = rest_context(request, body.get("timeout"))
-            work = self.core.generate_images(job, context)
+            work = generate_images(self.core, job, context)
         images = await until_disconnect(request, work)
         content = [{"type": "image_url",
                     "image_url": {"url": f"data:image/png;base64,{b64_png(i)}"}} for i in images]
@@ -258,34 +162,6 @@ class ChatRoutes:
                          "message": {"role": "assistant", "content": content}}],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
         })
-
-
-def chat_edit_request(body: Mapping[str, object]) -> EditRequest:
-    """An edit over chat: the last user message's text is the instruction, its `image_url`
-    parts (data URLs) the images to edit; the image fields as for text-to-image (extra_body).
-    Decodes base64: call it off the event loop."""
-    return EditRequest(image=chat_image_request(body),
-                       images=_last_user_images(body.get("messages")))
-
-
-def _last_user_images(messages: object) -> tuple[bytes, ...]:
-    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"] \
-        if isinstance(messages, list) else []
-    content = users[-1].get("content") if users else None
-    parts = [part for part in content if isinstance(part, dict)
-             and part.get("type") == "image_url"] if isinstance(content, list) else []
-    images = []
-    for part in parts:
-        url = part.get("image_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str):
-            raise InvalidRequest("messages", 'an image_url part must look like {"type": '
-                                 '"image_url", "image_url": {"url": "data:image/png;base64,..."}}')
-        images.append(image_data_url(url.strip(), "messages"))
-    if not images:
-        raise InvalidRequest("messages", "an image-edit model needs the image to edit: an "
-                             "image_url content part (a data URL) in the last user message")
-    return tuple(images)
 
 
 def _format(job: ChatJob) -> AudioFormat | None:
@@ -343,18 +219,15 @@ class _ChunkWriter:
 
 
 async def _chunks(first: object, items: ChatEvents, completion: _Completion,
-                  options: ChatOptions) -> AsyncIterator[bytes]:
-    """The SSE body; a failure after the first chunk is an error event, then [DONE]."""
+                  options: ChatOptions) -> AsyncGenerator[Payload, None]:
+    """The SSE chunks (sse_response ends them: an error event after a failure, [DONE])."""
     writer = _ChunkWriter(completion, options)
     try:
-        yield sse_event(writer.first())
+        yield writer.first()
         for payload in writer.of(first):
-            yield sse_event(payload)
+            yield payload
         async for item in items:
             for payload in writer.of(item):
-                yield sse_event(payload)
-    except GatewayError as error:
-        yield sse_event(error.body())
+                yield payload
     finally:
         await items.aclose()
-    yield SSE_DONE

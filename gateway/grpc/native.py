@@ -9,21 +9,30 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 
 from stagemesh.gateway.chat.pipeline import native_chat
-from stagemesh.gateway.core import GatewayCore, ImageEvents, RequestContext
+from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.images.edit_protocol import EditRequest
-from stagemesh.gateway.images.edits import edit_events, prepare_edit
 from stagemesh.gateway.images.pipeline import GeneratedImage
 from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.images.serving import (
+    ImageEvents,
+    edit_events,
+    image_events,
+    prepare_edit,
+    prepare_images,
+)
 from stagemesh.gateway.mesh.events import Done, Output, StageEvent
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech.audio import StreamEncoder
 from stagemesh.gateway.speech.protocol import SpeechRequest
-from stagemesh.gateway.videos.jobs import new_video_id, page
+from stagemesh.gateway.speech.serving import prepare_speech, speech_events
+from stagemesh.gateway.videos.jobs import new_video_id, page, video_jobs
 from stagemesh.gateway.videos.protocol import VideoRequest
+from stagemesh.gateway.videos.serving import prepare_video
 from stagemesh.gateway.videos.store import JobRecord, JobStatus
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
@@ -106,23 +115,24 @@ class NativeApi:
 
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
+        self.videos = video_jobs(core)
 
     def GenerateImage(
         self, request: pb.GenerateImageRequest, context: RequestContext,
     ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
         """Queued and progress events of each stage, then one result per image."""
-        return _image_stream(lambda: self.core.prepare_images(image_request(request)),
-                             self.core.image_events, request.request_id, context)
+        return _image_stream(lambda: prepare_images(self.core, image_request(request)),
+                             partial(image_events, self.core), request.request_id, context)
 
     async def SynthesizeSpeech(
         self, request: pb.SynthesizeSpeechRequest, context: RequestContext,
     ) -> AsyncGenerator[pb.SynthesizeSpeechResponse, None]:
         """The same audio bytes as POST /v1/audio/speech with stream=true, one message per
         chunk (a WAV's header rides on the first)."""
-        job = await self.core.prepare_speech(speech_request(request))
+        job = await prepare_speech(self.core, speech_request(request))
         context = context.for_request(check_request_id(request.request_id, "request_id"))
         encoder: StreamEncoder | None = None
-        async with contextlib.aclosing(self.core.speech_events(job, context)) as items:
+        async with contextlib.aclosing(speech_events(self.core, job, context)) as items:
             async for item in items:
                 if isinstance(item, Output):
                     encoder = encoder or StreamEncoder(job.params.response_format,
@@ -180,17 +190,17 @@ class NativeApi:
     async def CreateVideo(self, request: pb.CreateVideoRequest,
                           context: RequestContext) -> pb.VideoJob:
         """Check the request (400 before anything is stored), store the job queued, start it."""
-        spec = await self.core.prepare_video(video_request(request))
+        spec = await prepare_video(self.core, video_request(request))
         job_id = check_request_id(request.request_id, "request_id") or new_video_id()
-        return video_job(await self.core.videos.create(spec, job_id, context.owner))
+        return video_job(await self.videos.create(spec, job_id, context.owner))
 
     async def GetVideo(self, request: pb.GetVideoRequest, context: RequestContext) -> pb.VideoJob:
-        return video_job(await self.core.videos.get(context.owner, request.id))
+        return video_job(await self.videos.get(context.owner, request.id))
 
     async def ListVideos(self, request: pb.ListVideosRequest,
                          context: RequestContext) -> pb.ListVideosResponse:
         """Newest first; `next_page_token` is the last job's id (empty on the last page)."""
-        records = await self.core.videos.owned(context.owner)
+        records = await self.videos.owned(context.owner)
         jobs, more = page(records, request.page_size or None, request.page_token, "page_size",
                           "page_token")
         return pb.ListVideosResponse(jobs=[video_job(r) for r in jobs],
@@ -198,11 +208,11 @@ class NativeApi:
 
     async def DeleteVideo(self, request: pb.DeleteVideoRequest,
                           context: RequestContext) -> pb.VideoJob:
-        return video_job(await self.core.videos.delete(context.owner, request.id))
+        return video_job(await self.videos.delete(context.owner, request.id))
 
     async def WatchVideo(self, request: pb.WatchVideoRequest,
                          context: RequestContext) -> AsyncGenerator[pb.VideoJob, None]:
-        async with contextlib.aclosing(self.core.videos.watch(context.owner,
+        async with contextlib.aclosing(self.videos.watch(context.owner,
                                                               request.id)) as records:
             async for record in records:
                 yield video_job(record)
@@ -210,7 +220,7 @@ class NativeApi:
     async def DownloadVideo(
         self, request: pb.DownloadVideoRequest, context: RequestContext,
     ) -> AsyncGenerator[pb.DownloadVideoResponse, None]:
-        async with contextlib.aclosing(self.core.videos.chunks(context.owner,
+        async with contextlib.aclosing(self.videos.chunks(context.owner,
                                                                request.id)) as chunks:
             async for chunk in chunks:
                 yield pb.DownloadVideoResponse(data=chunk)

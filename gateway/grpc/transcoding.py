@@ -10,30 +10,32 @@ line; an error after the first line is a last line holding the error body).
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from google.api import annotations_pb2
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stagemesh.gateway.core import RequestContext
-from stagemesh.gateway.errors import GatewayError, InvalidRequest
+from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.grpc.native import NativeApi
 from stagemesh.gateway.wire.bodies import (
+    MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
-    error_response,
-    ndjson_line,
+    TEXT_BODY_BYTES,
     off_loop,
     owner,
     parse_json_object,
     read_body,
     request_id,
 )
+from stagemesh.gateway.wire.streams import Payload, ndjson_response
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GatewayService"]
@@ -92,10 +94,29 @@ async def parse_message(request: Request, binding: HttpBinding,
                         message_type: type[MessageT]) -> MessageT:
     """The request message from body, path and query (strict JSON; a large body is parsed in
     a worker thread, see http_io.off_loop)."""
-    raw = await read_body(request) if binding.body == "*" else b""
+    raw = await read_body(request, body_limit(message_type.DESCRIPTOR)) \
+        if binding.body == "*" else b""
     given: dict[str, object] = {} if binding.body == "*" else dict(request.query_params)
     given.update(request.path_params)
     return await off_loop(len(raw), lambda: _message(raw, given, message_type))
+
+
+def body_limit(descriptor: Descriptor) -> int:
+    """A native route's body cap, read off its request message: MAX_BODY_BYTES where the
+    message can carry binary (a bytes field: an image, a reference clip), else
+    TEXT_BODY_BYTES."""
+    return MAX_BODY_BYTES if _carries_bytes(descriptor, set()) else TEXT_BODY_BYTES
+
+
+def _carries_bytes(descriptor: Descriptor, seen: set[str]) -> bool:
+    seen.add(descriptor.full_name)
+    for field in descriptor.fields:
+        if field.type == FieldDescriptor.TYPE_BYTES:
+            return True
+        nested = field.message_type
+        if nested is not None and nested.full_name not in seen and _carries_bytes(nested, seen):
+            return True
+    return False
 
 
 def _message(raw: bytes, given: dict[str, object], message_type: type[MessageT]) -> MessageT:
@@ -125,13 +146,10 @@ def unary_endpoint(binding: HttpBinding, message_type: type[MessageT],
     """`names_request` fills the message's own id from the request (before the call);
     `request_id_of` is the reply's id, which the response's x-request-id then echoes."""
     async def endpoint(request: Request) -> Response:
-        try:
-            message = await parse_message(request, binding, message_type)
-            if names_request is not None:
-                names_request(message, request)
-            reply = await call(message, _context(request))
-        except GatewayError as error:
-            return error_response(error)
+        message = await parse_message(request, binding, message_type)
+        if names_request is not None:
+            names_request(message, request)
+        reply = await call(message, _context(request))
         if request_id_of is not None:
             request.scope["state"]["request_id"] = request_id_of(reply)
         return JSONResponse(to_json(reply))
@@ -155,30 +173,25 @@ def stream_endpoint(
     call: Callable[[MessageT, RequestContext], AsyncGenerator[ReplyT, None]],
 ) -> Endpoint:
     async def endpoint(request: Request) -> Response:
-        try:
-            message = await parse_message(request, binding, message_type)
-            replies = call(message, _context(request))
-        except GatewayError as error:
-            return error_response(error)
+        message = await parse_message(request, binding, message_type)
+        replies = call(message, _context(request))
         try:  # errors before the first message still get their HTTP status
             first = await anext(replies, None)
-        except GatewayError as error:
+        except BaseException:
             await replies.aclose()
-            return error_response(error)
-        return StreamingResponse(_ndjson(first, replies), media_type="application/x-ndjson")
+            raise
+        return ndjson_response(_lines(first, replies))
 
     return endpoint
 
 
-async def _ndjson(first: Message | None,
-                  replies: AsyncGenerator[Message, None]) -> AsyncIterator[bytes]:
+async def _lines(first: Message | None,
+                 replies: AsyncGenerator[Message, None]) -> AsyncGenerator[Payload, None]:
     try:
         if first is not None:
-            yield ndjson_line(to_json(first))
+            yield to_json(first)
             async for reply in replies:
-                yield ndjson_line(to_json(reply))
-    except GatewayError as error:  # the status is already 200: end with an error line
-        yield ndjson_line(error.body())
+                yield to_json(reply)
     finally:
         await replies.aclose()  # client gone or done: stop the work behind it
 

@@ -1,4 +1,5 @@
-"""The gateway's own Prometheus metrics: request latency by route, and time to first audio."""
+"""The gateway's own Prometheus metrics: request latency by route (and, from wire/streams.py,
+time to first audio), served at /metrics."""
 
 from __future__ import annotations
 
@@ -9,16 +10,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+from stagemesh.gateway.wire.streams import BUCKETS
 
 REQUEST_SECONDS = Histogram(
     "stagemesh_gateway_request_seconds",
     "REST requests, from arrival to the last byte of the response, by route and status.",
     ["route", "status"], buckets=BUCKETS)
-TTFP_SECONDS = Histogram(
-    "stagemesh_gateway_ttfp_seconds",
-    "Streamed speech: from arrival to the first audio bytes being ready, by recipe.",
-    ["recipe"], buckets=BUCKETS)
 
 
 class RequestMetricsMiddleware:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import EditRequest
-from stagemesh.gateway.images.protocol import ImageRequest, parse_size
-from stagemesh.gateway.wire.bodies import Form, FormFields
-from stagemesh.gateway.wire.fields import execution_mode
+from stagemesh.gateway.images.protocol import ImageRequest, execution_mode, parse_size
+from stagemesh.gateway.wire.forms import Form, FormFields
 
 #: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
 EDIT_FIELDS = frozenset({

@@ -11,11 +11,8 @@ Decoding is CPU work: call `resolve_edit_request` off the event loop.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import math
-import re
 import warnings
 from dataclasses import dataclass, replace
 
@@ -37,11 +34,6 @@ CONDITION_AREA = 1024 * 1024
 CONDITION_ROUNDING = 32
 #: The image formats an edit accepts (PIL's names).
 IMAGE_FORMATS = frozenset({"PNG", "JPEG", "WEBP"})
-#: The header of an image's base64 data URL: `data:image/<type>[;param]...;base64,`.
-_IMAGE_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+(;[^,;]*)*;base64,", re.ASCII)
-#: Longest data URL header read (image and audio data URLs: the header regexes run on at most
-#: this many characters).
-MAX_DATA_URL_HEADER_CHARS = 256
 
 RgbImage = npt.NDArray[np.uint8]
 
@@ -75,23 +67,6 @@ def condition_size(width: int, height: int) -> tuple[int, int]:
     scaled_height = scaled_width / ratio
     return (round(scaled_width / CONDITION_ROUNDING) * CONDITION_ROUNDING,
             round(scaled_height / CONDITION_ROUNDING) * CONDITION_ROUNDING)
-
-
-def image_data_url(url: str, field: str) -> bytes:
-    """The bytes of an image sent as a base64 data URL (`data:image/png;base64,...`), as chat
-    content parts and video image references carry it. Remote URLs are refused (the server
-    fetches nothing); every refusal names `field`."""
-    if url.startswith(("http://", "https://", "file:")):
-        raise InvalidRequest(field, f"{field}: images must be sent as data URLs "
-                             "(data:image/png;base64,...); this server fetches no URLs")
-    header = _IMAGE_DATA_URL.match(url[:MAX_DATA_URL_HEADER_CHARS])
-    if header is None:
-        raise InvalidRequest(field, f"{field}: an image must be a base64 data URL "
-                             "(data:image/png;base64,...)")
-    try:
-        return base64.b64decode(url[header.end():], validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest(field, f"{field}: the image's data URL is not valid base64") from None
 
 
 def decode_image(data: bytes, max_pixels: int, field: str = "image") -> RgbImage:

@@ -8,16 +8,22 @@ the Tokenizer, DiT and VAE publish, before any stage is called. Each refusal nam
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.mesh.catalog import ExecutionMode, ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
 from stagemesh.gateway.seeds import random_seed
+from stagemesh.gateway.wire.bodies import TEXT_BODY_BYTES
+from stagemesh.gateway.wire.fields import JsonFields
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import common_pb2
 
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+
+#: POST /v1/images/generations and GenerateImage carry text only.
+GENERATION_BODY_BYTES = TEXT_BODY_BYTES
 
 #: The priorities a client may ask for: lower runs sooner (as in vLLM); 0 when not given.
 PRIORITY_RANGE = range(-1000, 1001)
@@ -136,3 +142,40 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
                        height=height, num_inference_steps=steps, true_cfg_scale=scale,
                        seed=seed, execution_mode=request.execution_mode,
                        priority=_priority(request.priority))
+
+
+def execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
+    """An `execution_mode` field's text (None = the DiT's default) -> the proto's enum."""
+    if value is None:
+        return common_pb2.EXECUTION_MODE_UNSPECIFIED
+    if value not in EXECUTION_MODES:
+        raise InvalidRequest("execution_mode",
+                             f"execution_mode must be one of {sorted(EXECUTION_MODES)}")
+    return EXECUTION_MODES[value]
+
+
+def image_request(body: Mapping[str, object]) -> ImageRequest:
+    """POST /v1/images/generations: OpenAI's fields plus stagemesh's extensions."""
+    fields = JsonFields(body)
+    size = fields.string("size")
+    width, height = (parse_size(size) if size is not None
+                     else (fields.integer("width"), fields.integer("height")))
+    if body.get("response_format", "b64_json") != "b64_json":
+        raise InvalidRequest("response_format", "only response_format 'b64_json' is supported")
+    scale_field = "true_cfg_scale" if "true_cfg_scale" in body else "guidance_scale"
+    return ImageRequest(
+        prompt=fields.string("prompt") or "", model=fields.string("model") or "",
+        negative_prompt=fields.string("negative_prompt"), n=fields.integer("n"),
+        width=width, height=height,
+        num_inference_steps=fields.integer("num_inference_steps"),
+        true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
+        execution_mode=execution_mode(fields.string("execution_mode")),
+        priority=fields.integer("priority"))
+
+
+def _cfg_scale(fields: JsonFields, name: str) -> float | None:
+    """true_cfg_scale (alias guidance_scale); a refusal names true_cfg_scale either way."""
+    try:
+        return fields.number(name)
+    except InvalidRequest:
+        raise InvalidRequest("true_cfg_scale", "true_cfg_scale must be a number") from None

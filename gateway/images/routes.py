@@ -6,28 +6,22 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.images.edit_forms import edit_request
-from stagemesh.gateway.images.edits import prepare_edit, run_edit
 from stagemesh.gateway.images.pipeline import GeneratedImage
+from stagemesh.gateway.images.protocol import GENERATION_BODY_BYTES, image_request
+from stagemesh.gateway.images.serving import generate_images, prepare_edit, prepare_images, run_edit
 from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
-from stagemesh.gateway.wire.bodies import (
-    SSE_DONE,
-    ClientGone,
-    error_response,
-    read_form,
-    read_json_object,
-    rest_context,
-    sse_event,
-    until_disconnect,
-)
-from stagemesh.gateway.wire.fields import JsonFields, image_request, openai_body
+from stagemesh.gateway.wire.bodies import read_json_object, rest_context
+from stagemesh.gateway.wire.fields import JsonFields, openai_body
+from stagemesh.gateway.wire.forms import read_form
+from stagemesh.gateway.wire.streams import Payload, sse_response, until_disconnect
 from stagemesh.shared.proto.v1 import common_pb2
 
 #: The status a request answers when its client left before the answer (nginx's convention).
@@ -67,64 +61,50 @@ class ImageRoutes:
         self.core = core
 
     async def generations(self, request: Request) -> Response:
-        try:
-            body = openai_body(await read_json_object(request))
-            job = await self.core.prepare_images(image_request(body))  # 400 before any stream
-            context = rest_context(request, body.get("timeout"))
+        body = openai_body(await read_json_object(request, GENERATION_BODY_BYTES))
+        job = await prepare_images(self.core, image_request(body))  # 400 before any stream
+        context = rest_context(request, body.get("timeout"))
 
-            def run(emit: Emit[GeneratedImage] | None) -> Awaitable[list[GeneratedImage]]:
-                return self.core.generate_images(job, context, emit)
+        def run(emit: Emit[GeneratedImage] | None) -> Awaitable[list[GeneratedImage]]:
+            return generate_images(self.core, job, context, emit)
 
-            return await self._answer(request, context, bool(JsonFields(body).boolean("stream")),
-                                      run)
-        except GatewayError as error:
-            return error_response(error)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE_STATUS)
+        return await self._answer(request, context, bool(JsonFields(body).boolean("stream")), run)
 
     async def edits(self, request: Request) -> Response:
         """The OpenAI edit form: the image(s) and the instruction; the same answers as
         generations."""
-        try:
-            form = await read_form(request)
-            edit, stream = edit_request(form)
-            job = await prepare_edit(self.core, edit)  # 400 before any stage runs
-            context = rest_context(request, form.text("timeout"))
+        form = await read_form(request)
+        edit, stream = edit_request(form)
+        job = await prepare_edit(self.core, edit)  # 400 before any stage runs
+        context = rest_context(request, form.text("timeout"))
 
-            def run(emit: Emit[GeneratedImage] | None) -> Awaitable[list[GeneratedImage]]:
-                return run_edit(self.core, job, context, emit)
+        def run(emit: Emit[GeneratedImage] | None) -> Awaitable[list[GeneratedImage]]:
+            return run_edit(self.core, job, context, emit)
 
-            return await self._answer(request, context, stream, run)
-        except GatewayError as error:
-            return error_response(error)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE_STATUS)
+        return await self._answer(request, context, stream, run)
 
     async def _answer(self, request: Request, context: RequestContext, stream: bool,
                       run: RunImages) -> Response:
         """The images as OpenAI's JSON (the work stops if the client leaves), or as SSE."""
         if stream:
-            return self._stream(run, context)
+            return sse_response(_events(run, context), _error_event)
         images = await until_disconnect(request, run(None))
         return JSONResponse({"created": int(time.time()),
                              "data": [{"b64_json": b64_png(i), "revised_prompt": None,
                                        "seed": i.seed} for i in images]})
 
-    def _stream(self, run: RunImages, context: RequestContext) -> Response:
-        """SSE: the request id, queued/progress per stage step, each image, done, [DONE]."""
 
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                yield sse_event({"type": "request", "request_id": context.request_id})
-                async with contextlib.aclosing(stream_pipeline(run)) as items:
-                    async for item in items:
-                        yield sse_event(_image_event(item))
-            except GatewayError as error:
-                yield sse_event({"type": "error", **error.body()})
-            yield SSE_DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+async def _events(run: RunImages, context: RequestContext) -> AsyncGenerator[Payload, None]:
+    """SSE: the request id, queued/progress per stage step, each image, done (then [DONE])."""
+    yield {"type": "request", "request_id": context.request_id}
+    async with contextlib.aclosing(stream_pipeline(run)) as items:
+        async for item in items:
+            yield _image_event(item)
+
+
+def _error_event(error: GatewayError) -> Payload:
+    return {"type": "error", **error.body()}
 
 
 def _image_event(item: StageEvent | Output[GeneratedImage] | Done[list[GeneratedImage]]

@@ -9,12 +9,15 @@ Each refusal names its field.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.mesh.catalog import SpeechFacts
 from stagemesh.gateway.seeds import random_seed
 from stagemesh.gateway.speech.audio import AudioFormat, ReferenceAudio, decode_reference
+from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
+from stagemesh.gateway.wire.fields import JsonFields, ref_audio_bytes
 from stagemesh.shared.limits import CLONE_VOICE, DEFAULT_VOICE, MAX_SEED
 
 #: OpenAI's accepted speed range; only 1.0 is served (see `_check_speed`).
@@ -24,6 +27,8 @@ DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_TOP_K = 0.9, 1.0, 50
 #: Smallest temperature other than 0 (0 = greedy): logits of any size stay finite when divided
 #: by it (float32 holds 3e38; a logit over 3e36 does not occur), while 1e-40 overflows.
 MIN_TEMPERATURE = 1e-2
+#: POST /v1/audio/speech and SynthesizeSpeech may carry a reference clip (base64).
+SPEECH_BODY_BYTES = MAX_BODY_BYTES
 
 
 class SpeechTask(enum.StrEnum):
@@ -187,3 +192,23 @@ def resolve_speech_request(request: SpeechRequest, facts: SpeechFacts) -> Speech
         top_p=top_p, top_k=top_k,
         language=request.language or "", instructions=(request.instructions or "").strip(),
         reference=reference, ref_text=request.ref_text or "")
+
+
+def speech_request(body: Mapping[str, object]) -> tuple[SpeechRequest, bool]:
+    """POST /v1/audio/speech: OpenAI's fields plus the seed's extensions -> (request, stream)."""
+    fields = JsonFields(body)
+    stream_format = fields.string("stream_format")
+    if stream_format not in (None, "audio"):
+        raise InvalidRequest("stream_format", "only stream_format 'audio' is supported")
+    ref_audio = fields.string("ref_audio")
+    request = SpeechRequest(
+        input=fields.string("input") or "", model=fields.string("model") or "",
+        voice=fields.string("voice"), response_format=fields.string("response_format"),
+        speed=fields.number("speed"), task_type=fields.string("task_type"),
+        language=fields.string("language"), instructions=fields.string("instructions"),
+        ref_audio=None if ref_audio is None else ref_audio_bytes(ref_audio),
+        ref_text=fields.string("ref_text"), seed=fields.integer("seed"),
+        max_new_tokens=fields.integer("max_new_tokens"),
+        temperature=fields.number("temperature"), top_p=fields.number("top_p"),
+        top_k=fields.integer("top_k"))
+    return request, bool(fields.boolean("stream"))

@@ -9,22 +9,23 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stagemesh.gateway.core import GatewayCore, RequestContext, SpeechEvents, SpeechJob
+from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.http.metrics import TTFP_SECONDS
-from stagemesh.gateway.images.routes import CLIENT_GONE_STATUS
 from stagemesh.gateway.mesh.events import Done, Output
 from stagemesh.gateway.speech.audio import MEDIA_TYPES, AudioFormat, StreamEncoder
 from stagemesh.gateway.speech.pipeline import AudioPiece, SpeechSummary
-from stagemesh.gateway.wire.bodies import (
-    ClientGone,
-    error_response,
-    off_loop,
-    read_json_object,
-    rest_context,
-    until_disconnect,
+from stagemesh.gateway.speech.protocol import SPEECH_BODY_BYTES, speech_request
+from stagemesh.gateway.speech.serving import (
+    SpeechEvents,
+    SpeechJob,
+    prepare_speech,
+    speech_events,
+    synthesize_all,
+    voices,
 )
-from stagemesh.gateway.wire.fields import openai_body, speech_request
+from stagemesh.gateway.wire.bodies import off_loop, read_json_object, rest_context
+from stagemesh.gateway.wire.fields import openai_body
+from stagemesh.gateway.wire.streams import TTFP_SECONDS, until_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +40,15 @@ class AudioRoutes:
         self.core = core
 
     async def speech(self, request: Request) -> Response:
-        try:
-            body = openai_body(await read_json_object(request))
-            clip = body.get("ref_audio")  # base64 of up to megabytes: decoded off the loop
-            speech, stream = await off_loop(len(clip) if isinstance(clip, str) else 0,
-                                            lambda: speech_request(body))
-            job = await self.core.prepare_speech(speech)  # 400 before any audio
-            context = rest_context(request, body.get("timeout"))
-            if stream:
-                return await self._stream(request, job, context)
-            audio = await until_disconnect(request, self.core.synthesize_all(job, context))
-        except GatewayError as error:
-            return error_response(error)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE_STATUS)
+        body = openai_body(await read_json_object(request, SPEECH_BODY_BYTES))
+        clip = body.get("ref_audio")  # base64 of up to megabytes: decoded off the loop
+        speech, stream = await off_loop(len(clip) if isinstance(clip, str) else 0,
+                                        lambda: speech_request(body))
+        job = await prepare_speech(self.core, speech)  # 400 before any audio
+        context = rest_context(request, body.get("timeout"))
+        if stream:
+            return await self._stream(request, job, context)
+        audio = await until_disconnect(request, synthesize_all(self.core, job, context))
         return Response(audio, media_type=MEDIA_TYPES[job.params.response_format])
 
     async def _stream(self, request: Request, job: SpeechJob,
@@ -64,7 +60,7 @@ class AudioRoutes:
         status; after that, an error cuts the connection instead (see `_speech_body`).
         """
         started = time.monotonic()
-        items = self.core.speech_events(job, context)
+        items = speech_events(self.core, job, context)
         try:
             first = await until_disconnect(request, _next_audio(items))
         except BaseException:
@@ -77,11 +73,8 @@ class AudioRoutes:
 
     async def voices(self, request: Request) -> Response:
         """The voices of a speech model, as its talker publishes them."""
-        try:
-            recipe, voices = await self.core.voices(request.query_params.get("model"))
-        except GatewayError as error:
-            return error_response(error)
-        return JSONResponse({"model": recipe.name, "voices": voices})
+        recipe, names = await voices(self.core, request.query_params.get("model"))
+        return JSONResponse({"model": recipe.name, "voices": names})
 
 
 async def _next_audio(items: SpeechEvents) -> AudioPiece | SpeechSummary:

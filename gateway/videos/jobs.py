@@ -3,7 +3,7 @@
 A job is created queued (its record in the VideoStore), waits for one of this gateway's
 `max_running` job slots, then runs the video pipeline under a CancelScope whose request id is
 the job's id, writing its MP4 as the VAE decodes it and its progress after each step. Every
-transport (OpenAI REST, gRPC, native REST) calls this one class through GatewayCore.videos.
+transport (OpenAI REST, gRPC, native REST) calls this one class, found by `video_jobs(core)`.
 
 Stopping a job, from any gateway sharing the store:
 - DELETE here, or cancel by id here: the job's scope is cancelled (the open stage stops at its
@@ -19,31 +19,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
+from weakref import WeakKeyDictionary
 
 import grpc
 
+from stagemesh.gateway.core import GatewayCore, JobCancel
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.mesh.cancel import CANCEL_ACK_TIMEOUT_S, CancelOutcome
 from stagemesh.gateway.videos.mux import Mp4Writer
 from stagemesh.gateway.videos.pipeline import Mp4Sink
+from stagemesh.gateway.videos.serving import VideoSpec, make_video
 from stagemesh.gateway.videos.store import (
     HEARTBEAT_S,
     JobLimit,
     JobRecord,
     JobStatus,
     JobStopped,
+    StoreLimits,
     VideoStore,
+    default_root,
 )
 from stagemesh.shared.limits import MAX_REQUEST_ID_CHARS, REQUEST_ID_PATTERN
 from stagemesh.shared.proto.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from stagemesh.gateway.core import GatewayCore, VideoSpec
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +68,6 @@ CHUNK_BYTES = 1024 * 1024
 #: Jobs per page of a listing: when not given, and at most.
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
-
-
-@dataclass(frozen=True)
-class JobCancel:
-    """A cancel by id that found a live job: `stopped` here, or only marked in the store (the
-    gateway running it stops it; the caller also fans the cancel out to the stages)."""
-
-    outcome: CancelOutcome
-    stopped: bool
 
 
 def new_video_id() -> str:
@@ -225,7 +219,7 @@ class VideoJobs:
                 if fraction > local.record.progress:
                     await self._save(local, replace(local.record, progress=fraction))
 
-            await self.core.make_video(local.spec, context, Mp4Sink(writer), progress)
+            await make_video(self.core, local.spec, context, Mp4Sink(writer), progress)
             await asyncio.to_thread(writer.close)
         except BaseException:
             await asyncio.to_thread(writer.abort)
@@ -456,3 +450,19 @@ def _taken(job_id: str) -> GatewayError:
 def _remove_partial(store: VideoStore, record: JobRecord) -> None:
     with contextlib.suppress(FileNotFoundError):
         store.partial_path(record.owner, record.id).unlink()
+
+
+#: The video jobs of each open core (one per core: cancel by id reaches them through it).
+_JOBS: WeakKeyDictionary[GatewayCore, VideoJobs] = WeakKeyDictionary()
+
+
+def video_jobs(core: GatewayCore) -> VideoJobs:
+    """The core's video jobs, in STAGEMESH_VIDEO_STORE (nothing is read or written before a
+    job), registered with the core on first use (the gateway's lifespan opens them)."""
+    jobs = _JOBS.get(core)
+    if jobs is None:
+        jobs = VideoJobs(core, VideoStore(default_root(os.environ),
+                                          StoreLimits.from_env(os.environ)))
+        _JOBS[core] = jobs
+        core.add_jobs(jobs)
+    return jobs

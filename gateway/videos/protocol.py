@@ -16,10 +16,12 @@ import math
 from dataclasses import dataclass
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image, image_data_url
+from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image
 from stagemesh.gateway.images.protocol import ImageRequest, resolve_image_request
 from stagemesh.gateway.mesh.catalog import VideoFacts
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
+from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
+from stagemesh.gateway.wire.fields import image_data_url
 from stagemesh.shared.limits import MAX_FLOW_SHIFT
 
 #: Frames per second an MP4 may play at.
@@ -30,6 +32,9 @@ MAX_SECONDS = 600.0
 #: it to the video's size, so this only bounds the gateway's memory.
 MAX_REFERENCE_PIXELS = 4096 * 4096
 
+
+#: POST /v1/videos(/sync) and CreateVideo may carry an input image.
+VIDEO_BODY_BYTES = MAX_BODY_BYTES
 
 @dataclass(frozen=True)
 class VideoRequest:

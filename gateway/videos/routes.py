@@ -19,26 +19,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.errors import GatewayError, InvalidRequest
+from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.protocol import parse_size
-from stagemesh.gateway.images.routes import CLIENT_GONE_STATUS
-from stagemesh.gateway.videos.jobs import new_video_id, page
-from stagemesh.gateway.videos.protocol import VideoRequest, image_from_reference
+from stagemesh.gateway.videos.jobs import new_video_id, page, video_jobs
+from stagemesh.gateway.videos.protocol import VIDEO_BODY_BYTES, VideoRequest, image_from_reference
+from stagemesh.gateway.videos.serving import prepare_video, video_bytes
 from stagemesh.gateway.videos.store import JobRecord, JobStatus
 from stagemesh.gateway.wire.bodies import (
     REQUEST_ID_HEADER,
-    ClientGone,
-    Form,
-    FormFields,
-    error_response,
     owner,
-    parse_integer,
-    parse_json_object,
-    read_body,
-    read_form,
+    read_json_object,
     rest_context,
-    until_disconnect,
 )
+from stagemesh.gateway.wire.forms import Form, FormFields, parse_integer, read_form
+from stagemesh.gateway.wire.streams import until_disconnect
 
 #: The id of a sync video whose client gave none starts with this (as the seed's).
 SYNC_ID_PREFIX = "video_sync-"
@@ -116,11 +110,11 @@ def form_from_json(body: dict[str, object]) -> Form:
 
 
 async def read_video_form(request: Request) -> Form:
-    """The create/sync body: a multipart form, or a JSON object."""
+    """The create/sync body: a multipart or urlencoded form, or a JSON object."""
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if content_type == "application/json":
-        return form_from_json(parse_json_object(await read_body(request)))
-    return await read_form(request, large_fields=LARGE_FIELDS, max_files=1)
+        return form_from_json(await read_json_object(request, VIDEO_BODY_BYTES))
+    return await read_form(request, large_fields=LARGE_FIELDS, max_files=1, urlencoded=True)
 
 
 def openai_status(status: JobStatus) -> str:
@@ -155,23 +149,21 @@ class VideoRoutes:
 
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
+        self.videos = video_jobs(core)
 
     def _json(self, record: JobRecord) -> JSONResponse:
         """The video object; a live job also says when to poll again (the openai SDK's poll
         helper reads `openai-poll-after-ms`)."""
         headers = {POLL_AFTER_HEADER: str(POLL_AFTER_MS)} if record.status.live else {}
-        return JSONResponse(video_object(record, self.core.videos.store.limits.max_age_s),
+        return JSONResponse(video_object(record, self.videos.store.limits.max_age_s),
                             headers=headers)
 
     async def create(self, request: Request) -> Response:
         """The job, queued (200, OpenAI's video object); its id is the client's x-request-id
         when it sent one, else `video_<hex>`."""
-        try:
-            spec = await self.core.prepare_video(video_request(await read_video_form(request)))
-            job_id = _client_id(request) or new_video_id()
-            record = await self.core.videos.create(spec, job_id, owner(request))
-        except GatewayError as error:
-            return error_response(error)
+        spec = await prepare_video(self.core, video_request(await read_video_form(request)))
+        job_id = _client_id(request) or new_video_id()
+        record = await self.videos.create(spec, job_id, owner(request))
         request.scope["state"]["request_id"] = job_id
         return self._json(record)
 
@@ -179,17 +171,12 @@ class VideoRoutes:
         """Blocks until the MP4 is made; nothing is stored. x-request-id (`video_sync-...`
         unless the client chose one), x-model and x-inference-time-s say what ran."""
         started = time.monotonic()
-        try:
-            spec = await self.core.prepare_video(video_request(await read_video_form(request)))
-            request_id = _client_id(request) or f"{SYNC_ID_PREFIX}{uuid.uuid4().hex}"
-            request.scope["state"]["request_id"] = request_id
-            timed = rest_context(request)
-            context = RequestContext(request_id, timed.timeout, timed.owner)
-            video = await until_disconnect(request, self.core.video_bytes(spec, context))
-        except GatewayError as error:
-            return error_response(error)
-        except ClientGone:
-            return Response(status_code=CLIENT_GONE_STATUS)
+        spec = await prepare_video(self.core, video_request(await read_video_form(request)))
+        request_id = _client_id(request) or f"{SYNC_ID_PREFIX}{uuid.uuid4().hex}"
+        request.scope["state"]["request_id"] = request_id
+        timed = rest_context(request)
+        context = RequestContext(request_id, timed.timeout, timed.owner)
+        video = await until_disconnect(request, video_bytes(self.core, spec, context))
         return Response(video, media_type=MP4, headers={
             MODEL_HEADER: spec.recipe.name,
             INFERENCE_TIME_HEADER: f"{time.monotonic() - started:.3f}"})
@@ -198,55 +185,41 @@ class VideoRoutes:
         """`limit` (1-100, default 20), `after` (a job id), `order` (desc = newest first,
         the default; or asc)."""
         query = request.query_params
-        try:
-            for name in query:
-                if name not in LIST_QUERY:
-                    raise InvalidRequest(name, f"unknown query parameter {name!r}")
-            order = query.get("order", "desc")
-            if order not in ("asc", "desc"):
-                raise InvalidRequest("order", f"order must be 'asc' or 'desc', got {order!r}")
-            limit = parse_int("limit", query.get("limit"))
-            records = await self.core.videos.owned(owner(request))
-            if order == "asc":
-                records.reverse()
-            jobs, more = page(records, limit, query.get("after", ""), "limit", "after")
-        except GatewayError as error:
-            return error_response(error)
-        max_age = self.core.videos.store.limits.max_age_s
+        for name in query:
+            if name not in LIST_QUERY:
+                raise InvalidRequest(name, f"unknown query parameter {name!r}")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order", f"order must be 'asc' or 'desc', got {order!r}")
+        limit = parse_int("limit", query.get("limit"))
+        records = await self.videos.owned(owner(request))
+        if order == "asc":
+            records.reverse()
+        jobs, more = page(records, limit, query.get("after", ""), "limit", "after")
+        max_age = self.videos.store.limits.max_age_s
         return JSONResponse({"object": "list", "data": [video_object(r, max_age) for r in jobs],
                              "first_id": jobs[0].id if jobs else None,
                              "last_id": jobs[-1].id if jobs else None, "has_more": more})
 
     async def get(self, request: Request) -> Response:
-        try:
-            record = await self.core.videos.get(owner(request), request.path_params["id"])
-        except GatewayError as error:
-            return error_response(error)
-        return self._json(record)
+        return self._json(await self.videos.get(owner(request), request.path_params["id"]))
 
     async def delete(self, request: Request) -> Response:
         """OpenAI's deletion object; a running job stops at its next step first."""
         job_id = request.path_params["id"]
-        try:
-            await self.core.videos.delete(owner(request), job_id)
-        except GatewayError as error:
-            return error_response(error)
+        await self.videos.delete(owner(request), job_id)
         return JSONResponse({"id": job_id, "object": "video.deleted", "deleted": True})
 
     async def content(self, request: Request) -> Response:
         """The MP4 of a completed job (`variant=video`, the only one), streamed from the
         store; 400 while the job is not completed."""
         job_id = request.path_params["id"]
-        try:
-            variant = request.query_params.get("variant", "video")
-            if variant != "video":
-                raise InvalidRequest("variant", f"only variant 'video' is available, got "
-                                     f"{variant!r}")
-            record = await self.core.videos.content(owner(request), job_id)
-            chunks = self.core.videos.chunks(owner(request), job_id)
-            first = await anext(chunks, b"")
-        except GatewayError as error:
-            return error_response(error)
+        variant = request.query_params.get("variant", "video")
+        if variant != "video":
+            raise InvalidRequest("variant", f"only variant 'video' is available, got {variant!r}")
+        record = await self.videos.content(owner(request), job_id)
+        chunks = self.videos.chunks(owner(request), job_id)
+        first = await anext(chunks, b"")
         return StreamingResponse(_rest(first, chunks), media_type=MP4, headers={
             "content-length": str(record.size_bytes),
             "content-disposition": f'attachment; filename="{job_id}.mp4"'})

@@ -1,8 +1,5 @@
-"""OpenAI request bodies -> the gateway's typed request records, read once.
-
-Only the JSON shape is checked here (types, formats, which values a field may take); the limits
-are checked against what the stages publish when the request is prepared (image_params.py,
-speech_params.py). Every refusal names its field.
+"""Typed reads of JSON request bodies, shared by every resource's protocol: fields by type,
+OpenAI's `extra_body`, and base64 data URLs (images, audio). Every refusal names its field.
 """
 
 from __future__ import annotations
@@ -13,13 +10,14 @@ import re
 from collections.abc import Mapping
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.images.edit_protocol import MAX_DATA_URL_HEADER_CHARS
-from stagemesh.gateway.images.protocol import EXECUTION_MODES, ImageRequest, parse_size
-from stagemesh.gateway.speech.protocol import SpeechRequest
 from stagemesh.gateway.wire.bodies import JsonObject
-from stagemesh.shared.proto.v1 import common_pb2
 
 DATA_URL_PREFIX = "data:"
+#: Longest data URL header read (image and audio data URLs: the header regexes run on at most
+#: this many characters).
+MAX_DATA_URL_HEADER_CHARS = 256
+#: The header of an image's base64 data URL: `data:image/<type>[;param]...;base64,`.
+_IMAGE_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+(;[^,;]*)*;base64,", re.ASCII)
 #: A data URL's header (after `data:`, before the comma): an optional media type, optional
 #: `;name=value` parameters, then `;base64`. Only ever matched on at most
 #: MAX_DATA_URL_HEADER_CHARS characters, and unambiguous (parameters start at `;`).
@@ -70,72 +68,6 @@ def openai_body(body: JsonObject) -> JsonObject:
     return {**rest, **extra} if isinstance(extra, dict) else rest
 
 
-def execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
-    """An `execution_mode` field's text (None = the DiT's default) -> the proto's enum."""
-    if value is None:
-        return common_pb2.EXECUTION_MODE_UNSPECIFIED
-    if value not in EXECUTION_MODES:
-        raise InvalidRequest("execution_mode",
-                             f"execution_mode must be one of {sorted(EXECUTION_MODES)}")
-    return EXECUTION_MODES[value]
-
-
-def image_request(body: Mapping[str, object]) -> ImageRequest:
-    """POST /v1/images/generations: OpenAI's fields plus stagemesh's extensions."""
-    fields = JsonFields(body)
-    size = fields.string("size")
-    width, height = (parse_size(size) if size is not None
-                     else (fields.integer("width"), fields.integer("height")))
-    if body.get("response_format", "b64_json") != "b64_json":
-        raise InvalidRequest("response_format", "only response_format 'b64_json' is supported")
-    scale_field = "true_cfg_scale" if "true_cfg_scale" in body else "guidance_scale"
-    return ImageRequest(
-        prompt=fields.string("prompt") or "", model=fields.string("model") or "",
-        negative_prompt=fields.string("negative_prompt"), n=fields.integer("n"),
-        width=width, height=height,
-        num_inference_steps=fields.integer("num_inference_steps"),
-        true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
-        execution_mode=execution_mode(fields.string("execution_mode")),
-        priority=fields.integer("priority"))
-
-
-def _cfg_scale(fields: JsonFields, name: str) -> float | None:
-    """true_cfg_scale (alias guidance_scale); a refusal names true_cfg_scale either way."""
-    try:
-        return fields.number(name)
-    except InvalidRequest:
-        raise InvalidRequest("true_cfg_scale", "true_cfg_scale must be a number") from None
-
-
-def chat_image_request(body: Mapping[str, object]) -> ImageRequest:
-    """POST /v1/chat/completions with image output: the prompt is the last user message's
-    text; width/height (in extra_body) win over size."""
-    fields = {key: value for key, value in body.items() if key != "prompt"}
-    if "height" in body or "width" in body:
-        fields.pop("size", None)
-    prompt = last_user_text(body.get("messages"))
-    if not prompt.strip():  # the client sent messages, not a prompt: name those
-        raise InvalidRequest("messages", "the last user message must have text")
-    fields["prompt"] = prompt
-    return image_request(fields)
-
-
-def last_user_text(messages: object) -> str:
-    """The prompt of a chat request: the text of the last user message."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages", "messages must be a non-empty list")
-    for message in reversed(messages):
-        if isinstance(message, dict) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                texts = [str(p.get("text", "")) for p in content
-                         if isinstance(p, dict) and p.get("type") == "text"]
-                return " ".join(t for t in texts if t)
-    raise InvalidRequest("messages", "messages must contain a user message with text")
-
-
 def ref_audio_bytes(value: str) -> bytes:
     """A data URL (`data:audio/wav;base64,...`) or bare base64 -> the file's bytes.
 
@@ -167,21 +99,18 @@ def _data_url_payload(value: str) -> str:
     return value[comma + 1:]
 
 
-def speech_request(body: Mapping[str, object]) -> tuple[SpeechRequest, bool]:
-    """POST /v1/audio/speech: OpenAI's fields plus the seed's extensions -> (request, stream)."""
-    fields = JsonFields(body)
-    stream_format = fields.string("stream_format")
-    if stream_format not in (None, "audio"):
-        raise InvalidRequest("stream_format", "only stream_format 'audio' is supported")
-    ref_audio = fields.string("ref_audio")
-    request = SpeechRequest(
-        input=fields.string("input") or "", model=fields.string("model") or "",
-        voice=fields.string("voice"), response_format=fields.string("response_format"),
-        speed=fields.number("speed"), task_type=fields.string("task_type"),
-        language=fields.string("language"), instructions=fields.string("instructions"),
-        ref_audio=None if ref_audio is None else ref_audio_bytes(ref_audio),
-        ref_text=fields.string("ref_text"), seed=fields.integer("seed"),
-        max_new_tokens=fields.integer("max_new_tokens"),
-        temperature=fields.number("temperature"), top_p=fields.number("top_p"),
-        top_k=fields.integer("top_k"))
-    return request, bool(fields.boolean("stream"))
+def image_data_url(url: str, field: str) -> bytes:
+    """The bytes of an image sent as a base64 data URL (`data:image/png;base64,...`), as chat
+    content parts and video image references carry it. Remote URLs are refused (the server
+    fetches nothing); every refusal names `field`."""
+    if url.startswith(("http://", "https://", "file:")):
+        raise InvalidRequest(field, f"{field}: images must be sent as data URLs "
+                             "(data:image/png;base64,...); this server fetches no URLs")
+    header = _IMAGE_DATA_URL.match(url[:MAX_DATA_URL_HEADER_CHARS])
+    if header is None:
+        raise InvalidRequest(field, f"{field}: an image must be a base64 data URL "
+                             "(data:image/png;base64,...)")
+    try:
+        return base64.b64decode(url[header.end():], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(field, f"{field}: the image's data URL is not valid base64") from None

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 import soundfile
 
-from stagemesh.gateway.app import build_rest_app, open_gateway
+from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.serve import free_port
 from stagemesh.shared.errors import abort_with, parse_rpc_error

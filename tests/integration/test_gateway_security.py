@@ -29,10 +29,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stagemesh.gateway.app import (
     MAX_GRPC_REQUEST_BYTES,
     GatewayConfig,
-    build_rest_app,
     open_gateway,
     run_gateway,
 )
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.http.auth import ApiKeys, owner_id
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES

@@ -19,6 +19,7 @@ from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.images.pipeline import GeneratedImage
 from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.images.serving import generate_images, prepare_images
 from stagemesh.gateway.mesh.balancer import (
     HEALTH_CHECK,
     Replica,
@@ -91,9 +92,9 @@ def _dit(stage: RunningStage) -> StepEngine[Any, Any, Any, Any, Any]:
 
 async def _image(core: GatewayCore, request_id: str | None = None, steps: int = 4,
                  seed: int = 0, owner: str = "") -> list[GeneratedImage]:
-    job = await core.prepare_images(ImageRequest(prompt="a red circle", seed=seed,
+    job = await prepare_images(core, ImageRequest(prompt="a red circle", seed=seed,
                                                  num_inference_steps=steps))
-    return await core.generate_images(job, RequestContext.create(request_id, 120, owner))
+    return await generate_images(core, job, RequestContext.create(request_id, 120, owner))
 
 
 def _steps(stage: RunningStage) -> Callable[[], bool]:

@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stagemesh.gateway.app import build_rest_app, open_gateway
+from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.http.auth import ApiKeys
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task, VideoDefaults
 from stagemesh.gateway.videos.store import STORE_ENV

@@ -24,7 +24,6 @@ from stagemesh.gateway.images.edit_protocol import (
     condition_size,
     decode_image,
     default_output_size,
-    image_data_url,
     resolve_edit_request,
 )
 from stagemesh.gateway.images.protocol import ImageRequest
@@ -37,7 +36,8 @@ from stagemesh.gateway.mesh.catalog import (
 )
 from stagemesh.gateway.mesh.channels import Mesh
 from stagemesh.gateway.recipes import EDIT_DEFAULTS, Recipe, StageEndpoint, Task
-from stagemesh.gateway.wire.bodies import Form, FormFile
+from stagemesh.gateway.wire.fields import image_data_url
+from stagemesh.gateway.wire.forms import Form, FormFile
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,

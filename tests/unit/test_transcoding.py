@@ -11,7 +11,6 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from stagemesh.gateway.app import RequestIdMiddleware
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.grpc.native import NativeApi, image_request
@@ -21,6 +20,7 @@ from stagemesh.gateway.grpc.transcoding import (
     http_bindings,
     parse_error_field,
 )
+from stagemesh.gateway.http.app import EXCEPTION_HANDLERS, RequestIdMiddleware
 from stagemesh.gateway.mesh.catalog import StageCatalog
 from stagemesh.gateway.mesh.channels import Mesh
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
@@ -62,7 +62,7 @@ def api() -> ScriptedApi:
 
 
 async def client_for(api: NativeApi) -> AsyncIterator[httpx.AsyncClient]:
-    app = Starlette(routes=annotated_routes(api))
+    app = Starlette(routes=annotated_routes(api), exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(RequestIdMiddleware)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://gateway") as client:

@@ -24,7 +24,7 @@ from stagemesh.gateway.videos.protocol import (
 )
 from stagemesh.gateway.videos.routes import form_from_json, video_object, video_request
 from stagemesh.gateway.videos.store import JobRecord, JobStatus, Runner
-from stagemesh.gateway.wire.bodies import Form, FormFile
+from stagemesh.gateway.wire.forms import Form, FormFile
 from stagemesh.shared.proto.v1 import common_pb2
 
 IMAGE = ImageFacts(max_prompt_chars=100, size_multiple=16, max_side=128, max_pixels=128 * 128,

@@ -1,0 +1,111 @@
+"""Streamed answers and disconnects, shared by every REST route: the client-gone signal, the
+work that stops when the client leaves, and the one in-stream error path of SSE (an `error`
+event, then [DONE]) and NDJSON (a last line holding the error body)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from typing import TypeVar
+
+from prometheus_client import Histogram
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from stagemesh.gateway.errors import GatewayError
+
+T = TypeVar("T")
+
+#: The last SSE event of every stream.
+SSE_DONE = b"data: [DONE]\n\n"
+#: The status a request answers when its client left before the answer (nginx's convention).
+CLIENT_GONE_STATUS = 499
+
+Payload = Mapping[str, object]
+
+#: Latency buckets of the gateway's histograms (http/metrics.py too).
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFP_SECONDS = Histogram(
+    "stagemesh_gateway_ttfp_seconds",
+    "Streamed speech: from arrival to the first audio bytes being ready, by recipe.",
+    ["recipe"], buckets=BUCKETS)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (and raise ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.create_task(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone()
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def sse_event(payload: Mapping[str, object]) -> bytes:
+    """One Server-Sent Event carrying a JSON object."""
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def ndjson_line(payload: Mapping[str, object]) -> bytes:
+    """One line of a newline-delimited JSON stream."""
+    return (json.dumps(payload) + "\n").encode()
+
+
+def _openai_error(error: GatewayError) -> Payload:
+    return error.body()
+
+
+def sse_response(payloads: AsyncGenerator[Payload, None],
+                 error_event: Callable[[GatewayError], Payload] = _openai_error
+                 ) -> StreamingResponse:
+    """Server-Sent Events: each payload as an event; a GatewayError raised after the first
+    byte (the status is already 200) becomes one last `error_event`; always ends with
+    [DONE]."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for payload in payloads:
+                yield sse_event(payload)
+        except GatewayError as error:
+            yield sse_event(error_event(error))
+        finally:
+            await payloads.aclose()  # client gone or done: stop the work behind it
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache"})
+
+
+def ndjson_response(payloads: AsyncGenerator[Payload, None]) -> StreamingResponse:
+    """Newline-delimited JSON: one payload a line; a GatewayError after the first line ends
+    the stream with a line holding the error body."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for payload in payloads:
+                yield ndjson_line(payload)
+        except GatewayError as error:  # the status is already 200: end with an error line
+            yield ndjson_line(error.body())
+        finally:
+            await payloads.aclose()
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
