@@ -39,6 +39,7 @@ lint: install
 	$(BIN)/python tools/genproto.py --check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	tools/check_k8s.sh
 
 test-fast: install

@@ -23,14 +23,13 @@ from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.grpc.api import GatewayServicer
 from stagemesh.gateway.grpc.decode import DecodeErrorInterceptor
 from stagemesh.gateway.grpc.native import NativeApi
-from stagemesh.gateway.http.admission import Admission
 from stagemesh.gateway.http.app import build_rest_app
-from stagemesh.gateway.http.auth import ApiKeyInterceptor, ApiKeys
-from stagemesh.gateway.mesh.catalog import StageCatalog
-from stagemesh.gateway.mesh.channels import Mesh
+from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.gateway.videos.jobs import video_jobs
-from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
+from stagemesh.gateway.wire.admission import Admission
+from stagemesh.gateway.wire.auth import ApiKeyInterceptor, ApiKeys
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES
 from stagemesh.shared.proto.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from stagemesh.shared.server import RunningServer, start_server
 from stagemesh.shared.tracing import GrpcServerSpans

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -17,18 +18,17 @@ from typing import Protocol
 import grpc
 
 from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
-from stagemesh.gateway.mesh.cancel import (
+from stagemesh.gateway.mesh.calls import (
     CancelOutcome,
     CancelScope,
     DeadlineExceeded,
     RequestCancelled,
     ScopeRegistry,
+    StageCallError,
     new_request_id,
     stage_request_id,
 )
-from stagemesh.gateway.mesh.catalog import StageCatalog
-from stagemesh.gateway.mesh.channels import Mesh, StageCancel
-from stagemesh.gateway.mesh.stage_client import StageCallError
+from stagemesh.gateway.mesh.stages import Mesh, StageCancel, StageCatalog
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_service_pb2
@@ -36,9 +36,16 @@ from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_s
 CANCEL_PENDING = control_service_pb2.CANCEL_STAGE_OUTCOME_PENDING
 CANCEL_STOPPED = control_service_pb2.CANCEL_STAGE_OUTCOME_STOPPED
 
+#: Picked seeds stay below 2**31, so they read the same in every client language.
+RANDOM_SEEDS = 2**31
 #: Every request gets a deadline: this one when the client gives none.
 DEFAULT_TIMEOUT_S = 600.0
 MAX_TIMEOUT_S = 3600.0
+
+
+def random_seed() -> int:
+    """The seed a request gets when its client gives none."""
+    return random.randrange(RANDOM_SEEDS)
 
 
 @dataclass(frozen=True)

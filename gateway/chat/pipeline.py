@@ -2,7 +2,7 @@
 
 The thinker writes the answer token by token; each `delta` is emitted at once as text. With
 audio output, a SentenceSplitter cuts the text into sentences as it arrives, and each finished
-sentence is spoken through the speech recipe's own pipeline (`speech_pipeline.synthesize`)
+sentence is spoken through the speech recipe's own pipeline (`speech.pipeline.speak`)
 while the thinker keeps writing: the first sentence's audio leaves long before the answer
 ends. Sentences are spoken one after another, in order, so the audio is one continuous stream.
 
@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING
 from stagemesh.gateway.chat.protocol import AUDIO_FORMATS, ROLES, AudioOutput, ChatRequest, ChatTurn
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
+from stagemesh.gateway.mesh.calls import CancelScope, call_stage, side_by_side
 from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
-from stagemesh.gateway.mesh.stage_client import call_stage
 from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.gateway.speech.audio import AudioFormat, Samples, StreamEncoder
-from stagemesh.gateway.speech.pipeline import AudioPiece, synthesize
+from stagemesh.gateway.speech.pipeline import AudioPiece, SpeechJob, prepare_speech, speak
 from stagemesh.gateway.speech.protocol import SpeechRequest
-from stagemesh.gateway.speech.serving import SpeechJob, prepare_speech
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as gateway_pb
 from stagemesh.shared.proto.v1 import thinker_service_pb2 as pb
@@ -261,7 +259,7 @@ class _Voice:
                 transcript = ""
 
         params = dataclasses.replace(self.params, input=sentence)
-        await synthesize(params, self.scope, self.stubs, emit_audio)
+        await speak(params, self.scope, self.stubs, emit_audio)
 
 
 async def run_chat(core: GatewayCore, job: ChatJob, scope: CancelScope,

@@ -15,8 +15,7 @@ from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import EditRequest
 from stagemesh.gateway.images.protocol import ImageRequest, image_request
 from stagemesh.gateway.speech.audio import AudioFormat
-from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
-from stagemesh.gateway.wire.fields import JsonFields, image_data_url
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, JsonFields, image_data_url
 
 #: POST /v1/chat/completions may carry images to edit (data URLs).
 CHAT_BODY_BYTES = MAX_BODY_BYTES

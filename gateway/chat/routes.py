@@ -45,14 +45,25 @@ from stagemesh.gateway.chat.protocol import (
     chat_request,
 )
 from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.images.pipeline import (
+    generate_images,
+    prepare_edit,
+    prepare_images,
+    run_edit,
+)
 from stagemesh.gateway.images.routes import b64_png
-from stagemesh.gateway.images.serving import generate_images, prepare_edit, prepare_images, run_edit
 from stagemesh.gateway.mesh.events import Done, Output
 from stagemesh.gateway.recipes import Task
 from stagemesh.gateway.speech.audio import AudioFormat, StreamEncoder, encode_audio
-from stagemesh.gateway.wire.bodies import JsonObject, read_json_object, rest_context
-from stagemesh.gateway.wire.fields import JsonFields, openai_body
-from stagemesh.gateway.wire.streams import Payload, sse_response, until_disconnect
+from stagemesh.gateway.wire.requests import (
+    JsonFields,
+    JsonObject,
+    openai_body,
+    read_json_object,
+    rest_context,
+    until_disconnect,
+)
+from stagemesh.gateway.wire.streams import Payload, sse_response
 
 #: How long OpenAI says a returned audio may be referred to again (we keep none: informative).
 AUDIO_EXPIRES_S = 3600

@@ -17,10 +17,10 @@ import grpc
 from stagemesh.gateway.core import RequestContext
 from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.grpc.native import NativeApi
-from stagemesh.gateway.http.admission import Admission
-from stagemesh.gateway.http.auth import AUTHORIZATION, ApiKeys, metadata_value
 from stagemesh.gateway.request_ids import check_request_id
-from stagemesh.gateway.wire.bodies import REQUEST_ID_HEADER
+from stagemesh.gateway.wire.admission import Admission
+from stagemesh.gateway.wire.auth import AUTHORIZATION, ApiKeys, metadata_value
+from stagemesh.gateway.wire.requests import REQUEST_ID_HEADER
 from stagemesh.shared.errors import build_status
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc

@@ -15,24 +15,24 @@ from typing import TypeVar
 from stagemesh.gateway.chat.pipeline import native_chat
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.images.edit_protocol import EditRequest
-from stagemesh.gateway.images.pipeline import GeneratedImage
-from stagemesh.gateway.images.protocol import ImageRequest
-from stagemesh.gateway.images.serving import (
+from stagemesh.gateway.images.pipeline import (
+    GeneratedImage,
     ImageEvents,
     edit_events,
     image_events,
     prepare_edit,
     prepare_images,
 )
+from stagemesh.gateway.images.protocol import ImageRequest
 from stagemesh.gateway.mesh.events import Done, Output, StageEvent
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech.audio import StreamEncoder
+from stagemesh.gateway.speech.pipeline import prepare_speech, speech_events
 from stagemesh.gateway.speech.protocol import SpeechRequest
-from stagemesh.gateway.speech.serving import prepare_speech, speech_events
 from stagemesh.gateway.videos.jobs import new_video_id, page, video_jobs
+from stagemesh.gateway.videos.pipeline import prepare_video
 from stagemesh.gateway.videos.protocol import VideoRequest
-from stagemesh.gateway.videos.serving import prepare_video
 from stagemesh.gateway.videos.store import JobRecord, JobStatus
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb

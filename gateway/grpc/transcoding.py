@@ -25,7 +25,7 @@ from starlette.routing import Route
 from stagemesh.gateway.core import RequestContext
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.grpc.native import NativeApi
-from stagemesh.gateway.wire.bodies import (
+from stagemesh.gateway.wire.requests import (
     MAX_BODY_BYTES,
     REQUEST_ID_HEADER,
     TEXT_BODY_BYTES,

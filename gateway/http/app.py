@@ -16,14 +16,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.http.admission import Admission, AdmissionMiddleware
-from stagemesh.gateway.http.auth import ApiKeyMiddleware, ApiKeys, header
 from stagemesh.gateway.http.metrics import RequestMetricsMiddleware
 from stagemesh.gateway.http.routes import rest_routes
-from stagemesh.gateway.mesh.cancel import new_request_id
+from stagemesh.gateway.mesh.calls import new_request_id
 from stagemesh.gateway.request_ids import check_request_id
-from stagemesh.gateway.wire.bodies import REQUEST_ID_HEADER, error_response
-from stagemesh.gateway.wire.streams import CLIENT_GONE_STATUS, ClientGone
+from stagemesh.gateway.wire.admission import Admission, AdmissionMiddleware
+from stagemesh.gateway.wire.auth import ApiKeyMiddleware, ApiKeys, header
+from stagemesh.gateway.wire.requests import REQUEST_ID_HEADER, ClientGone, error_response
+from stagemesh.gateway.wire.streams import CLIENT_GONE_STATUS
 from stagemesh.shared.tracing import TracingMiddleware
 
 

@@ -22,7 +22,7 @@ from PIL import Image, UnidentifiedImageError
 
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.protocol import ImageParams, ImageRequest, resolve_image_request
-from stagemesh.gateway.mesh.catalog import EditFacts, ImageFacts
+from stagemesh.gateway.mesh.stages import EditFacts, ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
 
 #: The pixel area Qwen-Image-Edit resizes its input image to before encoding it (VAE) and

@@ -2,24 +2,30 @@
 
 Image edit is the same with the input image read twice first, side by side: by the Tokenizer
 (with the prompt) and by the VAE (EncodeImage, into the latents the DiT is conditioned on).
+
+Prepare (recipe, stage facts, every field checked, input images decoded) and run (inside
+the request's CancelScope) are at the end, one pair per request kind, for every transport.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from stagemesh.gateway.images.edit_protocol import EditParams
-from stagemesh.gateway.images.protocol import ImageParams
-from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
-from stagemesh.gateway.mesh.events import Emit, Output, Part, StageEvent
-from stagemesh.gateway.mesh.stage_client import call_stage
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.images.edit_protocol import EditParams, EditRequest, resolve_edit_request
+from stagemesh.gateway.images.protocol import ImageParams, ImageRequest, resolve_image_request
+from stagemesh.gateway.mesh.calls import CancelScope, call_stage, side_by_side
+from stagemesh.gateway.mesh.events import Done, Emit, Output, Part, StageEvent, stream_pipeline
 from stagemesh.gateway.mesh.stubs import ImageStubs
+from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,
@@ -146,7 +152,7 @@ async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.
                           index=part.index)
 
 
-async def generate_images(params: ImageParams, scope: CancelScope, stubs: ImageStubs,
+async def draw_images(params: ImageParams, scope: CancelScope, stubs: ImageStubs,
                           emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
     """Tokenizer once, then DiT -> VAE for every image side by side (seeds seed, seed+1, ...).
 
@@ -162,10 +168,10 @@ async def generate_images(params: ImageParams, scope: CancelScope, stubs: ImageS
     return await _draw_all(params, encoded, (), scope, stubs, progress)
 
 
-async def edit_images(params: EditParams, scope: CancelScope, stubs: ImageStubs,
+async def draw_edits(params: EditParams, scope: CancelScope, stubs: ImageStubs,
                       emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
     """Tokenizer (prompt + input images) and VAE EncodeImage (the first input image, at the
-    condition size) side by side, then DiT -> VAE for every image as in generate_images, the
+    condition size) side by side, then DiT -> VAE for every image as in draw_images, the
     DiT conditioned on the image latents. A cancel stops whichever stage is open; no stage
     after it runs."""
     _check_parts(params.image, scope)
@@ -199,3 +205,79 @@ async def _draw_all(params: ImageParams, encoded: tokenizer_service_pb2.EncodePr
         drawing = [group.create_task(draw(Part(index, params.seed + index)))
                    for index in range(params.n)]
     return [task.result() for task in drawing]
+
+
+# -- prepare + run, for every transport -----------------------------------------------------------
+
+ImageEvents = AsyncGenerator[
+    StageEvent | Output[GeneratedImage] | Done[list[GeneratedImage]], None]
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """A checked image request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: ImageParams
+
+
+@dataclass(frozen=True)
+class EditJob:
+    """A checked edit request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: EditParams
+
+
+async def prepare_images(core: GatewayCore, request: ImageRequest) -> ImageJob:
+    recipe = core.mesh.recipe(request.model, Task.TEXT_TO_IMAGE)
+    facts = await core.catalog.image_facts(recipe)
+    return ImageJob(recipe, resolve_image_request(request, recipe.image_defaults, facts))
+
+
+async def generate_images(core: GatewayCore, job: ImageJob, context: RequestContext,
+                          emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
+    async with core.request_scope(job.recipe, context, parts=job.params.n) as scope:
+        return await draw_images(job.params, scope, core.mesh.image_stubs(job.recipe),
+                                              emit)
+
+
+def image_events(core: GatewayCore, job: ImageJob, context: RequestContext) -> ImageEvents:
+    """generate_images as a stream: stage progress, each image, then Done."""
+
+    async def run(emit: Emit[GeneratedImage]) -> list[GeneratedImage]:
+        return await generate_images(core, job, context, emit)
+
+    return stream_pipeline(run)
+
+
+async def prepare_edit(core: GatewayCore, request: EditRequest) -> EditJob:
+    """Pick the image-edit recipe, read its stages' facts and check the request against them
+    (a 400 naming the field before any stage runs). The input images are decoded in a worker
+    thread."""
+    recipe = core.mesh.recipe(request.image.model, Task.IMAGE_EDIT)
+    facts = await core.catalog.edit_facts(recipe)
+    if facts.task != Task.IMAGE_EDIT.value or not facts.can_encode or facts.max_images < 1:
+        raise InvalidRequest("model", f"model {recipe.name!r} does not edit images: its DiT "
+                             f"serves {facts.task or 'an unknown task'!r}, its VAE "
+                             f"{'encodes' if facts.can_encode else 'cannot encode'} images")
+    params = await asyncio.to_thread(resolve_edit_request, request, recipe.image_defaults,
+                                     facts)
+    return EditJob(recipe, params)
+
+
+async def run_edit(core: GatewayCore, job: EditJob, context: RequestContext,
+                   emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
+    """The edited images (n of them, seeds seed, seed+1, ...) in index order."""
+    async with core.request_scope(job.recipe, context, parts=job.params.image.n) as scope:
+        return await draw_edits(job.params, scope, core.mesh.image_stubs(job.recipe),
+                                          emit)
+
+
+def edit_events(core: GatewayCore, job: EditJob, context: RequestContext) -> ImageEvents:
+    """run_edit as a stream: stage progress, each image, then Done."""
+
+    async def run(emit: Emit[GeneratedImage]) -> list[GeneratedImage]:
+        return await run_edit(core, job, context, emit)
+
+    return stream_pipeline(run)

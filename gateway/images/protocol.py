@@ -11,12 +11,11 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from stagemesh.gateway.core import random_seed
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh.catalog import ExecutionMode, ImageFacts
+from stagemesh.gateway.mesh.stages import ExecutionMode, ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
-from stagemesh.gateway.seeds import random_seed
-from stagemesh.gateway.wire.bodies import TEXT_BODY_BYTES
-from stagemesh.gateway.wire.fields import JsonFields
+from stagemesh.gateway.wire.requests import TEXT_BODY_BYTES, JsonFields
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import common_pb2
 

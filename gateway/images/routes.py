@@ -14,14 +14,24 @@ from starlette.responses import JSONResponse, Response
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.images.edit_forms import edit_request
-from stagemesh.gateway.images.pipeline import GeneratedImage
+from stagemesh.gateway.images.pipeline import (
+    GeneratedImage,
+    generate_images,
+    prepare_edit,
+    prepare_images,
+    run_edit,
+)
 from stagemesh.gateway.images.protocol import GENERATION_BODY_BYTES, image_request
-from stagemesh.gateway.images.serving import generate_images, prepare_edit, prepare_images, run_edit
 from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
-from stagemesh.gateway.wire.bodies import read_json_object, rest_context
-from stagemesh.gateway.wire.fields import JsonFields, openai_body
 from stagemesh.gateway.wire.forms import read_form
-from stagemesh.gateway.wire.streams import Payload, sse_response, until_disconnect
+from stagemesh.gateway.wire.requests import (
+    JsonFields,
+    openai_body,
+    read_json_object,
+    rest_context,
+    until_disconnect,
+)
+from stagemesh.gateway.wire.streams import Payload, sse_response
 from stagemesh.shared.proto.v1 import common_pb2
 
 #: The status a request answers when its client left before the answer (nginx's convention).

@@ -5,22 +5,27 @@ Frames flow while the talker is still generating: every `frames` event of the ta
 as an `input` message on the codec stream, and every audio chunk the codec
 emits goes out through `emit`. A failure of either call stops the other; a cancelled request
 (client gone, cancel by id, deadline) stops both at their next step.
+
+Prepare (recipe, the talker's facts, every field checked, a reference clip decoded) and run
+(inside the request's CancelScope) are at the end, for every transport.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
-from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
-from stagemesh.gateway.mesh.events import Emit, Output, StageEvent
-from stagemesh.gateway.mesh.stage_client import call_stage
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.mesh.calls import CancelScope, call_stage, side_by_side
+from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
 from stagemesh.gateway.mesh.stubs import SpeechStubs
+from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.gateway.speech.audio import ReferenceAudio, Samples, encode_audio
-from stagemesh.gateway.speech.protocol import SpeechParams
+from stagemesh.gateway.speech.protocol import SpeechParams, SpeechRequest, resolve_speech_request
 from stagemesh.shared.proto.v1 import codec_service_pb2, common_pb2, talker_service_pb2
 from stagemesh.shared.tensors import array_from_proto, array_to_proto
 
@@ -103,7 +108,7 @@ class _FrameRelay:
             await self.emit(Output(AudioPiece(pcm, chunk.sample_rate)))
 
 
-async def synthesize(params: SpeechParams, scope: CancelScope, stubs: SpeechStubs,
+async def speak(params: SpeechParams, scope: CancelScope, stubs: SpeechStubs,
                      emit: Emit[AudioPiece]) -> SpeechSummary:
     """(Codec.encode) -> Talker -> Codec; emits an Output(AudioPiece) per decoded chunk."""
     reference_codes = None
@@ -135,7 +140,7 @@ async def synthesize(params: SpeechParams, scope: CancelScope, stubs: SpeechStub
                          sample_rate=decoded.sample_rate, finish_reason=talked.finish_reason)
 
 
-async def synthesize_all(params: SpeechParams, scope: CancelScope,
+async def speak_all(params: SpeechParams, scope: CancelScope,
                          stubs: SpeechStubs) -> tuple[bytes, SpeechSummary]:
     """The whole utterance, encoded in the requested format (one-shot responses)."""
     pieces: list[AudioPiece] = []
@@ -144,8 +149,59 @@ async def synthesize_all(params: SpeechParams, scope: CancelScope,
         if isinstance(item, Output):
             pieces.append(item.value)
 
-    summary = await synthesize(params, scope, stubs, keep)
+    summary = await speak(params, scope, stubs, keep)
     pcm = np.concatenate([p.pcm for p in pieces]) if pieces else np.zeros(0, np.float32)
     encoded = await asyncio.to_thread(encode_audio, pcm, summary.sample_rate,
                                       params.response_format)
     return encoded, summary
+
+
+# -- prepare + run, for every transport -----------------------------------------------------------
+
+SpeechEvents = AsyncGenerator[StageEvent | Output[AudioPiece] | Done[SpeechSummary], None]
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    """A checked speech request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: SpeechParams
+
+
+async def prepare_speech(core: GatewayCore, request: SpeechRequest) -> SpeechJob:
+    recipe = core.mesh.recipe(request.model, Task.TEXT_TO_SPEECH)
+    facts = await core.catalog.speech_facts(recipe)
+    # Decoding a reference clip is CPU work: keep it off the event loop.
+    params = await asyncio.to_thread(resolve_speech_request, request, facts)
+    return SpeechJob(recipe, params)
+
+
+async def synthesize(core: GatewayCore, job: SpeechJob, context: RequestContext,
+                     emit: Emit[AudioPiece]) -> SpeechSummary:
+    async with core.request_scope(job.recipe, context) as scope:
+        return await speak(job.params, scope, core.mesh.speech_stubs(job.recipe),
+                                         emit)
+
+
+def speech_events(core: GatewayCore, job: SpeechJob, context: RequestContext) -> SpeechEvents:
+    """synthesize as a stream: each audio chunk, then Done with the summary."""
+
+    async def run(emit: Emit[AudioPiece]) -> SpeechSummary:
+        return await synthesize(core, job, context, emit)
+
+    return stream_pipeline(run)
+
+
+async def synthesize_all(core: GatewayCore, job: SpeechJob, context: RequestContext) -> bytes:
+    async with core.request_scope(job.recipe, context) as scope:
+        audio, _ = await speak_all(job.params, scope,
+                                                 core.mesh.speech_stubs(job.recipe))
+        return audio
+
+
+async def voices(core: GatewayCore, model: str | None) -> tuple[Recipe, list[str]]:
+    """The voices of a speech recipe, as its talker publishes them."""
+    recipe = core.mesh.recipe(model, Task.TEXT_TO_SPEECH)
+    talker = await core.catalog.read(core.catalog.talker, recipe)
+    return recipe, list(talker.voices)

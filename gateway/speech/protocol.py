@@ -12,12 +12,11 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from stagemesh.gateway.core import random_seed
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh.catalog import SpeechFacts
-from stagemesh.gateway.seeds import random_seed
+from stagemesh.gateway.mesh.stages import SpeechFacts
 from stagemesh.gateway.speech.audio import AudioFormat, ReferenceAudio, decode_reference
-from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
-from stagemesh.gateway.wire.fields import JsonFields, ref_audio_bytes
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, JsonFields, ref_audio_bytes
 from stagemesh.shared.limits import CLONE_VOICE, DEFAULT_VOICE, MAX_SEED
 
 #: OpenAI's accepted speed range; only 1.0 is served (see `_check_speed`).

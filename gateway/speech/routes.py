@@ -13,19 +13,25 @@ from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.mesh.events import Done, Output
 from stagemesh.gateway.speech.audio import MEDIA_TYPES, AudioFormat, StreamEncoder
-from stagemesh.gateway.speech.pipeline import AudioPiece, SpeechSummary
-from stagemesh.gateway.speech.protocol import SPEECH_BODY_BYTES, speech_request
-from stagemesh.gateway.speech.serving import (
+from stagemesh.gateway.speech.pipeline import (
+    AudioPiece,
     SpeechEvents,
     SpeechJob,
+    SpeechSummary,
     prepare_speech,
     speech_events,
     synthesize_all,
     voices,
 )
-from stagemesh.gateway.wire.bodies import off_loop, read_json_object, rest_context
-from stagemesh.gateway.wire.fields import openai_body
-from stagemesh.gateway.wire.streams import TTFP_SECONDS, until_disconnect
+from stagemesh.gateway.speech.protocol import SPEECH_BODY_BYTES, speech_request
+from stagemesh.gateway.wire.requests import (
+    off_loop,
+    openai_body,
+    read_json_object,
+    rest_context,
+    until_disconnect,
+)
+from stagemesh.gateway.wire.streams import TTFP_SECONDS
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,9 @@ import grpc
 
 from stagemesh.gateway.core import GatewayCore, JobCancel
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.mesh.cancel import CANCEL_ACK_TIMEOUT_S, CancelOutcome
+from stagemesh.gateway.mesh.calls import CANCEL_ACK_TIMEOUT_S, CancelOutcome
 from stagemesh.gateway.videos.mux import Mp4Writer
-from stagemesh.gateway.videos.pipeline import Mp4Sink
-from stagemesh.gateway.videos.serving import VideoSpec, make_video
+from stagemesh.gateway.videos.pipeline import Mp4Sink, VideoSpec, make_video
 from stagemesh.gateway.videos.store import (
     HEARTBEAT_S,
     JobLimit,

@@ -5,11 +5,16 @@ in chunks and are muxed into an MP4 as they arrive.
 A cancel (DELETE of a job, cancel by id, client gone) stops whichever stage is open at its next
 step; a video stopped in the DiT never reaches the VAE. Encoding runs in a worker thread, one
 chunk at a time and in order, never on the event loop.
+
+Prepare (recipe, the stages' facts, every field checked, an input image decoded) and run
+(inside the request's CancelScope: a whole MP4, or into a job's sink) are at the end, for
+every transport.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,11 +22,12 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from stagemesh.gateway.mesh.cancel import CancelScope, side_by_side
-from stagemesh.gateway.mesh.stage_client import StageCallError, call_stage
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.mesh.calls import CancelScope, StageCallError, call_stage, side_by_side
 from stagemesh.gateway.mesh.stubs import ImageStubs
-from stagemesh.gateway.videos.mux import Frames, Mp4Writer
-from stagemesh.gateway.videos.protocol import VideoParams
+from stagemesh.gateway.recipes import VIDEO_TASKS, Recipe, Task
+from stagemesh.gateway.videos.mux import Frames, Mp4Writer, check_encoder
+from stagemesh.gateway.videos.protocol import VideoParams, VideoRequest, resolve_video_request
 from stagemesh.shared.errors import StageError
 from stagemesh.shared.proto.v1 import (
     common_pb2,
@@ -153,7 +159,7 @@ def denoise_start(params: VideoParams, request_id: str,
     return start
 
 
-async def make_video(params: VideoParams, scope: CancelScope, stubs: ImageStubs,
+async def render_video(params: VideoParams, scope: CancelScope, stubs: ImageStubs,
                      sink: FrameSink, on_progress: OnProgress = _ignore) -> VideoSummary:
     """Run the stages for one video, writing its frames to `sink` as the VAE decodes them.
 
@@ -183,3 +189,55 @@ async def make_video(params: VideoParams, scope: CancelScope, stubs: ImageStubs,
         raise _broken(f"decoded {tracker.frames_written} of the {frames} frames")
     return VideoSummary(num_frames=frames, width=params.width, height=params.height,
                         fps=params.fps, steps=result.steps)
+
+
+# -- prepare + run, for every transport -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """A checked video request and the recipe that runs it."""
+
+    recipe: Recipe
+    params: VideoParams
+
+
+async def prepare_video(core: GatewayCore, request: VideoRequest) -> VideoSpec:
+    """The recipe (`model`, else the default text-to-video one, or image-to-video with an
+    input image) and the checked request; 503 before any stage runs when this gateway
+    cannot write MP4s."""
+    chosen = core.recipes.get(request.model)
+    if chosen is None or chosen.task not in VIDEO_TASKS:
+        chosen = core.mesh.recipe(request.model, Task.IMAGE_TO_VIDEO if request.image
+                                  is not None else Task.TEXT_TO_VIDEO)
+    recipe = chosen
+    facts = await core.catalog.video_facts(recipe)
+    # Decoding an input image is CPU work: keep it off the event loop.
+    params = await asyncio.to_thread(resolve_video_request, request, recipe.video_defaults,
+                                     facts)
+    await asyncio.to_thread(check_encoder)
+    return VideoSpec(recipe, params)
+
+
+async def make_video(core: GatewayCore, spec: VideoSpec, context: RequestContext,
+                     sink: FrameSink, on_progress: OnProgress) -> VideoSummary:
+    async with core.request_scope(spec.recipe, context) as scope:
+        return await render_video(spec.params, scope, core.mesh.image_stubs(spec.recipe),
+                                         sink, on_progress)
+
+
+async def video_bytes(core: GatewayCore, spec: VideoSpec, context: RequestContext) -> bytes:
+    """The whole MP4 of a video nobody stores (POST /v1/videos/sync), muxed in memory."""
+    buffer = io.BytesIO()
+    params = spec.params
+    writer = await asyncio.to_thread(Mp4Writer, buffer, params.width, params.height, params.fps)
+
+    async def ignore(stage: str, fraction: float) -> None:
+        return None
+
+    try:
+        await make_video(core, spec, context, Mp4Sink(writer), ignore)
+        await asyncio.to_thread(writer.close)
+    except BaseException:
+        await asyncio.to_thread(writer.abort)
+        raise
+    return buffer.getvalue()

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image
 from stagemesh.gateway.images.protocol import ImageRequest, resolve_image_request
-from stagemesh.gateway.mesh.catalog import VideoFacts
+from stagemesh.gateway.mesh.stages import VideoFacts
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
-from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
-from stagemesh.gateway.wire.fields import image_data_url
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, image_data_url
 from stagemesh.shared.limits import MAX_FLOW_SHIFT
 
 #: Frames per second an MP4 may play at.

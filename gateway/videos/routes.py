@@ -22,17 +22,17 @@ from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.protocol import parse_size
 from stagemesh.gateway.videos.jobs import new_video_id, page, video_jobs
+from stagemesh.gateway.videos.pipeline import prepare_video, video_bytes
 from stagemesh.gateway.videos.protocol import VIDEO_BODY_BYTES, VideoRequest, image_from_reference
-from stagemesh.gateway.videos.serving import prepare_video, video_bytes
 from stagemesh.gateway.videos.store import JobRecord, JobStatus
-from stagemesh.gateway.wire.bodies import (
+from stagemesh.gateway.wire.forms import Form, FormFields, parse_integer, read_form
+from stagemesh.gateway.wire.requests import (
     REQUEST_ID_HEADER,
     owner,
     read_json_object,
     rest_context,
+    until_disconnect,
 )
-from stagemesh.gateway.wire.forms import Form, FormFields, parse_integer, read_form
-from stagemesh.gateway.wire.streams import until_disconnect
 
 #: The id of a sync video whose client gave none starts with this (as the seed's).
 SYNC_ID_PREFIX = "video_sync-"

@@ -15,7 +15,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.wire.bodies import (
+from stagemesh.gateway.wire.requests import (
     MAX_BODY_BYTES,
     capped_stream,
     check_declared_length,

@@ -4,14 +4,11 @@ event, then [DONE]) and NDJSON (a last line holding the error body)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import TypeVar
 
 from prometheus_client import Histogram
-from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from stagemesh.gateway.errors import GatewayError
@@ -31,33 +28,6 @@ TTFP_SECONDS = Histogram(
     "stagemesh_gateway_ttfp_seconds",
     "Streamed speech: from arrival to the first audio bytes being ready, by recipe.",
     ["recipe"], buckets=BUCKETS)
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before the answer was ready."""
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, but cancel it (and raise ClientGone) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def wait_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    listener = asyncio.create_task(wait_disconnect())
-    try:
-        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone()
-    finally:
-        listener.cancel()
-        if not task.done():
-            task.cancel()
 
 
 def sse_event(payload: Mapping[str, object]) -> bytes:

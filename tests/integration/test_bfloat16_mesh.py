@@ -23,15 +23,14 @@ from PIL import Image
 
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.images.pipeline import generate_images, prepare_images
 from stagemesh.gateway.images.protocol import ImageRequest
-from stagemesh.gateway.images.serving import generate_images, prepare_images
 from stagemesh.gateway.mesh.events import Output, StageEvent
 from stagemesh.gateway.mesh.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
-from stagemesh.gateway.speech import serving as speech_serving
-from stagemesh.gateway.speech.pipeline import AudioPiece
+from stagemesh.gateway.speech import pipeline as speech_serving
+from stagemesh.gateway.speech.pipeline import AudioPiece, prepare_speech
 from stagemesh.gateway.speech.protocol import SpeechRequest
-from stagemesh.gateway.speech.serving import prepare_speech
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.services.registry import build_stage

@@ -33,9 +33,9 @@ from stagemesh.gateway.app import (
     run_gateway,
 )
 from stagemesh.gateway.http.app import build_rest_app
-from stagemesh.gateway.http.auth import ApiKeys, owner_id
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
-from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES
+from stagemesh.gateway.wire.auth import ApiKeys, owner_id
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES
 from stagemesh.serve import free_port
 from stagemesh.shared.errors import abort_with, parse_rpc_error
 from stagemesh.shared.proto.v1 import (

@@ -23,8 +23,8 @@ from prometheus_client import REGISTRY
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
+from stagemesh.gateway.images.pipeline import ImageJob, generate_images, prepare_images
 from stagemesh.gateway.images.protocol import ImageRequest
-from stagemesh.gateway.images.serving import ImageJob, generate_images, prepare_images
 from stagemesh.models.families.qwen_image import latent_factor
 from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage

@@ -22,8 +22,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from stagemesh.cli import build_parser
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import RequestContext
+from stagemesh.gateway.images.pipeline import generate_images, prepare_images
 from stagemesh.gateway.images.protocol import ImageRequest
-from stagemesh.gateway.images.serving import generate_images, prepare_images
 from stagemesh.serve import HEALTH_CHECK_METHOD
 from stagemesh.services.registry import build_stage
 from stagemesh.shared import mesh_auth

@@ -17,9 +17,8 @@ from grpc_health.v1 import health_pb2
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.images.pipeline import GeneratedImage
+from stagemesh.gateway.images.pipeline import GeneratedImage, generate_images, prepare_images
 from stagemesh.gateway.images.protocol import ImageRequest
-from stagemesh.gateway.images.serving import generate_images, prepare_images
 from stagemesh.gateway.mesh.balancer import (
     HEALTH_CHECK,
     Replica,
@@ -27,8 +26,7 @@ from stagemesh.gateway.mesh.balancer import (
     ReplicaState,
     RoutedStreamStream,
 )
-from stagemesh.gateway.mesh.cancel import CancelScope
-from stagemesh.gateway.mesh.stage_client import StageCallError, call_stage
+from stagemesh.gateway.mesh.calls import CancelScope, StageCallError, call_stage
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task, parse_target
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.engine.engine import StepEngine

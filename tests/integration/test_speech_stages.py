@@ -21,10 +21,9 @@ from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.mesh.events import Output, StageEvent
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.gateway.speech.pipeline import AudioPiece
+from stagemesh.gateway.speech.pipeline import AudioPiece, prepare_speech, synthesize
+from stagemesh.gateway.speech.pipeline import voices as speech_voices
 from stagemesh.gateway.speech.protocol import SpeechRequest
-from stagemesh.gateway.speech.serving import prepare_speech, synthesize
-from stagemesh.gateway.speech.serving import voices as speech_voices
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.errors import parse_rpc_error

@@ -19,8 +19,8 @@ from PIL import Image
 
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import RequestContext
+from stagemesh.gateway.images.pipeline import generate_images, prepare_images
 from stagemesh.gateway.images.protocol import ImageRequest
-from stagemesh.gateway.images.serving import generate_images, prepare_images
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
 from stagemesh.services.dit.adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.registry import build_stage

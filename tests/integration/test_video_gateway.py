@@ -31,9 +31,9 @@ from PIL import Image
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.http.app import build_rest_app
-from stagemesh.gateway.http.auth import ApiKeys
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task, VideoDefaults
 from stagemesh.gateway.videos.store import STORE_ENV
+from stagemesh.gateway.wire.auth import ApiKeys
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,

@@ -27,17 +27,17 @@ from stagemesh.gateway.images.edit_protocol import (
     resolve_edit_request,
 )
 from stagemesh.gateway.images.protocol import ImageRequest
-from stagemesh.gateway.mesh.catalog import (
+from stagemesh.gateway.mesh.stages import (
     DescribeCache,
     EditFacts,
     ImageFacts,
+    Mesh,
     StageCatalog,
     VideoFacts,
 )
-from stagemesh.gateway.mesh.channels import Mesh
 from stagemesh.gateway.recipes import EDIT_DEFAULTS, Recipe, StageEndpoint, Task
-from stagemesh.gateway.wire.fields import image_data_url
 from stagemesh.gateway.wire.forms import Form, FormFile
+from stagemesh.gateway.wire.requests import image_data_url
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,

@@ -14,7 +14,7 @@ from stagemesh.gateway.images.protocol import (
     parse_size,
     resolve_image_request,
 )
-from stagemesh.gateway.mesh.catalog import ImageFacts
+from stagemesh.gateway.mesh.stages import ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import (

@@ -11,7 +11,7 @@ from stagemesh.gateway.chat.protocol import chat_image_request, last_user_text
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.protocol import ImageRequest, image_request
 from stagemesh.gateway.speech.protocol import SpeechRequest, speech_request
-from stagemesh.gateway.wire.fields import openai_body, ref_audio_bytes
+from stagemesh.gateway.wire.requests import openai_body, ref_audio_bytes
 from stagemesh.shared.proto.v1 import common_pb2
 
 

@@ -10,7 +10,7 @@ import pytest
 import soundfile
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh.catalog import SpeechFacts
+from stagemesh.gateway.mesh.stages import SpeechFacts
 from stagemesh.gateway.speech.audio import AudioFormat
 from stagemesh.gateway.speech.protocol import (
     SpeechParams,

@@ -21,8 +21,7 @@ from stagemesh.gateway.grpc.transcoding import (
     parse_error_field,
 )
 from stagemesh.gateway.http.app import EXCEPTION_HANDLERS, RequestIdMiddleware
-from stagemesh.gateway.mesh.catalog import StageCatalog
-from stagemesh.gateway.mesh.channels import Mesh
+from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb

@@ -20,8 +20,8 @@ from starlette.routing import Route
 
 from stagemesh.gateway.errors import GatewayError
 from stagemesh.gateway.videos.mux import EncoderMissing, Mp4Writer, check_encoder, h264_encoder
-from stagemesh.gateway.wire.bodies import MAX_BODY_BYTES, error_response
 from stagemesh.gateway.wire.forms import read_form
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, error_response
 
 find_spec = importlib.util.find_spec
 

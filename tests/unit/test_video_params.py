@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh.catalog import ImageFacts, VideoFacts
+from stagemesh.gateway.mesh.stages import ImageFacts, VideoFacts
 from stagemesh.gateway.recipes import VideoDefaults
 from stagemesh.gateway.videos.protocol import (
     VideoRequest,

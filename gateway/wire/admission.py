@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import Overloaded
-from stagemesh.gateway.wire.bodies import error_response
+from stagemesh.gateway.wire.requests import error_response
 
 log = logging.getLogger(__name__)
 
