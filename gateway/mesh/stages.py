@@ -1,10 +1,10 @@
 """The gateway's view of the stages, in two halves.
 
 Mesh: the recipes, the replicas of every stage address, stage health, and cancel by id across
-every replica. A stage address is a gRPC target that may name several replicas (see `recipes.parse_target`);
-each distinct address gets one ReplicaSet (gateway/balancer.py), which opens one channel per
-replica and picks the replica each stage call goes to. `start()` opens them and `close()`
-closes them (the gateway's lifespan does both); nothing opens a channel lazily.
+every replica. A stage address is a gRPC target that may name several replicas (see
+`recipes.parse_target`); each distinct address gets one ReplicaSet (balancer.py), which opens
+one channel per replica and picks the replica each stage call goes to. `start()` opens them
+and `close()` closes them (the gateway's lifespan does both); nothing opens a channel lazily.
 
 StageCatalog: what the stages publish about themselves, read through their Describe RPCs and
 cached. Each stage owns its limits and model facts (sizes, steps, voices, sample rates, modes) and
@@ -36,6 +36,7 @@ from stagemesh.gateway.mesh.balancer import (
     Replica,
     ReplicaChannel,
     ReplicaSet,
+    ReplicaState,
 )
 from stagemesh.gateway.mesh.stubs import (
     ImageStubs,
@@ -177,13 +178,15 @@ class Mesh:
 
     async def stage_health(self) -> dict[str, str]:
         """`recipe/stage` -> SERVING when any replica of the stage serves, else what its
-        first replica reports (a stage is up while one replica is)."""
-        replicas: dict[str, list[str]] = {}
-        for info in await self.stage_infos():
-            replicas.setdefault(f"{info.recipe}/{info.name}", []).append(info.health)
-        return {key: "SERVING" if "SERVING" in states else next(iter(states), "NO_REPLICA")
-                for key, states in ((f"{r.name}/{e.name}", replicas.get(f"{r.name}/{e.name}", []))
-                                    for r, e in self.endpoints())}
+        first replica reports (a stage is up while one replica is).
+
+        Read from what the balancer last polled (every POLL_INTERVAL_S), never asked of the
+        stages here: a stage busy with requests answers its health check late, and /health (a
+        liveness probe, 1 s timeout) must not wait on it. Only a replica not polled yet (just
+        started) is asked."""
+        health = {address: await _set_health(replicas) for address, replicas in self._sets.items()}
+        return {f"{r.name}/{e.name}": health.get(e.address, "NO_REPLICA")
+                for r, e in self.endpoints()}
 
     def row_endpoints(self) -> list[StageEndpoint]:
         """The endpoint of each row `stage_infos` returns, in the same order."""
@@ -213,6 +216,19 @@ def _metrics_url(endpoint: StageEndpoint, replica: Replica) -> str:
     the stage's metrics port."""
     index = 0 if endpoint.target.kind is TargetKind.DNS else replica.index
     return endpoint.metrics_url_of(replica.address, index)
+
+
+async def _set_health(replicas: ReplicaSet) -> str:
+    states = [await _polled_health(r) for r in replicas.replicas if not r.retired]
+    return "SERVING" if "SERVING" in states else next(iter(states), "NO_REPLICA")
+
+
+async def _polled_health(replica: Replica) -> str:
+    """What the balancer's last poll found (ReplicaState's values are grpc.health's names, and
+    UNREACHABLE); a replica not polled yet is asked now."""
+    if replica.state is ReplicaState.UNKNOWN:
+        return await _health(replica)
+    return replica.state.value
 
 
 async def _health(replica: Replica) -> str:
