@@ -9,6 +9,7 @@ line; an error after the first line is a last line holding the error body).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -93,19 +94,20 @@ def parse_error_field(message: str) -> str | None:
 async def parse_message(request: Request, binding: HttpBinding,
                         message_type: type[MessageT]) -> MessageT:
     """The request message from body, path and query (strict JSON; a large body is parsed in
-    a worker thread, see http_io.off_loop)."""
-    raw = await read_body(request, body_limit(message_type.DESCRIPTOR)) \
-        if binding.body == "*" else b""
+    a worker thread, see wire/requests.off_loop)."""
+    raw = await read_body(request, body_limit(binding.rpc)) if binding.body == "*" else b""
     given: dict[str, object] = {} if binding.body == "*" else dict(request.query_params)
     given.update(request.path_params)
     return await off_loop(len(raw), lambda: _message(raw, given, message_type))
 
 
-def body_limit(descriptor: Descriptor) -> int:
+@functools.cache
+def body_limit(rpc: str) -> int:
     """A native route's body cap, read off its request message: MAX_BODY_BYTES where the
     message can carry binary (a bytes field: an image, a reference clip), else
     TEXT_BODY_BYTES."""
-    return MAX_BODY_BYTES if _carries_bytes(descriptor, set()) else TEXT_BODY_BYTES
+    request = SERVICE.methods_by_name[rpc].input_type
+    return MAX_BODY_BYTES if _carries_bytes(request, set()) else TEXT_BODY_BYTES
 
 
 def _carries_bytes(descriptor: Descriptor, seen: set[str]) -> bool:

@@ -21,6 +21,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from stagemesh.gateway.chat.protocol import ROLES
 from stagemesh.gateway.grpc.transcoding import SERVICE, HttpBinding, http_bindings
 from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
 
@@ -154,15 +155,16 @@ _STRING: Schema = {"type": "string"}
 _INTEGER: Schema = {"type": "integer"}
 _NUMBER: Schema = {"type": "number"}
 _BOOLEAN: Schema = {"type": "boolean"}
-#: Fields the gateway adds to OpenAI's bodies: deadline (seconds) and scheduling priority.
-_EXTENSIONS: Schema = {"timeout": _NUMBER, "priority": _INTEGER}
+#: A field the gateway adds to every OpenAI body: the request's deadline (seconds).
+_TIMEOUT: Schema = {"timeout": _NUMBER}
 
 
 def _body(operation_id: str, properties: Schema, required: list[str]) -> Schema:
     """An OpenAI request body; extra fields are allowed (SDKs send more), the gateway refuses
-    those it cannot honour with a 400 naming them."""
+    those it cannot honour with a 400 naming them. tests/unit/test_openapi.py checks that the
+    properties are exactly the fields the route's parsers read."""
     return {"required": True, "content": {"application/json": {
-        "schema": {"type": "object", "properties": {**properties, **_EXTENSIONS},
+        "schema": {"type": "object", "properties": {**properties, **_TIMEOUT},
                    "required": required},
         "example": OPENAI_EXAMPLES[operation_id]}}}
 
@@ -173,6 +175,7 @@ _IMAGE_FIELDS: Schema = {
     "true_cfg_scale": _NUMBER, "guidance_scale": _NUMBER, "seed": _INTEGER,
     "execution_mode": {"type": "string", "enum": ["step", "request"]},
     "response_format": {"type": "string", "enum": ["b64_json"]}, "stream": _BOOLEAN,
+    "priority": _INTEGER,
 }
 _SPEECH_FIELDS: Schema = {
     "input": _STRING, "model": _STRING, "voice": _STRING,
@@ -183,17 +186,25 @@ _SPEECH_FIELDS: Schema = {
     "ref_text": _STRING, "seed": _INTEGER, "max_new_tokens": _INTEGER,
     "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INTEGER,
 }
+#: A chat message: the roles chat/protocol.py takes; content parts of text, and `image_url`
+#: (a data URL: the image to edit, with an image-edit model).
 _CHAT_MESSAGE: Schema = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+    "role": {"type": "string", "enum": list(ROLES)},
     "content": {"oneOf": [_STRING, {"type": "array", "items": {"type": "object", "properties": {
-        "type": {"type": "string", "enum": ["text"]}, "text": _STRING}}}]}}}
+        "type": {"type": "string", "enum": ["text", "image_url"]}, "text": _STRING,
+        "image_url": {"type": "object", "properties": {"url": {
+            "type": "string", "description": "a data URL (data:image/png;base64,...)"}}}}}}]}}}
 _CHAT_FIELDS: Schema = {
     "model": _STRING, "messages": {"type": "array", "items": _CHAT_MESSAGE},
-    "stream": _BOOLEAN, "modalities": {"type": "array", "items": {"type": "string",
-                                                                  "enum": ["text", "audio"]}},
+    "stream": _BOOLEAN, "stream_options": {"type": "object", "properties": {
+        "include_usage": _BOOLEAN}},
+    "modalities": {"type": "array", "items": {"type": "string", "enum": ["text", "audio"]}},
     "audio": {"type": "object", "properties": {"voice": _STRING, "format": _STRING}},
     "max_tokens": _INTEGER, "max_completion_tokens": _INTEGER, "temperature": _NUMBER,
-    "top_p": _NUMBER, "seed": _INTEGER, "n": _INTEGER, "size": _STRING,
+    "top_p": _NUMBER, "seed": _INTEGER, "n": _INTEGER, "priority": _INTEGER,
+    # with an image model: the image's fields (the prompt is the last user message's text)
+    **{name: schema for name, schema in _IMAGE_FIELDS.items()
+       if name not in ("prompt", "stream", "response_format")},
 }
 _OBJECT: Schema = {"type": "object"}
 #: POST /v1/videos and /v1/videos/sync: a multipart form (what the openai SDK sends; form

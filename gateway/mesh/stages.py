@@ -228,7 +228,7 @@ async def _polled_health(replica: Replica) -> str:
     UNREACHABLE); a replica not polled yet is asked now."""
     if replica.state is ReplicaState.UNKNOWN:
         return await _health(replica)
-    return replica.state.value
+    return str(replica.state.value)
 
 
 async def _health(replica: Replica) -> str:
