@@ -155,7 +155,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def CreateVideo(self, request: pb.CreateVideoRequest,
                           context: Context) -> pb.VideoJob:
-        """Returns at once: the job runs in the background (its own slots, video_jobs.py)."""
+        """Returns at once: the job runs in the background (its own slots, videos/jobs.py)."""
         return await self._unary(self.api.CreateVideo, request, context)
 
     async def GetVideo(self, request: pb.GetVideoRequest, context: Context) -> pb.VideoJob:

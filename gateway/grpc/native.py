@@ -1,6 +1,6 @@
 """stagemesh.v1.GatewayService in-process: one method per RPC, on the proto messages.
 
-The gRPC servicer (grpc_api.py) and the REST routes derived from the service's
+The gRPC servicer (api.py) and the REST routes derived from the service's
 google.api.http annotations (transcoding.py) are thin adapters over this class, so both
 transports run the same code, with no loopback hop. Methods raise GatewayError.
 """
@@ -151,7 +151,7 @@ class NativeApi:
     def Chat(
         self, request: pb.ChatRequest, context: RequestContext,
     ) -> AsyncGenerator[pb.ChatResponse, None]:
-        """Text as the thinker writes it, speech sentence by sentence (chat_pipeline.py)."""
+        """Text as the thinker writes it, speech sentence by sentence (chat/pipeline.py)."""
         return native_chat(self.core, request, context)
 
     async def CancelRequest(
@@ -179,13 +179,13 @@ class NativeApi:
         self, request: pb.EditImageRequest, context: RequestContext,
     ) -> AsyncGenerator[pb.GenerateImageResponse, None]:
         """Like GenerateImage, on an image-edit recipe: the instruction and the image(s) to
-        edit (gateway/edit_pipeline.py)."""
+        edit (images/pipeline.py)."""
         return _image_stream(lambda: prepare_edit(self.core, edit_request(request)),
                              lambda job, c: edit_events(self.core, job, c),
                              request.request_id, context)
 
 
-    # -- video jobs (AIP-151: the job is the resource; gateway/video_jobs.py) ------------------
+    # -- video jobs (AIP-151: the job is the resource; videos/jobs.py) ------------------
 
     async def CreateVideo(self, request: pb.CreateVideoRequest,
                           context: RequestContext) -> pb.VideoJob:

@@ -5,7 +5,7 @@ OpenAI's fields (`image` files, also `image[]` as the openai SDK sends a list, `
 image extensions (`seed`, `num_inference_steps`, `true_cfg_scale` alias `guidance_scale`,
 `negative_prompt`, `width`/`height`, `execution_mode`, `priority`, `timeout`). Only the form's
 shape is checked here; limits are checked against what the stages publish when the request is
-prepared (edit_params.py). Every refusal names its field.
+prepared (edit_protocol.py). Every refusal names its field.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """An image-edit request: what the client asked (EditRequest), and what will run (EditParams).
 
-An edit is an image request (image_params.py: prompt, n, size, steps, guidance, seed) plus the
+An edit is an image request (protocol.py: prompt, n, size, steps, guidance, seed) plus the
 input image(s). `resolve_edit_request` decodes the images (PNG, JPEG or WebP; their pixel count
 is checked from the header before any pixel is decoded), derives the size the model conditions
 on, fills the recipe's defaults and checks every field against what the stages publish, before

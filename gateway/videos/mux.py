@@ -2,7 +2,7 @@
 
 The VAE streams a video's frames in chunks; each chunk is encoded and written at once, so the
 gateway never holds a whole video of raw frames. Every call here is CPU (and file) work: callers
-run it off the event loop (video_pipeline.py does, one call at a time, in order).
+run it off the event loop (pipeline.py does, one call at a time, in order).
 
 PyAV is the optional extra `video-gpl`: its wheel bundles FFmpeg with libx264 (GPL). It is
 imported only when a video is made, so a gateway without it serves everything else, and a video

@@ -85,7 +85,7 @@ class VideoParams:
 
 def image_from_reference(value: str) -> bytes:
     """The image of an `image_reference` field: JSON `{"image_url": "data:image/...;base64,..."}`
-    (a bare data URL is taken too), decoded by edit_params.image_data_url (remote URLs are
+    (a bare data URL is taken too), decoded by wire/requests.image_data_url (remote URLs are
     refused: the server fetches nothing)."""
     text = value.strip()
     url: object = text
@@ -194,7 +194,7 @@ def _image(request: VideoRequest, facts: VideoFacts) -> RgbImage | None:
 def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
                           facts: VideoFacts) -> VideoParams:
     """Fill the recipe's defaults and check every field against the stages' published facts
-    (prompt, size, steps and seed as for an image: image_params.resolve_image_request)."""
+    (prompt, size, steps and seed as for an image: images/protocol.resolve_image_request)."""
     frames, fps = resolve_frames(request, defaults, facts)
     image = resolve_image_request(
         ImageRequest(prompt=request.prompt, negative_prompt=request.negative_prompt,

@@ -75,7 +75,7 @@ def _reference(form: Form) -> tuple[bytes | None, str]:
 
 def video_request(form: Form) -> VideoRequest:
     """The form's fields, typed (a bad value is a 400 naming it); limits are checked later,
-    against what the stages publish (video_params.py)."""
+    against what the stages publish (protocol.py)."""
     form.refuse_unknown(FORM_FIELDS)
     size = form.text("size")
     width, height = parse_size(size) if size else (None, None)

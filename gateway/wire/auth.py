@@ -12,7 +12,7 @@ reflection (gRPC) stay open: probes and scrapers hold no key.
 
 Requests and their ids belong to the key that started them: the owner id is a short hash of
 the key (never the key itself, which is never logged), and cancel-by-id and id reuse are
-scoped to it (see core.py / cancel.py).
+scoped to it (see core.py / mesh/calls.py).
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def ref_audio_bytes(value: str) -> bytes:
 
     Remote URLs are refused: the gateway never fetches from the network on a client's behalf.
     Parsing is linear in the input (no regex over the payload), so a large or odd value costs
-    one pass; callers decode megabytes off the event loop (http_io.off_loop).
+    one pass; callers decode megabytes off the event loop (`off_loop`).
     """
     value = value.strip()
     if value.startswith(("http://", "https://", "file:")):

@@ -62,7 +62,7 @@ pytestmark = pytest.mark.timeout(60)
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
 AUTH_A = {"authorization": f"Bearer {KEY_A}"}
 AUTH_B = {"authorization": f"Bearer {KEY_B}"}
-#: The id the stages know a request by, per key: qualified by its owner (gateway/cancel.py).
+#: The id the stages know a request by, per key: qualified by its owner (gateway/mesh/calls.py).
 AT_STAGE_A, AT_STAGE_B = f":{owner_id(KEY_A)}", f":{owner_id(KEY_B)}"
 
 
