@@ -22,8 +22,12 @@ from stagemesh.gateway.mesh.calls import new_request_id
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.wire.admission import Admission, AdmissionMiddleware
 from stagemesh.gateway.wire.auth import ApiKeyMiddleware, ApiKeys, header
-from stagemesh.gateway.wire.requests import REQUEST_ID_HEADER, ClientGone, error_response
-from stagemesh.gateway.wire.streams import CLIENT_GONE_STATUS
+from stagemesh.gateway.wire.requests import (
+    CLIENT_GONE_STATUS,
+    REQUEST_ID_HEADER,
+    ClientGone,
+    error_response,
+)
 from stagemesh.shared.tracing import TracingMiddleware
 
 

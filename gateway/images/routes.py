@@ -34,9 +34,6 @@ from stagemesh.gateway.wire.requests import (
 from stagemesh.gateway.wire.streams import Payload, sse_response
 from stagemesh.shared.proto.v1 import common_pb2
 
-#: The status a request answers when its client left before the answer (nginx's convention).
-CLIENT_GONE_STATUS = 499
-
 #: A prepared image request, run with an optional `emit` for progress (None: just the images).
 RunImages = Callable[[Emit[GeneratedImage] | None], Awaitable[list[GeneratedImage]]]
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image
-from stagemesh.gateway.images.protocol import ImageRequest, resolve_image_request
+from stagemesh.gateway.images.protocol import ImageRequest, parse_size, resolve_image_request
 from stagemesh.gateway.mesh.stages import VideoFacts
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
+from stagemesh.gateway.wire.forms import Form, FormFields
 from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, image_data_url
 from stagemesh.shared.limits import MAX_FLOW_SHIFT
 
@@ -34,6 +35,13 @@ MAX_REFERENCE_PIXELS = 4096 * 4096
 
 #: POST /v1/videos(/sync) and CreateVideo may carry an input image.
 VIDEO_BODY_BYTES = MAX_BODY_BYTES
+#: The create/sync form (or JSON object): its fields by type.
+INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
+NUMBER_FIELDS = ("seconds", "guidance_scale", "guidance_scale_2", "boundary_ratio", "flow_shift")
+TEXT_FIELDS = ("model", "prompt", "negative_prompt", "size", "image_reference")
+FORM_FIELDS = {*INTEGER_FIELDS, *NUMBER_FIELDS, *TEXT_FIELDS, "input_reference"}
+#: image_reference carries a whole image as a data URL.
+LARGE_FIELDS = {"image_reference": 24 * 1024 * 1024}
 
 @dataclass(frozen=True)
 class VideoRequest:
@@ -222,3 +230,59 @@ def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
         num_inference_steps=image.num_inference_steps, guidance_scale=guidance, seed=image.seed,
         guidance_scale_2=scale_2, boundary_ratio=ratio,
         flow_shift=_flow_shift(request, defaults, facts), image=_image(request, facts))
+
+
+# -- the OpenAI form ------------------------------------------------------------------------------
+
+
+def _reference(form: Form) -> tuple[bytes | None, str]:
+    """The input image: `input_reference` (one file) XOR `image_reference` (a data URL)."""
+    files = form.file_list("input_reference")
+    reference = form.text("image_reference")
+    if files and reference is not None:
+        raise InvalidRequest("image_reference", "give the input image once: input_reference (a "
+                             "file) or image_reference (a data URL), not both")
+    if len(files) > 1:
+        raise InvalidRequest("input_reference", f"input_reference takes one image, got "
+                             f"{len(files)}")
+    if files:
+        return files[0].data, "input_reference"
+    if reference is not None:
+        return image_from_reference(reference), "image_reference"
+    return None, "input_reference"
+
+
+def video_request(form: Form) -> VideoRequest:
+    """The form's fields, typed (a bad value is a 400 naming it); limits are checked later,
+    against what the stages publish (protocol.py)."""
+    form.refuse_unknown(FORM_FIELDS)
+    size = form.text("size")
+    width, height = parse_size(size) if size else (None, None)
+    image, image_field = _reference(form)
+    fields = FormFields(form, blank_is_absent=True)
+    return VideoRequest(
+        prompt=form.text("prompt") or "", model=form.text("model") or "",
+        negative_prompt=form.text("negative_prompt"), width=width, height=height,
+        num_frames=fields.integer("num_frames"), seconds=fields.number("seconds"),
+        fps=fields.integer("fps"), num_inference_steps=fields.integer("num_inference_steps"),
+        guidance_scale=fields.number("guidance_scale"),
+        guidance_scale_2=fields.number("guidance_scale_2"),
+        boundary_ratio=fields.number("boundary_ratio"), flow_shift=fields.number("flow_shift"),
+        seed=fields.integer("seed"), image=image, image_field=image_field)
+
+
+def form_from_json(body: dict[str, object]) -> Form:
+    """A JSON body as the form it stands for: scalars as their text, image_reference (an
+    object) as its JSON. A file field cannot come in JSON."""
+    form = Form()
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name == "input_reference":
+            raise InvalidRequest(name, "input_reference is a file: send a multipart form, or "
+                                 "image_reference with a data URL")
+        if isinstance(value, bool | list) or (
+                isinstance(value, dict) and name != "image_reference"):
+            raise InvalidRequest(name, f"{name} must be a string or a number")
+        form.fields[name] = [value if isinstance(value, str) else json.dumps(value)]
+    return form

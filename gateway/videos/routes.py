@@ -1,16 +1,15 @@
 """OpenAI's video API: jobs (`/v1/videos`: create, list, get, content, delete) and the seed's
 blocking `POST /v1/videos/sync`.
 
-Create and sync take a multipart form (what the openai SDK's `videos.create` sends; a JSON
-object is taken too). A job's JSON is OpenAI's video object (`object: "video"`, `status`
-queued / in_progress / completed / failed; a job stopped by a cancel by id is `failed` with
-error code `cancelled`), with stagemesh's extra facts (`num_frames`, `fps`, `seed`). Every error
-is the usual JSON body naming its field.
+Create and sync take a multipart form (what the openai SDK's `videos.create` sends; an
+urlencoded form or a JSON object is taken too: protocol.py reads each). A job's JSON is
+OpenAI's video object (`object: "video"`, `status` queued / in_progress / completed / failed;
+a job stopped by a cancel by id is `failed` with error code `cancelled`), with stagemesh's
+extra facts (`num_frames`, `fps`, `seed`). Every error is the usual JSON body naming its field.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -20,12 +19,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.images.protocol import parse_size
 from stagemesh.gateway.videos.jobs import new_video_id, page, video_jobs
 from stagemesh.gateway.videos.pipeline import prepare_video, video_bytes
-from stagemesh.gateway.videos.protocol import VIDEO_BODY_BYTES, VideoRequest, image_from_reference
+from stagemesh.gateway.videos.protocol import (
+    LARGE_FIELDS,
+    VIDEO_BODY_BYTES,
+    form_from_json,
+    video_request,
+)
 from stagemesh.gateway.videos.store import JobRecord, JobStatus
-from stagemesh.gateway.wire.forms import Form, FormFields, parse_integer, read_form
+from stagemesh.gateway.wire.forms import Form, parse_integer, read_form
 from stagemesh.gateway.wire.requests import (
     REQUEST_ID_HEADER,
     owner,
@@ -42,71 +45,12 @@ MP4 = "video/mp4"
 POLL_AFTER_HEADER = "openai-poll-after-ms"
 #: How soon a client should poll a live job again (a tiny video takes about a second).
 POLL_AFTER_MS = 500
-INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
-NUMBER_FIELDS = ("seconds", "guidance_scale", "guidance_scale_2", "boundary_ratio", "flow_shift")
-TEXT_FIELDS = ("model", "prompt", "negative_prompt", "size", "image_reference")
-FORM_FIELDS = {*INTEGER_FIELDS, *NUMBER_FIELDS, *TEXT_FIELDS, "input_reference"}
-#: image_reference carries a whole image as a data URL.
-LARGE_FIELDS = {"image_reference": 24 * 1024 * 1024}
 LIST_QUERY = {"limit", "after", "order"}
 
 
 def parse_int(name: str, text: str | None) -> int | None:
     """A query value as an integer (None when absent or blank); else a 400."""
     return None if text is None or not text.strip() else parse_integer(name, text)
-
-
-def _reference(form: Form) -> tuple[bytes | None, str]:
-    """The input image: `input_reference` (one file) XOR `image_reference` (a data URL)."""
-    files = form.file_list("input_reference")
-    reference = form.text("image_reference")
-    if files and reference is not None:
-        raise InvalidRequest("image_reference", "give the input image once: input_reference (a "
-                             "file) or image_reference (a data URL), not both")
-    if len(files) > 1:
-        raise InvalidRequest("input_reference", f"input_reference takes one image, got "
-                             f"{len(files)}")
-    if files:
-        return files[0].data, "input_reference"
-    if reference is not None:
-        return image_from_reference(reference), "image_reference"
-    return None, "input_reference"
-
-
-def video_request(form: Form) -> VideoRequest:
-    """The form's fields, typed (a bad value is a 400 naming it); limits are checked later,
-    against what the stages publish (protocol.py)."""
-    form.refuse_unknown(FORM_FIELDS)
-    size = form.text("size")
-    width, height = parse_size(size) if size else (None, None)
-    image, image_field = _reference(form)
-    fields = FormFields(form, blank_is_absent=True)
-    return VideoRequest(
-        prompt=form.text("prompt") or "", model=form.text("model") or "",
-        negative_prompt=form.text("negative_prompt"), width=width, height=height,
-        num_frames=fields.integer("num_frames"), seconds=fields.number("seconds"),
-        fps=fields.integer("fps"), num_inference_steps=fields.integer("num_inference_steps"),
-        guidance_scale=fields.number("guidance_scale"),
-        guidance_scale_2=fields.number("guidance_scale_2"),
-        boundary_ratio=fields.number("boundary_ratio"), flow_shift=fields.number("flow_shift"),
-        seed=fields.integer("seed"), image=image, image_field=image_field)
-
-
-def form_from_json(body: dict[str, object]) -> Form:
-    """A JSON body as the form it stands for: scalars as their text, image_reference (an
-    object) as its JSON. A file field cannot come in JSON."""
-    form = Form()
-    for name, value in body.items():
-        if value is None:
-            continue
-        if name == "input_reference":
-            raise InvalidRequest(name, "input_reference is a file: send a multipart form, or "
-                                 "image_reference with a data URL")
-        if isinstance(value, bool | list) or (
-                isinstance(value, dict) and name != "image_reference"):
-            raise InvalidRequest(name, f"{name} must be a string or a number")
-        form.fields[name] = [value if isinstance(value, str) else json.dumps(value)]
-    return form
 
 
 async def read_video_form(request: Request) -> Form:

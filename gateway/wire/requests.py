@@ -20,11 +20,12 @@ import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
+import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from stagemesh.gateway.core import RequestContext
-from stagemesh.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest
+from stagemesh.gateway.errors import HTTP_STATUS, BodyTooLarge, GatewayError, InvalidRequest
 
 T = TypeVar("T")
 
@@ -298,6 +299,10 @@ def image_data_url(url: str, field: str) -> bytes:
 
 
 # -- the client leaving ---------------------------------------------------------------------------
+
+#: The status a request answers when its client left before the answer (nginx's convention).
+CLIENT_GONE_STATUS = HTTP_STATUS[grpc.StatusCode.CANCELLED]
+
 
 class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""

@@ -1,24 +1,19 @@
-"""Streamed answers and disconnects, shared by every REST route: the client-gone signal, the
-work that stops when the client leaves, and the one in-stream error path of SSE (an `error`
-event, then [DONE]) and NDJSON (a last line holding the error body)."""
+"""Streamed answers, shared by every REST route: SSE and NDJSON framing with the one in-stream
+error path (an error after the first byte is an SSE `error` event then [DONE], or a last NDJSON
+line holding the error body), and the time-to-first-audio histogram of streamed speech."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import TypeVar
 
 from prometheus_client import Histogram
 from starlette.responses import StreamingResponse
 
 from stagemesh.gateway.errors import GatewayError
 
-T = TypeVar("T")
-
 #: The last SSE event of every stream.
 SSE_DONE = b"data: [DONE]\n\n"
-#: The status a request answers when its client left before the answer (nginx's convention).
-CLIENT_GONE_STATUS = 499
 
 Payload = Mapping[str, object]
 

@@ -21,7 +21,7 @@ from stagemesh.gateway.http.openapi import openapi_document
 from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
 from stagemesh.gateway.images.protocol import image_request
 from stagemesh.gateway.speech.protocol import speech_request
-from stagemesh.gateway.videos.routes import FORM_FIELDS
+from stagemesh.gateway.videos.protocol import FORM_FIELDS
 
 
 def form_schema(path: str) -> dict[str, Any]:

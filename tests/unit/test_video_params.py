@@ -18,11 +18,13 @@ from stagemesh.gateway.mesh.stages import ImageFacts, VideoFacts
 from stagemesh.gateway.recipes import VideoDefaults
 from stagemesh.gateway.videos.protocol import (
     VideoRequest,
+    form_from_json,
     image_from_reference,
     resolve_video_request,
     round_up_frames,
+    video_request,
 )
-from stagemesh.gateway.videos.routes import form_from_json, video_object, video_request
+from stagemesh.gateway.videos.routes import video_object
 from stagemesh.gateway.videos.store import JobRecord, JobStatus, Runner
 from stagemesh.gateway.wire.forms import Form, FormFile
 from stagemesh.shared.proto.v1 import common_pb2
