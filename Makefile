@@ -39,6 +39,7 @@ lint: install
 	$(BIN)/python tools/genproto.py --check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	tools/check_k8s.sh
 	node_modules/.bin/jscpd  # clones in gateway/ and services/: .jscpd.json, reasons in .jscpd.md
 

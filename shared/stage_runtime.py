@@ -56,7 +56,7 @@ FLUSH_GRACE_S = 3.0
 #: streams whose handler just returned are written before it cancels what is left.
 STOP_GRACE_S = 0.5
 #: The server stops only once it has refused starts, and no stage stream has opened, for this
-#: long: a gateway that has not yet polled the NOT_SERVING health (gateway/balancer.py polls
+#: long: a gateway that has not yet polled the NOT_SERVING health (gateway/mesh/balancer.py polls
 #: each second) gets a clean refusal, which it retries elsewhere. A stream that reaches a server
 #: already stopping is cut by gRPC (CANCELLED, or UNAVAILABLE without the stage's reason).
 QUIET_S = 1.0

@@ -25,8 +25,7 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
 from PIL import Image
 
-from stagemesh.gateway.cancel import CancelScope
-from stagemesh.gateway.stage_client import call_stage
+from stagemesh.gateway.mesh.calls import CancelScope, call_stage
 from stagemesh.models.families.qwen_image import edit_image_size
 from stagemesh.models.families.qwen_vl_processor import install_processor_support
 from stagemesh.models.registry import resolve_model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.mesh.stages import Mesh
 from stagemesh.gateway.recipes import (
     DEFAULT_RECIPES,
     TASK_STAGES,
