@@ -13,6 +13,7 @@ from stagemesh.gateway.openai_images import ImageRoutes
 from stagemesh.gateway.openai_models import ModelRoutes
 from stagemesh.gateway.openai_videos import VideoRoutes
 from stagemesh.gateway.openapi import openapi_endpoint
+from stagemesh.gateway.playground import playground_routes
 from stagemesh.gateway.transcoding import annotated_routes
 
 
@@ -40,4 +41,5 @@ def rest_routes(core: GatewayCore) -> list[Route]:
         *annotated_routes(NativeApi(core)),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+        *playground_routes(),  # the page at / and /playground (gateway/playground/)
     ]
