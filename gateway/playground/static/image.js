@@ -137,9 +137,17 @@ function imageTab(form, container, start) {
   });
 }
 
-function seedOf(fields) {
-  const seed = fields.get("seed");
-  return seed === "" || seed === null ? undefined : Number(seed);
+// An optional number field: undefined when empty (the gateway's default applies).
+function numberOf(fields, name) {
+  const value = fields.get(name);
+  return value === "" || value === null ? undefined : Number(value);
+}
+
+// Step previews are opt-in per request: `preview: {every: k}` (JSON) or `preview_every`
+// (forms); 0 asks for none.
+function previewOf(fields) {
+  const every = numberOf(fields, "preview_every");
+  return every ? { every } : undefined;
 }
 
 export function setupImage() {
@@ -147,14 +155,16 @@ export function setupImage() {
     (fields, id, signal) => api("/v1/images/generations", {
       method: "POST", signal, headers: { "x-request-id": id },
       json: { model: fields.get("model"), prompt: fields.get("prompt"), size: fields.get("size"),
-        num_inference_steps: Number(fields.get("steps")), seed: seedOf(fields), stream: true },
+        num_inference_steps: Number(fields.get("steps")), seed: numberOf(fields, "seed"),
+        preview: previewOf(fields), stream: true },
     }));
   imageTab(document.getElementById("edit-form"), document.getElementById("edit-run"),
     (fields, id, signal) => {
       const body = new FormData();
       for (const name of ["model", "image", "prompt"]) body.append(name, fields.get(name));
       body.append("num_inference_steps", fields.get("steps"));
-      if (seedOf(fields) !== undefined) body.append("seed", fields.get("seed"));
+      if (numberOf(fields, "seed") !== undefined) body.append("seed", fields.get("seed"));
+      if (previewOf(fields)) body.append("preview_every", fields.get("preview_every"));
       body.append("stream", "true");
       return api("/v1/images/edits", { method: "POST", signal, form: body,
         headers: { "x-request-id": id } });

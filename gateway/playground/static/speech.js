@@ -5,9 +5,9 @@ import { api, apiJson, describe, isAbort } from "./api.js";
 import { StreamPlayer } from "./audio.js";
 
 async function loadVoices(model, select) {
-  if (!model) return;
+  if (model.disabled) return; // no speech model served
   try {
-    const { voices } = await apiJson(`/v1/audio/voices?model=${encodeURIComponent(model)}`);
+    const { voices } = await apiJson(`/v1/audio/voices?model=${encodeURIComponent(model.value)}`);
     select.replaceChildren(...["default", ...voices].map((voice) => new Option(voice)));
   } catch {
     // keep "default": every speech model has it
@@ -45,8 +45,8 @@ export function setupSpeech() {
   const stop = form.querySelector("button.stop");
   let speaking = null;
 
-  model.addEventListener("change", () => loadVoices(model.value, voice));
-  document.addEventListener("models-loaded", () => loadVoices(model.value, voice));
+  model.addEventListener("change", () => loadVoices(model, voice));
+  document.addEventListener("models-loaded", () => loadVoices(model, voice));
   stop.addEventListener("click", () => {
     speaking?.stop();
     status.textContent = "Stopped.";
