@@ -156,7 +156,8 @@ def test_generate_then_cancel_mid_run_stops_the_dit_before_the_vae(
 def test_speech_plays_while_it_streams(page: Page) -> None:
     tab = page.open()
     tab.click("#tab-speech")
-    tab.fill("#speech-text", "Hello there, how are you today? The page plays this as it comes.")
+    tab.fill("#speech-text", "Hello there, how are you today? The page plays this answer while "
+             "the stages still speak it. Press Stop whenever you like.")
     tab.click("#speech-form button[type=submit]")
     tab.wait_for_function("() => window.stagemeshAudio.scheduledSeconds >= 1",
                           timeout=WAIT_MS)

@@ -27,6 +27,7 @@ export function setupChat() {
 
   stop.addEventListener("click", () => {
     current?.stop();
+    stop.disabled = true;
     status.textContent = "Stopped.";
   });
 
@@ -57,11 +58,14 @@ export function setupChat() {
       messages.push({ role: "assistant", content: answer.textContent });
       log.lastChild.dataset.complete = "true";
       status.textContent = spoken ? "Speaking…" : "Done.";
-      afterPlayback(run, status, "Done.");
+      afterPlayback(run, () => {
+        status.textContent = "Done.";
+        stop.disabled = true;
+      });
     } catch (error) {
-      if (!isAbort(error)) status.textContent = describe(error);
-    } finally {
-      stop.disabled = current !== run;
+      if (isAbort(error)) return; // stopped, or replaced by a newer message
+      status.textContent = describe(error);
+      stop.disabled = true;
     }
   });
 }

@@ -120,13 +120,15 @@ function imageTab(form, container, start) {
     current = run;
     submit.disabled = true;
     cancel.disabled = false;
+    const started = performance.now();
     try {
       const response = await start(new FormData(form), run.id, run.abort.signal);
       for await (const event of sseEvents(response)) {
         if (event.type === "error") throw new Error(event.error.message);
         run.view.show(event);
       }
-      if (!run.cancelling) run.view.setState("done", "Done.");
+      const seconds = ((performance.now() - started) / 1000).toFixed(1);
+      if (!run.cancelling) run.view.setState("done", `Done in ${seconds} s.`);
     } catch (error) {
       if (!run.cancelling && !isAbort(error)) run.view.setState("failed", describe(error));
     } finally {

@@ -27,13 +27,13 @@ export class Speaking {
   }
 }
 
-// Once the stream has ended: when its last scheduled sample has played, says `text` and frees
-// the audio context (browsers allow only a few at once).
-export function afterPlayback(speaking, status, text) {
+// Once the stream has ended: when its last scheduled sample has played, frees the audio
+// context (browsers allow only a few at once) and calls `done` (unless it was stopped).
+export function afterPlayback(speaking, done) {
   setTimeout(() => {
     if (speaking.abort.signal.aborted) return;
-    status.textContent = text;
     speaking.player.stop();
+    done();
   }, speaking.player.remaining() * 1000);
 }
 
@@ -49,6 +49,7 @@ export function setupSpeech() {
   document.addEventListener("models-loaded", () => loadVoices(model, voice));
   stop.addEventListener("click", () => {
     speaking?.stop();
+    stop.disabled = true;
     status.textContent = "Stopped.";
   });
 
@@ -67,11 +68,14 @@ export function setupSpeech() {
       for (let chunk = await reader.read(); !chunk.done; chunk = await reader.read()) {
         current.player.feed(chunk.value);
       }
-      afterPlayback(current, status, "Done.");
+      afterPlayback(current, () => {
+        status.textContent = "Done.";
+        stop.disabled = true;
+      });
     } catch (error) {
-      if (!isAbort(error)) status.textContent = describe(error);
-    } finally {
-      stop.disabled = speaking !== current;
+      if (isAbort(error)) return; // stopped, or replaced by a newer request
+      status.textContent = describe(error);
+      stop.disabled = true;
     }
   });
 }
