@@ -9,6 +9,7 @@ pictures from there to docs/.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 from playwright.sync_api import Browser, sync_playwright
 from playwright.sync_api import Page as BrowserPage
 
@@ -176,6 +178,33 @@ def test_chat_answers(page: Page) -> None:
     assert "Paris" in tab.inner_text("#chat-log li.assistant")
     assert tab.is_disabled("#chat-mic")
     assert "realtime route" in tab.inner_text("#chat-mic-help")
+
+
+def _png(colour: tuple[int, int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_edit_an_upload_and_run_play_and_delete_a_video_job(page: Page) -> None:
+    tab = page.open()
+    tab.click("#tab-edit")
+    tab.set_input_files("#edit-image", files=[{"name": "red.png", "mimeType": "image/png",
+                                               "buffer": _png((220, 30, 30))}])
+    tab.click("#edit-form button[type=submit]")
+    tab.wait_for_selector("#edit-run[data-state=done] .images img", timeout=WAIT_MS)
+
+    tab.click("#tab-video")
+    tab.fill("#video-prompt", "a red circle moving right")
+    tab.click("#video-form button[type=submit]")
+    job = "#video-jobs li:has-text('a red circle moving right')"
+    tab.wait_for_selector(f"{job}[data-status=completed]", timeout=WAIT_MS)
+    tab.click(f"{job} button:has-text('Play')")
+    tab.wait_for_function("() => document.querySelector('#video-player').src.startsWith('blob:')",
+                          timeout=WAIT_MS)
+    page.shot("video")
+    tab.click(f"{job} button:has-text('Delete')")
+    tab.wait_for_selector(job, state="detached", timeout=WAIT_MS)
 
 
 def test_every_tab_fits_a_phone_is_keyboard_usable_and_passes_axe(browser: Browser,
