@@ -174,8 +174,16 @@ def test_chat_answers(page: Page) -> None:
     tab.fill("#chat-text", "What is the capital of France?")
     tab.click("#chat-form button[type=submit]")
     tab.wait_for_selector("#chat-log li.assistant[data-complete]", timeout=WAIT_MS)
-    page.shot("chat")
     assert "Paris" in tab.inner_text("#chat-log li.assistant")
+    assert tab.input_value("#chat-text") == ""  # ready for the next message
+    tab.fill("#chat-text", "What is the capital of France?")
+    tab.check("#chat-spoken")  # the same question, answered out loud
+    tab.click("#chat-form button[type=submit]")
+    tab.wait_for_function("() => window.stagemeshAudio.scheduledSeconds >= 1", timeout=WAIT_MS)
+    tab.wait_for_selector("#chat-log li.assistant:nth-of-type(4)[data-complete]",
+                          timeout=WAIT_MS)
+    assert "Paris" in tab.inner_text("#chat-log li.assistant:nth-of-type(4)")
+    page.shot("chat")
     assert tab.is_disabled("#chat-mic")
     assert "realtime route" in tab.inner_text("#chat-mic-help")
 

@@ -38,6 +38,7 @@ export function setupChat() {
     const run = new Speaking();
     current = run;
     const text = form.elements.text.value;
+    form.elements.text.value = "";
     messages.push({ role: "user", content: text });
     entry(log, "user", text);
     const answer = entry(log, "assistant", "");
