@@ -15,7 +15,7 @@ async function loadVoices(model, select) {
 }
 
 // One playback: stops the player and aborts the fetch together.
-export class Speaking {
+class Speaking {
   constructor() {
     this.player = new StreamPlayer();
     this.abort = new AbortController();
@@ -27,55 +27,64 @@ export class Speaking {
   }
 }
 
-// Once the stream has ended: when its last scheduled sample has played, frees the audio
-// context (browsers allow only a few at once) and calls `done` (unless it was stopped).
-export function afterPlayback(speaking, done) {
-  setTimeout(() => {
-    if (speaking.abort.signal.aborted) return;
-    speaking.player.stop();
-    done();
-  }, speaking.player.remaining() * 1000);
+// One Stop button and status line over successive playbacks (a new one stops the last).
+export class Speaker {
+  constructor(stop, status) {
+    this.stop = stop;
+    this.status = status;
+    this.current = null;
+    stop.addEventListener("click", () => {
+      this.current?.stop();
+      this.finish("Stopped.");
+    });
+  }
+
+  // Runs `request(speaking)`, a fetch that feeds `speaking.player` and aborts on
+  // `speaking.abort`, then says "Done." once its last sample has played and frees the audio
+  // context (browsers allow only a few). A failure is shown; a stop or a newer request is not.
+  async run(request, text) {
+    this.current?.stop();
+    const speaking = new Speaking();
+    this.current = speaking;
+    this.stop.disabled = false;
+    this.status.textContent = text;
+    try {
+      await request(speaking);
+      setTimeout(() => {
+        if (speaking.abort.signal.aborted) return;
+        speaking.player.stop();
+        this.finish("Done.");
+      }, speaking.player.remaining() * 1000);
+    } catch (error) {
+      if (!isAbort(error)) this.finish(describe(error));
+    }
+  }
+
+  finish(text) {
+    this.status.textContent = text;
+    this.stop.disabled = true;
+  }
 }
 
 export function setupSpeech() {
   const form = document.getElementById("speech-form");
-  const status = document.getElementById("speech-status");
   const model = document.getElementById("speech-model");
   const voice = document.getElementById("speech-voice");
-  const stop = form.querySelector("button.stop");
-  let speaking = null;
+  const speaker = new Speaker(form.querySelector("button.stop"),
+    document.getElementById("speech-status"));
 
   model.addEventListener("change", () => loadVoices(model, voice));
   document.addEventListener("models-loaded", () => loadVoices(model, voice));
-  stop.addEventListener("click", () => {
-    speaking?.stop();
-    stop.disabled = true;
-    status.textContent = "Stopped.";
-  });
-
-  form.addEventListener("submit", async (submitted) => {
+  form.addEventListener("submit", (submitted) => {
     submitted.preventDefault();
-    speaking?.stop();
-    const current = new Speaking();
-    speaking = current;
-    stop.disabled = false;
-    status.textContent = "Speaking…";
-    try {
+    speaker.run(async (speaking) => {
       const response = await api("/v1/audio/speech", { method: "POST",
-        signal: current.abort.signal, json: { model: model.value, voice: voice.value,
+        signal: speaking.abort.signal, json: { model: model.value, voice: voice.value,
           input: form.elements.text.value, response_format: "wav", stream: true } });
       const reader = response.body.getReader();
       for (let chunk = await reader.read(); !chunk.done; chunk = await reader.read()) {
-        current.player.feed(chunk.value);
+        speaking.player.feed(chunk.value);
       }
-      afterPlayback(current, () => {
-        status.textContent = "Done.";
-        stop.disabled = true;
-      });
-    } catch (error) {
-      if (isAbort(error)) return; // stopped, or replaced by a newer request
-      status.textContent = describe(error);
-      stop.disabled = true;
-    }
+    }, "Speaking…");
   });
 }
