@@ -9,24 +9,35 @@ pictures from there to docs/.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from PIL import Image
 from playwright.sync_api import Browser, sync_playwright
 from playwright.sync_api import Page as BrowserPage
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-from stagemesh.gateway.playground import CSP
+from stagemesh.gateway.http_io import SSE_DONE, sse_event
+from stagemesh.gateway.playground import CSP, playground_routes
 from stagemesh.serve import free_port
+
+from .conftest import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -37,6 +48,8 @@ INSTALL_HINT = "apt-get install chromium"
 PHONE = {"width": 390, "height": 844}
 TABS = ("image", "edit", "speech", "chat", "video")
 KEY = "sk-playground-test"
+#: Steps of the stand-in run that sends previews.
+PREVIEW_STEPS = 4
 #: How long a browser-side wait may take (the mesh shares a small machine with the tests).
 WAIT_MS = 60_000
 
@@ -192,6 +205,65 @@ def _png(colour: tuple[int, int, int]) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (64, 64), colour).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def _data_url(colour: tuple[int, int, int]) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(colour)).decode()
+
+
+@pytest.fixture(scope="module")
+def previewing_gateway() -> Iterator[tuple[str, list[dict[str, object]]]]:
+    """The page's routes beside a stand-in image route whose SSE progress carries a preview
+    each step, as issue 26's DiT previews will (`preview`: a PNG data URL), whether or not the
+    mesh's DiT sends them yet; yields its URL and the bodies it was sent."""
+    bodies: list[dict[str, object]] = []
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"data": [{"id": "tiny-shapes", "task": "text-to-image"}]})
+
+    async def generations(request: Request) -> StreamingResponse:
+        bodies.append(await request.json())
+
+        async def events() -> AsyncIterator[bytes]:
+            for step in range(1, PREVIEW_STEPS + 1):
+                await asyncio.sleep(0.1)
+                yield sse_event({"type": "progress", "stage": "dit", "step": step,
+                                 "total_steps": PREVIEW_STEPS, "step_seconds": 0.1,
+                                 "preview": _data_url((40 * step, 0, 200))})
+            yield sse_event({"type": "image", "b64_json": _data_url((0, 0, 255)).split(",")[1],
+                             "index": 0, "seed": 1})
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[*playground_routes(), Route("/v1/models", models),
+                            Route("/v1/images/generations", generations, methods=["POST"])])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, what="the stand-in gateway listening")
+        yield f"http://127.0.0.1:{port}", bodies
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_previews_in_progress_events_show_until_the_image_arrives(
+        browser: Browser, previewing_gateway: tuple[str, list[dict[str, object]]]) -> None:
+    url, bodies = previewing_gateway
+    previewing = Page(browser, url)
+    tab = previewing.open()
+    tab.click("#image-form button[type=submit]")
+    tab.wait_for_selector("#image-run img.preview[alt^='Preview of the image at step ']",
+                          timeout=WAIT_MS)
+    assert tab.get_attribute("#image-run img.preview", "src").startswith("data:image/png")
+    tab.wait_for_selector("#image-run[data-state=done] .images img", timeout=WAIT_MS)
+    assert tab.is_hidden("#image-run img.preview")
+    assert bodies[0]["preview"] == {"every": 1}  # the page asks for previews every step
+    assert previewing.csp_violations == []
+    previewing.context.close()
 
 
 def test_edit_an_upload_and_run_play_and_delete_a_video_job(page: Page) -> None:

@@ -79,6 +79,7 @@ class RunView {
     figure.lastChild.append(link);
     this.images.append(figure);
     this.bar.value = this.bar.max;
+    this.preview.hidden = true; // the image itself replaces its last preview
   }
 
   cancelled(ack, waitedMs) {
