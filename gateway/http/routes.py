@@ -12,6 +12,7 @@ from stagemesh.gateway.http.metrics import metrics_endpoint
 from stagemesh.gateway.http.models import ModelRoutes
 from stagemesh.gateway.http.openapi import openapi_endpoint
 from stagemesh.gateway.images.routes import ImageRoutes
+from stagemesh.gateway.playground import playground_routes
 from stagemesh.gateway.speech.routes import AudioRoutes
 from stagemesh.gateway.videos.routes import VideoRoutes
 
@@ -40,4 +41,5 @@ def rest_routes(core: GatewayCore) -> list[Route]:
         *annotated_routes(NativeApi(core)),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
+        *playground_routes(),  # the page at / and /playground (gateway/playground/)
     ]

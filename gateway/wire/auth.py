@@ -8,7 +8,8 @@ A caller presents `Authorization: Bearer KEY` (REST header, or `authorization` g
 The check hashes the presented key and compares it with the SHA-256 of every configured key
 using `hmac.compare_digest`, always over all keys, so neither the position of a matching key
 nor a common prefix shows in the timing. `/health` and `/metrics` (REST) and grpc.health and
-reflection (gRPC) stay open: probes and scrapers hold no key.
+reflection (gRPC) stay open: probes and scrapers hold no key; so do the playground page and
+its assets (a browser loads them without a key; every API call of the page sends one).
 
 Requests and their ids belong to the key that started them: the owner id is a short hash of
 the key (never the key itself, which is never logged), and cancel-by-id and id reuse are
@@ -30,6 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stagemesh.gateway.errors import Unauthenticated
+from stagemesh.gateway.playground import is_playground_path
 from stagemesh.shared.mesh_auth import is_infrastructure
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,8 @@ class ApiKeyMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
+                or is_playground_path(scope["path"])):  # the page's own calls carry the key
             await self.app(scope, receive, send)
             return
         try:
