@@ -125,7 +125,9 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
 
     from stagemesh.models.families.qwen_image import condition_area, stock_condition_area
+    from stagemesh.models.families.qwen_vl_processor import install_processor_support
 
+    install_processor_support()  # the folder's Pil image processor, without torchvision
     pipe = QwenImageEditPipeline.from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     area = condition_area(folder)

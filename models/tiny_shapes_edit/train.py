@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -55,13 +56,14 @@ class EditTrainConfig:
 
     n_pairs: int = 12000
     text_dim: int = 64
-    steps: int = 3000
+    steps: int = 1500
     batch: int = 32
     lr: float = 4e-4
     warmup: int = 100
     caption_dropout: float = 0.1
     ema_decay: float = 0.998
     threads: int = 1
+    snapshot: bool = False  # also write <out>-halfway, the EMA weights at half the steps
 
     @classmethod
     def proxy(cls) -> EditTrainConfig:
@@ -102,14 +104,19 @@ def edit_loss(pipe: QwenImageEditPipeline, x0: torch.Tensor, cond: torch.Tensor,
 
 def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.Tensor,
                sources: list[PIL.Image.Image], instructions: list[str], cfg: EditTrainConfig,
-               gen: torch.Generator) -> None:
-    """Trains transformer + text encoder (vision tower included); leaves the EMA weights in."""
+               gen: torch.Generator, halfway: Callable[[], None] | None = None) -> list[float]:
+    """Trains transformer + text encoder (vision tower included); leaves the EMA weights in.
+
+    `halfway`, if given, runs once with the EMA weights loaded at half the steps (a snapshot to
+    judge early). Returns the 1-minute load average sampled every 50 steps (others share this
+    machine)."""
     modules = torch.nn.ModuleDict({"transformer": pipe.transformer,
                                    "text_encoder": pipe.text_encoder})
     params = [p for p in modules.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ema = {k: v.detach().clone() for k, v in modules.state_dict().items()}
     modules.train()
+    load: list[float] = []
     with base._progress(cfg.steps, "edit") as bar:
         for step in range(cfg.steps):
             idx = torch.randint(0, len(targets), (cfg.batch,), generator=gen).tolist()
@@ -128,11 +135,18 @@ def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.
                 for k, v in modules.state_dict().items():
                     ema[k].lerp_(v, 1.0 - decay)
             bar.update()
+            if halfway is not None and step + 1 == cfg.steps // 2:
+                live = {k: v.detach().clone() for k, v in modules.state_dict().items()}
+                modules.load_state_dict(ema)
+                halfway()
+                modules.load_state_dict(live)
             if step % 50 == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}")
                 logger.info("step %d loss %.4f", step, loss.item())
+                load.append(os.getloadavg()[0])
     modules.load_state_dict(ema)
     modules.eval()
+    return load
 
 
 def normalised_latents(vae: AutoencoderKLQwenImage, images: np.ndarray) -> torch.Tensor:
@@ -158,7 +172,7 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     timings: dict[str, float] = {}
-    cpu_start, load_start = time.process_time(), os.getloadavg()
+    cpu_start = time.process_time()
     training_edits, held_out = split()
     sources, targets, instructions = base._phase(
         "render", lambda: make_dataset(training_edits, cfg.n_pairs, seed=seed), timings)
@@ -182,14 +196,19 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     )
     conds = normalised_latents(vae, sources)
     x0 = normalised_latents(vae, targets)
-    base._phase("dit", lambda: train_edit(pipe, x0, conds, _to_pil(sources), instructions, cfg,
-                                          gen), timings)
-    pipe.save_pretrained(out, safe_serialization=True)
-    write_condition_area(out, IMAGE_SIZE * IMAGE_SIZE)
+    def save(folder: Path) -> None:
+        pipe.save_pretrained(folder, safe_serialization=True)
+        write_condition_area(folder, IMAGE_SIZE * IMAGE_SIZE)
+
+    snapshot = out.with_name(out.name + "-halfway")
+    load = base._phase("dit", lambda: train_edit(
+        pipe, x0, conds, _to_pil(sources), instructions, cfg, gen,
+        halfway=lambda: save(snapshot) if cfg.snapshot else None), timings)
+    save(out)
     report = {"config": asdict(cfg), "seed": seed, "seconds": timings,
               "cpu_seconds": round(time.process_time() - cpu_start, 1),
-              "load_average": {"start_1min": round(load_start[0], 2),
-                               "end_15min": round(os.getloadavg()[2], 2)},
+              "load_average_1min": {"mean": round(float(np.mean(load)), 2),
+                                    "max": round(max(load), 2), "samples": len(load)},
               "image_size": IMAGE_SIZE, "base_model": "tiny-shapes (vae, transformer init)",
               "held_out_edits": len(held_out), "training_edits": len(training_edits)}
     (out / "training.json").write_text(json.dumps(report, indent=2))

@@ -27,6 +27,7 @@ from typing import Generic, TypeAlias
 import grpc
 import torch
 
+from stagemesh.models.families.qwen_image import condition_area
 from stagemesh.models.families.wan import WanGeometry
 from stagemesh.services.vae.adapter import (
     CPU_DTYPE,
@@ -246,7 +247,7 @@ def _build_qwen_image(model_dir: Path, options: Mapping[str, object]) -> StageBu
     decoder = LatentDecoderAdapter(model_dir, placement=placement)
     engine = StepEngine(decoder, max_running=DEFAULT_MAX_RUNNING,
                         admission_window=BURST_ADMISSION_WINDOW_SECONDS)
-    encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor)
+    encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor, condition_area(model_dir))
     encoder = ImageEncoderAdapter(decoder.vae, encoding, decoder.limits, placement)
     return _bundle(model_dir, placement, decoder.limits, engine, _Route(engine, WIRE), encoder)
 
