@@ -66,15 +66,17 @@ def run_request(
 
 
 def tokenizer_work(placement: Placement) -> Work:
-    from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput
+    from stagemesh.services.tokenizer.base import PromptInput
+    from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 
     adapter = PromptEncoderAdapter(resolve_model(IMAGE_MODEL), placement=placement)
     return lambda: run_request(adapter, PromptInput(PROMPT, negative_prompt=""))
 
 
 def dit_work(placement: Placement) -> Work:
-    from stagemesh.services.dit.adapter import DenoiseAdapter, DenoiseInput
-    from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput
+    from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
+    from stagemesh.services.tokenizer.base import PromptInput
+    from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 
     model = resolve_model(IMAGE_MODEL)
     encoder = PromptEncoderAdapter(model, placement=placement)
@@ -85,7 +87,7 @@ def dit_work(placement: Placement) -> Work:
 
 
 def vae_work(placement: Placement) -> Work:
-    from stagemesh.services.vae.adapter import LatentDecoderAdapter, LatentsInput
+    from stagemesh.services.vae.qwen_image_adapter import LatentDecoderAdapter, LatentsInput
 
     adapter = LatentDecoderAdapter(resolve_model(IMAGE_MODEL), placement=placement)
     tokens = (SIZE // adapter.latent_factor) ** 2
@@ -96,7 +98,7 @@ def vae_work(placement: Placement) -> Work:
 
 
 def talker_work(placement: Placement) -> Work:
-    from stagemesh.services.talker.adapter import SamplingParams, TalkerAdapter, TalkerInput
+    from stagemesh.services.talker.csm_adapter import SamplingParams, TalkerAdapter, TalkerInput
 
     adapter = TalkerAdapter(resolve_model(SPEECH_MODEL), placement=placement)
     payload = TalkerInput(text="The quick brown fox jumps over the lazy dog.",
@@ -106,7 +108,7 @@ def talker_work(placement: Placement) -> Work:
 
 
 def codec_work(placement: Placement) -> Work:
-    from stagemesh.services.codec.adapter import CodecDecoderAdapter, DecodeInput
+    from stagemesh.services.codec.csm_adapter import CodecDecoderAdapter, DecodeInput
 
     adapter = CodecDecoderAdapter(resolve_model(SPEECH_MODEL), placement=placement)
     initial, regular = CODEC_CHUNKS

@@ -55,16 +55,16 @@ from stagemesh.bench.common import (
 )
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
-from stagemesh.services.dit.adapter import (
+from stagemesh.services.dit.qwen_image_adapter import (
     MAX_STEPS,
     MAX_TRUE_CFG_SCALE,
     DenoiseAdapter,
-    DenoisedLatents,
     DenoiseInput,
     DenoiseState,
     DitLimits,
     scheduler_min_steps,
 )
+from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.shared.devices import DTYPES, Placement, resolve_device, synchronize
 from stagemesh.shared.engine.adapter import (
     EngineRequest,

@@ -16,7 +16,7 @@ from typing import TypeAlias, TypedDict
 import grpc
 import torch
 
-from stagemesh.services.codec.adapter import (
+from stagemesh.services.codec.csm_adapter import (
     CPU_DTYPE,
     CodecDecoderAdapter,
     CodecEncoderAdapter,

@@ -22,14 +22,14 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
-from stagemesh.services.dit.adapter import (
+from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
-    DenoisedLatents,
     DenoiseInput,
     DenoiseState,
     DitLimits,
 )
+from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
     WAN_TASKS,
     VideoDenoiseInput,

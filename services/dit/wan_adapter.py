@@ -51,10 +51,10 @@ from stagemesh.models.families.wan import (
 )
 from stagemesh.models.options import capped_option
 from stagemesh.services.dit import checks
-from stagemesh.services.dit.adapter import CPU, DenoisedLatents
 from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min_steps
 from stagemesh.services.dit.stepping import StepState, check_one_batch, seeded_noise, step_batch
+from stagemesh.services.dit.types import CPU, DenoisedLatents
 from stagemesh.shared.devices import CPU_FLOAT32, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,

@@ -16,7 +16,7 @@ from typing import TypeAlias, TypedDict
 import grpc
 import torch
 
-from stagemesh.services.talker.adapter import (
+from stagemesh.services.talker.csm_adapter import (
     CPU_DTYPE,
     SamplingParams,
     TalkerAdapter,

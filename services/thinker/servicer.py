@@ -14,7 +14,7 @@ from typing import TypeAlias, TypedDict
 
 import grpc
 
-from stagemesh.services.thinker.adapter import (
+from stagemesh.services.thinker.causal_lm_adapter import (
     CPU_DTYPE,
     ChatMessage,
     ThinkerAdapter,

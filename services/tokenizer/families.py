@@ -14,8 +14,9 @@ import logging
 from pathlib import Path
 from typing import TypedDict
 
-from stagemesh.services.tokenizer.adapter import PromptAdapterBase, PromptEncoderAdapter
-from stagemesh.services.tokenizer.edit_adapter import EditPromptAdapter
+from stagemesh.services.tokenizer.base import PromptAdapterBase
+from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
+from stagemesh.services.tokenizer.qwen_image_edit_adapter import EditPromptAdapter
 from stagemesh.services.tokenizer.wan_adapter import WanPromptAdapter
 from stagemesh.shared.devices import Placement
 

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
-from stagemesh.services.tokenizer.adapter import (
+from stagemesh.services.tokenizer.base import (
     CPU_DTYPE,
     DEFAULT_MAX_RUNNING,
     PromptAdapterBase,

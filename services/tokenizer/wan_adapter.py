@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, UMT5EncoderMode
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.families.wan import PROMPT_MAX_TOKENS
-from stagemesh.services.tokenizer.adapter import (
+from stagemesh.services.tokenizer.base import (
     CPU,
     DEFAULT_MAX_PROMPT_CHARS,
     PromptAdapterBase,

@@ -26,8 +26,8 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCaus
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-from stagemesh.services.vae.adapter import VaeLimits, check_size
 from stagemesh.services.vae.kinds import FeatureCache, ImageEncoding, VaeModel, cache_slots
+from stagemesh.services.vae.limits import VaeLimits, check_size
 from stagemesh.shared.devices import Placement, synchronize
 from stagemesh.shared.engine.adapter import (
     EngineRequest,

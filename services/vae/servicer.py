@@ -3,7 +3,7 @@
 The folder's VAE picks the adapters (`kinds.vae_kind`):
 
 - AutoencoderKLQwenImage (Qwen-Image, Qwen-Image-Edit): DecodeLatents decodes images in one
-  batched step (`adapter.LatentDecoderAdapter`); a `num_frames` is refused.
+  batched step (`qwen_image_adapter.LatentDecoderAdapter`); a `num_frames` is refused.
 - AutoencoderKLWan (Wan video): DecodeLatents decodes a video chunk by chunk and streams its
   frames (`video.VideoDecoderAdapter`); `num_frames` is required.
 
@@ -29,14 +29,6 @@ import torch
 
 from stagemesh.models.families.qwen_image import condition_area
 from stagemesh.models.families.wan import WanGeometry
-from stagemesh.services.vae.adapter import (
-    CPU_DTYPE,
-    DEFAULT_MAX_RUNNING,
-    DecodedImages,
-    LatentDecoderAdapter,
-    LatentsInput,
-    VaeLimits,
-)
 from stagemesh.services.vae.encode import MAX_SOURCE_PIXELS, EncodeInput, ImageEncoderAdapter
 from stagemesh.services.vae.kinds import (
     QwenEditEncoding,
@@ -44,6 +36,14 @@ from stagemesh.services.vae.kinds import (
     WanI2VEncoding,
     load_wan_vae,
     vae_kind,
+)
+from stagemesh.services.vae.limits import VaeLimits
+from stagemesh.services.vae.qwen_image_adapter import (
+    CPU_DTYPE,
+    DEFAULT_MAX_RUNNING,
+    DecodedImages,
+    LatentDecoderAdapter,
+    LatentsInput,
 )
 from stagemesh.services.vae.video import (
     DEFAULT_VIDEO_MAX_RUNNING,

@@ -34,9 +34,9 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
 from diffusers.video_processor import VideoProcessor
 
 from stagemesh.models.families.wan import WanGeometry
-from stagemesh.services.vae.adapter import VaeLimits, check_size
 from stagemesh.services.vae.encode import check_num_frames
 from stagemesh.services.vae.kinds import FeatureCache, cache_slots
+from stagemesh.services.vae.limits import VaeLimits, check_size
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,

@@ -21,10 +21,11 @@ from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import RequestContext
 from stagemesh.gateway.image_params import ImageRequest
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
-from stagemesh.services.dit.adapter import DenoiseAdapter, DenoiseInput
+from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.registry import build_stage
-from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput
-from stagemesh.services.vae.adapter import LatentDecoderAdapter, LatentsInput
+from stagemesh.services.tokenizer.base import PromptInput
+from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
+from stagemesh.services.vae.qwen_image_adapter import LatentDecoderAdapter, LatentsInput
 from stagemesh.shared.engine.adapter import EngineRequest
 from stagemesh.shared.stage_runtime import start_stage, stop_stage
 

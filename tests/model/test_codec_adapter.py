@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from stagemesh.models.speech import build_tiny_csm
-from stagemesh.services.codec import adapter as codec_adapter
-from stagemesh.services.codec.adapter import (
+from stagemesh.services.codec import csm_adapter as codec_adapter
+from stagemesh.services.codec.csm_adapter import (
     REFERENCE_SAMPLE_RATES,
     CodecDecoderAdapter,
     CodecEncoderAdapter,

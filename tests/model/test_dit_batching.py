@@ -19,13 +19,10 @@ from prometheus_client import CollectorRegistry as Registry
 
 from stagemesh.models import qwen_image
 from stagemesh.models.families.qwen_image import PromptEmbeddings
-from stagemesh.services.dit.adapter import (
-    DenoiseAdapter,
-    DenoisedLatents,
-    DenoiseInput,
-    DenoiseState,
-)
-from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput
+from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
+from stagemesh.services.dit.types import DenoisedLatents
+from stagemesh.services.tokenizer.base import PromptInput
+from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.shared.engine import (
     Aborted,
     Completed,

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from stagemesh.models import qwen_image, qwen_image_edit
 from stagemesh.models.families.qwen_image import PromptEmbeddings, edit_image_size
-from stagemesh.services.dit.adapter import (
+from stagemesh.services.dit.qwen_image_adapter import (
     DenoiseAdapter,
     DenoiseInput,
     DenoiseState,

@@ -26,7 +26,7 @@ from stagemesh.models import wan
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.families.wan import PROMPT_MAX_TOKENS
 from stagemesh.services.dit import servicer
-from stagemesh.services.dit.adapter import DenoisedLatents
+from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
     VideoDenoiseInput,
     WanDenoiseAdapter,

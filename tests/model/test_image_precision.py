@@ -32,9 +32,15 @@ from prometheus_client import CollectorRegistry
 from stagemesh.bench.dtypes import run_request as run
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
-from stagemesh.services.dit.adapter import DenoiseAdapter, DenoisedLatents, DenoiseInput
-from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput
-from stagemesh.services.vae.adapter import DecodedImages, LatentDecoderAdapter, LatentsInput
+from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
+from stagemesh.services.dit.types import DenoisedLatents
+from stagemesh.services.tokenizer.base import PromptInput
+from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
+from stagemesh.services.vae.qwen_image_adapter import (
+    DecodedImages,
+    LatentDecoderAdapter,
+    LatentsInput,
+)
 from stagemesh.shared.devices import Placement
 from stagemesh.shared.engine.adapter import EngineRequest, ExecutionMode, StepBudget
 from stagemesh.shared.engine.engine import StepEngine

@@ -19,23 +19,20 @@ from diffusers import QwenImagePipeline
 
 from stagemesh.models import qwen_image
 from stagemesh.models.families.qwen_image import PromptEmbeddings, latent_factor
-from stagemesh.services.dit.adapter import (
+from stagemesh.services.dit.qwen_image_adapter import (
     DenoiseAdapter,
-    DenoisedLatents,
     DenoiseInput,
     DenoiseState,
     DitLimits,
 )
-from stagemesh.services.tokenizer.adapter import (
-    PromptEncoderAdapter,
-    PromptInput,
-    TokenizerLimits,
-)
-from stagemesh.services.vae.adapter import (
+from stagemesh.services.dit.types import DenoisedLatents
+from stagemesh.services.tokenizer.base import PromptInput, TokenizerLimits
+from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
+from stagemesh.services.vae.limits import VaeLimits
+from stagemesh.services.vae.qwen_image_adapter import (
     DecodedImages,
     LatentDecoderAdapter,
     LatentsInput,
-    VaeLimits,
 )
 from stagemesh.shared.engine.adapter import (
     EngineRequest,

@@ -25,13 +25,13 @@ import torch
 from transformers import AutoProcessor
 
 from stagemesh.models.speech import ensure_speech_model
-from stagemesh.services.codec.adapter import (
+from stagemesh.services.codec.csm_adapter import (
     CodecDecoderAdapter,
     CodecEncoderAdapter,
     DecodeInput,
     EncodeInput,
 )
-from stagemesh.services.talker.adapter import SamplingParams, TalkerAdapter, TalkerInput
+from stagemesh.services.talker.csm_adapter import SamplingParams, TalkerAdapter, TalkerInput
 from stagemesh.shared.devices import Placement
 from stagemesh.shared.engine.adapter import EngineRequest
 

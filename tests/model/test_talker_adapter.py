@@ -25,7 +25,7 @@ from stagemesh.models.speech import (
     DEFAULT_VOICES,
     ensure_speech_model,
 )
-from stagemesh.services.talker.adapter import (
+from stagemesh.services.talker.csm_adapter import (
     FinishReason,
     SamplingParams,
     TalkerAdapter,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stagemesh.models.smollm2 import BUILD_STAMP_FILE, ensure_smollm2
-from stagemesh.services.thinker.adapter import (
+from stagemesh.services.thinker.causal_lm_adapter import (
     ChatMessage,
     FinishReason,
     ThinkerAdapter,

@@ -14,7 +14,8 @@ import torch
 
 from stagemesh.models import qwen_image
 from stagemesh.models.families.qwen_image import PromptEmbeddings
-from stagemesh.services.tokenizer.adapter import PromptEncoderAdapter, PromptInput, PromptState
+from stagemesh.services.tokenizer.base import PromptInput, PromptState
+from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.services.tokenizer.servicer import build_stage
 from stagemesh.shared.engine.adapter import EngineRequest
 

@@ -26,7 +26,7 @@ from stagemesh.models.families.qwen_vl_processor import install_processor_suppor
 from stagemesh.models.qwen_image import ensure_model
 from stagemesh.models.qwen_image_edit import ensure_edit_model
 from stagemesh.models.wan import ensure_wan_model
-from stagemesh.services.tokenizer.adapter import (
+from stagemesh.services.tokenizer.base import (
     DEFAULT_MAX_PROMPT_CHARS,
     MAX_IMAGE_PIXELS,
     PromptAdapterBase,
@@ -34,8 +34,8 @@ from stagemesh.services.tokenizer.adapter import (
     PromptState,
     RgbArray,
 )
-from stagemesh.services.tokenizer.edit_adapter import EditPromptAdapter
 from stagemesh.services.tokenizer.families import Family, build_adapter, family_of
+from stagemesh.services.tokenizer.qwen_image_edit_adapter import EditPromptAdapter
 from stagemesh.services.tokenizer.servicer import build_stage, max_request_bytes, stage_bundle
 from stagemesh.services.tokenizer.wan_adapter import WanPromptAdapter
 from stagemesh.shared.devices import CPU_FLOAT32

@@ -12,8 +12,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from stagemesh.models import qwen_image
-from stagemesh.services.vae import adapter as vae_adapter
-from stagemesh.services.vae.adapter import (
+from stagemesh.services.vae import qwen_image_adapter as vae_adapter
+from stagemesh.services.vae.qwen_image_adapter import (
     DEFAULT_MAX_RUNNING,
     DecodedImages,
     DecodeState,

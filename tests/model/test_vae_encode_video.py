@@ -30,9 +30,9 @@ from stagemesh.models.families.qwen_image import latent_factor
 from stagemesh.models.families.wan import WanGeometry
 from stagemesh.models.qwen_image_edit import ensure_edit_model
 from stagemesh.models.wan import ensure_wan_model
-from stagemesh.services.vae.adapter import LatentDecoderAdapter
 from stagemesh.services.vae.encode import EncodeInput, ImageEncoderAdapter
 from stagemesh.services.vae.kinds import QwenEditEncoding, WanI2VEncoding, load_wan_vae
+from stagemesh.services.vae.qwen_image_adapter import LatentDecoderAdapter
 from stagemesh.services.vae.servicer import build_stage
 from stagemesh.services.vae.video import (
     DEFAULT_DECODE_CHUNK_FRAMES,

@@ -68,6 +68,7 @@ from stagemesh.services.dit.limits import DitLimits as DitLimits
 from stagemesh.services.dit.limits import image_limits
 from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
 from stagemesh.services.dit.stepping import StepState, check_one_batch, seeded_noise, step_batch
+from stagemesh.services.dit.types import CPU, DenoisedLatents
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -91,7 +92,6 @@ VISION_TOKEN_SIDE = 28
 #: A larger DiT gains on that Xeon: qwen-image-bench (32.5 M parameters) steps at 256x256 in
 #: 147 ms in float32 and 87 ms in bfloat16 (1.64x); its recipe may set `dtype: bfloat16`.
 CPU_DTYPE = CpuDtype(with_native_bf16=torch.float32)
-CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -108,16 +108,6 @@ class DenoiseInput:
     #: Image edit: the input image's normalized latents [1, C, 1, h, w] (VAE EncodeImage);
     #: exactly `DitLimits.max_condition_images` of them (none for a text-to-image model).
     condition_latents: tuple[torch.Tensor, ...] = ()
-
-
-@dataclass(frozen=True)
-class DenoisedLatents:
-    """The DiT stage's result: packed latents [1, tokens, z_dim * 4], the pixel size they make."""
-
-    latents: torch.Tensor
-    height: int
-    width: int
-    num_frames: int = 0  # video frames the latents decode to; 0 for an image
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from stagemesh.models.families.qwen_image import MAX_IMAGE_SIDE, latent_factor
 from stagemesh.services.vae.kinds import latent_stats
+from stagemesh.services.vae.limits import VaeLimits, check_size
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -50,16 +51,6 @@ DEFAULT_MAX_RUNNING = 8
 #: many (eight 128x128 or four 256x256 images), a larger image alone. It bounds the decoder's
 #: activation memory per forward, which grows with the pixels it decodes at once.
 MAX_PIXELS_PER_DECODE = 512 * 512
-
-
-@dataclass(frozen=True)
-class VaeLimits:
-    """What the stage accepts (its Describe facts)."""
-
-    size_multiple: int  # height and width are multiples of this (the latent factor)
-    max_side: int  # pixels
-    max_frames: int = 0  # video frames one request may decode or encode; 0: images only
-    frame_multiple: int = 1  # a video's num_frames is 1 + a multiple of this
 
 
 @dataclass(frozen=True)
@@ -198,17 +189,6 @@ def denormalize(latents: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     # Divide by the reciprocal, as the pipelines do, so the float results are identical.
     std_inv = 1.0 / std.to(latents.device, latents.dtype)
     return latents / std_inv + mean
-
-
-def check_size(limits: VaeLimits, height: int, width: int) -> None:
-    """height and width within the stage's limits, or InvalidInputError naming `size`."""
-    factor, max_side = limits.size_multiple, limits.max_side
-    if not all(0 < side <= max_side and side % factor == 0 for side in (height, width)):
-        raise InvalidInputError(
-            "size",
-            f"height and width must be positive multiples of {factor} up to {max_side}, "
-            f"got {height}x{width}",
-        )
 
 
 def _pending(state: DecodeState) -> LatentsInput:

@@ -16,7 +16,7 @@ vision tokens), so a batch would pad rows to the longest, where the stock pipeli
 one prompt: unpadded forwards keep each request's embeddings exactly the pipeline's (the tests
 compare them for equality), and the work is dominated by the vision tower, which runs per
 image anyway. Text-to-image
-folders keep their one-forward batches (`adapter.PromptEncoderAdapter`).
+folders keep their one-forward batches (`qwen_image_adapter.PromptEncoderAdapter`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from stagemesh.models.families.qwen_image import (
     resize_edit_image,
 )
 from stagemesh.models.families.qwen_vl_processor import load_vl_processor
-from stagemesh.services.tokenizer.adapter import (
+from stagemesh.services.tokenizer.base import (
     CPU,
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_MAX_SEQUENCE_LENGTH,
@@ -46,8 +46,8 @@ from stagemesh.services.tokenizer.adapter import (
     RgbArray,
     TokenCounter,
     TokenizerLimits,
-    load_qwen_text_encoder,
 )
+from stagemesh.services.tokenizer.qwen_image_adapter import load_qwen_text_encoder
 from stagemesh.shared.devices import CPU_FLOAT32, Placement
 from stagemesh.shared.engine.adapter import InvalidInputError, NoStream, StageAdapter
 
