@@ -54,10 +54,10 @@ def _edit_template() -> tuple[str, int]:
 class EditTrainConfig:
     """Everything that decides the trained weights besides the seed."""
 
-    n_pairs: int = 12000
+    n_pairs: int = 6000
     text_dim: int = 64
-    steps: int = 1500
-    batch: int = 32
+    steps: int = 1200
+    batch: int = 24
     lr: float = 4e-4
     warmup: int = 100
     caption_dropout: float = 0.1
@@ -67,7 +67,7 @@ class EditTrainConfig:
 
     @classmethod
     def proxy(cls) -> EditTrainConfig:
-        return cls(n_pairs=3000, steps=600)
+        return cls(n_pairs=2000, steps=300)
 
     @classmethod
     def smoke(cls) -> EditTrainConfig:
