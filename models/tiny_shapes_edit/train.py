@@ -56,7 +56,7 @@ class EditTrainConfig:
 
     n_pairs: int = 6000
     text_dim: int = 64
-    steps: int = 1200
+    steps: int = 700
     batch: int = 24
     lr: float = 4e-4
     warmup: int = 100
