@@ -9,7 +9,7 @@ the other's cores):
 2. **ceiling** — the raw batching gain of the model itself: one transformer forward of
    2c rows (c requests x cond/uncond) against 2c forwards of one row, best of 3, for every
    size and concurrency c > 1, in a child process that runs as the DiT stage does (its thread
-   count, OpenMP wait policy and malloc thresholds, see `stagemesh.cli`);
+   count, OpenMP wait policy and malloc thresholds, see `stagemesh.shared.process`);
 3. **mesh** — `stagemesh serve` at its defaults on the benchmark recipe: bursts of c
    simultaneous requests per size (and mixed sizes), then staggered arrivals (Poisson) at a few
    offered loads, as fractions of the mesh's measured burst throughput.
@@ -220,7 +220,7 @@ _child_transformer: QwenImageTransformer2DModel | None = None
 def _as_the_dit_stage(folder: Path) -> None:
     """The ceiling child's set-up: before torch loads, the DiT stage's thread count, OpenMP wait
     policy and malloc thresholds; then the transformer."""
-    from stagemesh.cli import keep_freed_memory, quiet_openmp_waits, stage_threads
+    from stagemesh.shared.process import keep_freed_memory, quiet_openmp_waits, stage_threads
 
     quiet_openmp_waits()
     keep_freed_memory()

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.cli import PARENT_PID_ENV
 from stagemesh.gateway.recipes import StageEndpoint
 from stagemesh.launcher import Launcher, LauncherUnavailable, exited
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
@@ -28,6 +27,7 @@ from stagemesh.serve import (
     stop_processes,
     wait_serving,
 )
+from stagemesh.shared.process import PARENT_PID_ENV
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only"),
               pytest.mark.timeout(240)]

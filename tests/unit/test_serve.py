@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh import cli
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.launcher import LAUNCHER_ENV, StartMode, start_mode
 from stagemesh.models.registry import resolve_model
@@ -21,6 +20,7 @@ from stagemesh.serve import (
     stage_command,
     with_free_ports,
 )
+from stagemesh.shared import process as cli  # the stage's process tuning, once in cli.py
 
 FORBIDDEN = ("torch", "diffusers", "transformers", "stagemesh.models")
 
@@ -171,9 +171,9 @@ def test_openmp_threads_sleep_when_idle_unless_the_operator_says_otherwise(
 _STEPS_ON_A_THREAD = """\
 import resource, sys, threading
 import numpy as np
-from stagemesh import cli
+from stagemesh.shared import process
 if sys.argv[1] == "keep":
-    cli.keep_freed_memory()
+    process.keep_freed_memory()
 
 def steps():
     first = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt

@@ -1,0 +1,43 @@
+"""`stagemesh model prepare SPEC...`: model folders (a built-in one is built on first use)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stagemesh.commands import Command
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="model_command", required=True)
+    prepare = commands.add_parser(
+        "prepare", help="resolve model specs (building a built-in model on first use) and "
+                        "print each one's folder, one per line")
+    prepare.add_argument("specs", nargs="+", metavar="spec",
+                         help="model folder, or builtin:<name>")
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """Print the folder of each model spec on stdout, one line per spec as it is ready (its
+    only output there; logs go to stderr); a bad spec ends the command there.
+
+    `stagemesh serve` runs this in one child process for all its specs, so that building a
+    model never loads torch into the gateway's process, and torch is imported once, not once
+    per spec.
+    """
+    from stagemesh.models.registry import resolve_model
+
+    for spec in args.specs:
+        try:
+            folder = resolve_model(spec)
+        except (ValueError, FileNotFoundError) as error:  # a wrong spec: say so, no traceback
+            raise SystemExit(f"stagemesh model prepare: {error}") from error
+        sys.stdout.write(f"{folder}\n")
+        sys.stdout.flush()
+
+
+def _run(args: argparse.Namespace) -> None:
+    {"prepare": _prepare}[args.model_command](args)
+
+
+MODEL = Command("model", "model folders", _add_arguments, _run)
