@@ -9,18 +9,26 @@ from pathlib import Path
 
 from stagemesh.commands import Command
 
+#: The shipped trained models (each also a recipe of the default mesh, of the same name).
+MODELS = ("tiny-shapes", "tiny-shapes-edit")
+
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", choices=["tiny-shapes"])
+    parser.add_argument("model", choices=MODELS)
     parser.add_argument("--out", default=None,
-                        help="output folder (default: the shipped assets/tiny-shapes)")
+                        help="output folder (default: the shipped assets/MODEL)")
     parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
+    parser.add_argument("--proxy", action="store_true",
+                        help="tiny-shapes-edit: the <= 10 minute config to iterate on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a busy 2-core machine)")
 
 
 def _train(args: argparse.Namespace) -> None:
+    if args.model == "tiny-shapes-edit":
+        _train_edit(args)
+        return
     from stagemesh.models.registry import SHIPPED_TINY_SHAPES
     from stagemesh.models.tiny_shapes.train import TrainConfig, train
 
@@ -30,22 +38,44 @@ def _train(args: argparse.Namespace) -> None:
           config=config)
 
 
+def _train_edit(args: argparse.Namespace) -> None:
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES_EDIT
+    from stagemesh.models.tiny_shapes_edit.train import EditTrainConfig, train
+
+    base = (EditTrainConfig.smoke() if args.smoke else
+            EditTrainConfig.proxy() if args.proxy else EditTrainConfig())
+    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES_EDIT, seed=args.seed,
+          config=dataclasses.replace(base, threads=args.threads))
+
+
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", choices=["tiny-shapes"])
+    parser.add_argument("model", choices=MODELS)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--out", default="eval-results/tiny-shapes")
-    parser.add_argument("--subset", type=int, default=0, help="0 = the whole grammar")
-    parser.add_argument("--model-name", default="tiny-shapes", help="recipe to ask for")
+    parser.add_argument("--out", default=None, help="default: eval-results/MODEL")
+    parser.add_argument("--subset", type=int, default=0,
+                        help="tiny-shapes: 0 = the whole grammar")
+    parser.add_argument("--per-kind", type=int, default=60,
+                        help="tiny-shapes-edit: held-out edits of each kind")
+    parser.add_argument("--model-name", default=None, help="recipe to ask for (default: MODEL)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
 
 
 def _eval(args: argparse.Namespace) -> None:
+    args.out = args.out or f"eval-results/{args.model}"
+    args.model_name = args.model_name or args.model
+    if args.model == "tiny-shapes-edit":
+        from stagemesh.models.tiny_shapes_edit.mesh_eval import main as edit_eval_main
+
+        edit_eval_main(args)
+        return
     from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
 
     eval_main(args)
 
 
-TRAIN = Command("train", "train the shipped tiny-shapes model", _add_train_arguments, _train)
-EVAL = Command("eval", "evaluate tiny-shapes through a running mesh", _add_eval_arguments, _eval)
+TRAIN = Command("train", "train a shipped model (tiny-shapes, tiny-shapes-edit)",
+                _add_train_arguments, _train)
+EVAL = Command("eval", "evaluate a shipped model through a running mesh", _add_eval_arguments,
+               _eval)
