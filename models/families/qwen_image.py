@@ -122,7 +122,7 @@ def stock_condition_area(area: int) -> Iterator[None]:
 
     def at_area(target_area: int, ratio: float) -> tuple[int, int, None]:
         del target_area  # the stock 1024 * 1024
-        width, height, _ = original(area, ratio)
+        width, height, _ = original(area, ratio)  # type: ignore[no-untyped-call]  # diffusers'
         return width, height, None
 
     module.calculate_dimensions = at_area

@@ -152,8 +152,8 @@ def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.
 def normalised_latents(vae: AutoencoderKLQwenImage, images: np.ndarray) -> torch.Tensor:
     """What the pipeline's `_encode_vae_image` gives (posterior mode, normalised)."""
     latents = base.encode_latents(vae, images)
-    mean = torch.tensor(vae.config.latents_mean)[None, :, None, None]
-    std = torch.tensor(vae.config.latents_std)[None, :, None, None]
+    mean = torch.tensor(vae.config["latents_mean"])[None, :, None, None]
+    std = torch.tensor(vae.config["latents_std"])[None, :, None, None]
     return (latents - mean) / std
 
 
