@@ -40,6 +40,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	tools/check_k8s.sh
+	node_modules/.bin/jscpd  # clones in gateway/ and services/: .jscpd.json, reasons in .jscpd.md
 
 test-fast: install
 	$(BIN)/pytest -m unit tests/unit

@@ -1,62 +1,48 @@
-"""Stage name -> the function that builds it. Imported lazily: a Codec process never loads
-diffusers, a VAE process never loads the talker."""
+"""Stage name and model family -> the module that builds that stage: the one place a stage's
+model family picks its builder. Imported lazily: a Codec process never loads diffusers, a VAE
+process never loads the talker, a Piper stage never loads transformers.
+
+The family is what a prepared folder names in its `stagemesh.json`
+(`stagemesh.models.families.family_of`); a plain checkpoint folder (diffusers / transformers
+layout) has none and gets the stage's default builder, which reads the folder's own pipeline
+class where a stage serves several (read by `services.folders`: `dit.servicer.pipeline_class`,
+`tokenizer.families`, `vae.kinds`).
+"""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from stagemesh.models.families import PIPER_FAMILY, family_of
 from stagemesh.shared.stage_runtime import StageBundle
 
 #: Builds a stage from its model folder and its recipe options.
 StageBuilder = Callable[[Path, Mapping[str, object]], StageBundle]
 
-
-def _tokenizer() -> StageBuilder:
-    from stagemesh.services.tokenizer.servicer import build_stage
-
-    return build_stage
-
-
-def _dit() -> StageBuilder:
-    from stagemesh.services.dit.servicer import build_stage
-
-    return build_stage
-
-
-def _vae() -> StageBuilder:
-    from stagemesh.services.vae.servicer import build_stage
-
-    return build_stage
-
-
-def _talker() -> StageBuilder:
-    from stagemesh.services.talker import build_stage  # picks the adapter by model family
-
-    return build_stage
-
-
-def _codec() -> StageBuilder:
-    from stagemesh.services.codec import build_stage  # picks the adapter by model family
-
-    return build_stage
-
-
-def _thinker() -> StageBuilder:
-    from stagemesh.services.thinker.servicer import build_stage
-
-    return build_stage
-
-
-#: Each stage's builder, behind an import that runs only when that stage is built.
-STAGE_BUILDERS: dict[str, Callable[[], StageBuilder]] = {
-    "tokenizer": _tokenizer,
-    "dit": _dit,
-    "vae": _vae,
-    "talker": _talker,
-    "codec": _codec,
-    "thinker": _thinker,
+#: Each stage's builder modules (each has a `build_stage`: a StageBuilder) by model family;
+#: None: a folder that names no family (or one the stage has no builder of its own for).
+STAGE_BUILDERS: dict[str, dict[str | None, str]] = {
+    "tokenizer": {None: "stagemesh.services.tokenizer.servicer"},
+    "dit": {None: "stagemesh.services.dit.servicer"},
+    "vae": {None: "stagemesh.services.vae.servicer"},
+    "talker": {None: "stagemesh.services.talker.csm_servicer",
+               PIPER_FAMILY: "stagemesh.services.talker.piper_servicer"},
+    "codec": {None: "stagemesh.services.codec.csm_servicer",
+              PIPER_FAMILY: "stagemesh.services.codec.piper_servicer"},
+    "thinker": {None: "stagemesh.services.thinker.servicer"},
 }
+
+
+def stage_builder(name: str, model_dir: Path) -> StageBuilder:
+    """The builder of stage `name` for the folder's family (imports only that builder)."""
+    if name not in STAGE_BUILDERS:
+        raise ValueError(f"unknown stage {name!r}; known: {sorted(STAGE_BUILDERS)}")
+    families = STAGE_BUILDERS[name]
+    module = families.get(family_of(model_dir), families[None])
+    builder: StageBuilder = importlib.import_module(module).build_stage
+    return builder
 
 
 def build_stage(
@@ -67,6 +53,4 @@ def build_stage(
     `options` are the recipe's options for this stage; unknown keys or wrong types raise
     ValueError naming the stage and the key.
     """
-    if name not in STAGE_BUILDERS:
-        raise ValueError(f"unknown stage {name!r}; known: {sorted(STAGE_BUILDERS)}")
-    return STAGE_BUILDERS[name]()(Path(model_dir), dict(options or {}))
+    return stage_builder(name, Path(model_dir))(Path(model_dir), dict(options or {}))

@@ -150,6 +150,12 @@ class LaunchPacer:
         self._marks.clear()
 
 
+def cpu_threads(threads: int | None = None) -> int:
+    """`threads`, or the stage process's share of cores: `stagemesh stage --threads` sets it on
+    torch, and a runtime other than torch's (ONNX Runtime) takes the same share."""
+    return torch.get_num_threads() if threads is None else threads
+
+
 def available_devices() -> list[str]:
     """The devices a stage may name here: the CPU, then each device of torch's accelerator."""
     accelerator = torch.accelerator.current_accelerator(check_available=True)

@@ -14,11 +14,14 @@ The client half is a channel interceptor (`client_interceptors`, used by
 `shared.server.open_channel`): insecure channels cannot carry CallCredentials, and metadata
 added per call by an interceptor needs no change where calls are made. The server half is a
 server interceptor (`server_interceptors`, used by the stage runtime) that answers
-UNAUTHENTICATED before the request is read or deserialized.
+UNAUTHENTICATED without deserializing the request (a streamed one is read and dropped first, so
+that the refusal does not race the caller's write; see `_refuse_stream`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -60,6 +63,10 @@ def is_infrastructure(method: str) -> bool:
     return method.lstrip("/").split("/", 1)[0] in INFRASTRUCTURE_SERVICES
 #: Shortest token accepted: a guessable token is no credential.
 MIN_TOKEN_CHARS = 16
+#: The longest a refused stream is read (and dropped) before its refusal is sent: a caller
+#: that sends one message and half-closes is done in milliseconds, one that keeps its stream
+#: open (waiting for an answer before it writes more) gets the refusal after this.
+REFUSAL_DRAIN_S = 1.0
 
 
 class MeshTokenError(ValueError):
@@ -196,6 +203,14 @@ async def _refuse_unary(request: object, context: grpc.aio.ServicerContext[objec
 
 async def _refuse_stream(request_iterator: AsyncIterable[object],
                          context: grpc.aio.ServicerContext[object, object]) -> None:
+    # Read what the caller is still writing (raw bytes, dropped: no deserializer) before the
+    # refusal: a status that ends the call while a large message is still being sent races
+    # that send, and grpc's aio client then reports INTERNAL instead of the status. gRPC
+    # still bounds each message (RESOURCE_EXHAUSTED) and REFUSAL_DRAIN_S bounds the wait.
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(REFUSAL_DRAIN_S):
+            async for _ in request_iterator:
+                pass
     await _refuse_unary(None, context)
 
 

@@ -27,7 +27,7 @@ import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Generic, Literal, Never, Protocol, TypeVar
+from typing import Generic, Literal, Never, Protocol, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -401,3 +401,40 @@ async def _serve(
             trace.follow(stream)  # records the abort once the engine has made it, then ends
         else:
             trace.end()
+
+
+#: One RPC's bidi stream handler: the client's messages and the call -> the server's messages.
+StreamHandler: TypeAlias = Callable[
+    [AsyncIterator[RequestT], grpc.aio.ServicerContext[RequestT, ResponseT]],
+    AsyncIterator[ResponseT],
+]
+
+
+class StageRoute(Generic[RequestT, ResponseT, InputT, StreamT, StateT, PartialT, ResultT]):
+    """One RPC served by one engine through its wire: a StreamHandler whose type says only the
+    RPC's messages, so that one servicer serves every model family of its stage."""
+
+    def __init__(self, engine: StepEngine[InputT, StreamT, StateT, PartialT, ResultT],
+                 wire: StageWire[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT]
+                 ) -> None:
+        self.engine = engine
+        self._make_wire: Callable[
+            [], StageWire[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT]
+        ] = lambda: wire
+
+    @classmethod
+    def per_stream(
+        cls, engine: StepEngine[InputT, StreamT, StateT, PartialT, ResultT],
+        make_wire: Callable[[], StageWire[RequestT, ResponseT, InputT, StreamT, PartialT,
+                                          ResultT]],
+    ) -> StageRoute[RequestT, ResponseT, InputT, StreamT, StateT, PartialT, ResultT]:
+        """A route whose every stream gets a new wire (one that numbers that stream's parts)."""
+        route = cls(engine, make_wire())
+        route._make_wire = make_wire
+        return route
+
+    def __call__(
+        self, requests: AsyncIterator[RequestT],
+        context: grpc.aio.ServicerContext[RequestT, ResponseT],
+    ) -> AsyncIterator[ResponseT]:
+        return serve_stage_stream(self.engine, self._make_wire(), requests, context)

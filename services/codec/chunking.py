@@ -10,6 +10,9 @@ seed decodes in chunks:
   initial_chunk_frames`, emit when `(n_frames - initial_coverage) % chunk_frames == 0`;
 * a finished request flushes whatever is left (in either phase).
 
+`initial_chunks` limits the IC phase to that many initial chunks (the Piper decoder: one first
+chunk of `initial_chunk_frames`, then `chunk_frames` each); unset, it is the seed's rule.
+
 Each emission decodes its new frames with up to `left_context_frames` already-emitted frames in
 front (`left_context_size = min(left_context_frames, frames emitted before)`), and the samples of
 those context frames are trimmed from the output, so chunk seams match a one-shot decode.
@@ -49,6 +52,8 @@ class ChunkRule:
     chunk_frames: int = 25
     initial_chunk_frames: int = 5
     left_context_frames: int = 25
+    #: Initial chunks before the normal phase; None: while n_frames <= chunk_frames (the seed).
+    initial_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_frames < 1:
@@ -57,33 +62,55 @@ class ChunkRule:
             raise ValueError(f"initial_chunk_frames must be >= 1, got {self.initial_chunk_frames}")
         if self.left_context_frames < 0:
             raise ValueError(f"left_context_frames must be >= 0, got {self.left_context_frames}")
+        if self.initial_chunks is not None and self.initial_chunks < 1:
+            raise ValueError(f"initial_chunks must be >= 1, got {self.initial_chunks}")
+
+    @property
+    def initial_phase_end(self) -> int:
+        """The last frame count that is still in the IC phase."""
+        if self.initial_chunks is None:
+            return self.chunk_frames
+        return self.initial_chunks * self.initial_chunk_frames
 
     @property
     def initial_coverage(self) -> int:
-        return (self.chunk_frames // self.initial_chunk_frames) * self.initial_chunk_frames
+        return (self.initial_phase_end // self.initial_chunk_frames) * self.initial_chunk_frames
 
     def is_boundary(self, n_frames: int) -> bool:
         """Does the rule emit when exactly `n_frames` frames have accumulated?"""
         if n_frames <= 0:
             return False
-        if n_frames <= self.chunk_frames:
+        if n_frames <= self.initial_phase_end:
             return n_frames % self.initial_chunk_frames == 0
         return (n_frames - self.initial_coverage) % self.chunk_frames == 0
+
+    def next_boundary(self, emitted: int) -> int:
+        """The first frame count past `emitted` at which the rule emits."""
+        n_frames, initial, phase_end = max(emitted, 0) + 1, self.initial_chunk_frames, (
+            self.initial_phase_end)
+        if n_frames <= phase_end:
+            boundary = -(-n_frames // initial) * initial
+            if boundary <= phase_end:
+                return boundary
+            n_frames = phase_end + 1
+        coverage = self.initial_coverage
+        return coverage + -(-(n_frames - coverage) // self.chunk_frames) * self.chunk_frames
 
     def last_boundary_before(self, n_frames: int) -> int:
         """Frames emitted by the boundaries strictly before `n_frames` (0 if none)."""
         prev = n_frames - 1
         if prev <= 0:
             return 0
-        initial_last = (min(prev, self.chunk_frames) // self.initial_chunk_frames) * (
+        phase_end = self.initial_phase_end
+        initial_last = (min(prev, phase_end) // self.initial_chunk_frames) * (
             self.initial_chunk_frames
         )
-        if prev <= self.chunk_frames:
+        if prev <= phase_end:
             return initial_last
         coverage = self.initial_coverage
         normal_last = coverage + ((prev - coverage) // self.chunk_frames) * self.chunk_frames
-        # normal-phase boundaries only exist past chunk_frames
-        return normal_last if normal_last > self.chunk_frames else initial_last
+        # normal-phase boundaries only exist past the IC phase
+        return normal_last if normal_last > phase_end else initial_last
 
     def decide(self, n_frames: int, finished: bool) -> Emission | None:
         """The seed's rule at one call: emit now (and what), or hold (None)."""
@@ -91,6 +118,17 @@ class ChunkRule:
             return None
         emitted = self.last_boundary_before(n_frames)
         return self.emission(emitted, n_frames)
+
+    def next_emission(self, emitted: int, available: int, finished: bool) -> Emission | None:
+        """The chunk after `emitted` frames once `available` frames can be decoded: up to the
+        next boundary (even if a burst of frames jumped over it), or, once the request has
+        finished, whatever is left; None: wait for frames."""
+        end = self.next_boundary(emitted)
+        if end <= available:
+            return self.emission(emitted, end)
+        if finished and available > emitted:
+            return self.emission(emitted, available)
+        return None
 
     def emission(self, emitted: int, end: int) -> Emission:
         """The chunk that takes a request from `emitted` to `end` frames."""
@@ -113,14 +151,7 @@ class ChunkTracker:
         self.emitted = 0
 
     def next_emission(self, available: int, finished: bool) -> Emission | None:
-        for n_frames in range(self.emitted + 1, available + 1):
-            if self.rule.is_boundary(n_frames):
-                return self._take(n_frames)
-        if finished and available > self.emitted:
-            return self._take(available)
-        return None
-
-    def _take(self, end: int) -> Emission:
-        emission = self.rule.emission(self.emitted, end)
-        self.emitted = end
+        emission = self.rule.next_emission(self.emitted, available, finished)
+        if emission is not None:
+            self.emitted = emission.end
         return emission

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stagemesh.models.families.piper import CODEC_INPUT, PiperVoiceFolder, open_session
+from stagemesh.services.codec.chunking import ChunkRule
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
     InvalidInputError,
@@ -196,19 +197,25 @@ class _Window:
     right: int
 
 
+def chunk_rule(payload: LatentDecodeInput) -> ChunkRule:
+    """The request's emission rule: one first chunk of `initial_chunk_frames`, then
+    `chunk_frames` each, with up to `left_context_frames` before each (`ChunkRule`)."""
+    return ChunkRule(chunk_frames=payload.chunk_frames,
+                     initial_chunk_frames=payload.initial_chunk_frames,
+                     left_context_frames=payload.left_context_frames, initial_chunks=1)
+
+
 def _window(state: LatentDecodeState) -> _Window | None:
-    """The next chunk that can be decoded exactly now, or None (wait for frames)."""
-    rule = state.rule
-    size = rule.initial_chunk_frames if state.chunks == 0 else rule.chunk_frames
-    pending = state.received - state.emitted
-    if pending <= 0:
+    """The next chunk that can be decoded exactly now, or None (wait for frames): the rule's
+    next chunk once its right context has arrived too (or the input has ended)."""
+    right_context = state.rule.right_context_frames
+    ready = state.received if state.final else state.received - right_context
+    emission = chunk_rule(state.rule).next_emission(state.emitted, ready, state.final)
+    if emission is None:
         return None
-    if not state.final and pending < size + rule.right_context_frames:
-        return None
-    new = min(size, pending)
-    left = min(rule.left_context_frames, state.emitted)
-    right = min(rule.right_context_frames, pending - new)
-    return _Window(start=state.emitted - left, left=left, new=new, right=right)
+    right = min(right_context, state.received - emission.end)
+    return _Window(start=emission.start, left=emission.left_context_size,
+                   new=emission.new_frames, right=right)
 
 
 def _window_frames(state: LatentDecodeState, window: _Window) -> Floats:

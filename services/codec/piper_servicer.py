@@ -1,4 +1,4 @@
-"""Codec stage servicer for a Piper voice: DecodeAudio takes latent z frames (`latents`).
+"""Codec stage for a Piper voice: DecodeAudio takes latent z frames (`latents`).
 
 EncodeAudio has nothing to run (a Piper decoder has no encoder, and the voice cannot clone): it
 answers UNIMPLEMENTED, and Describe publishes no reference sample rates; the gateway never
@@ -7,11 +7,10 @@ calls it, because the talker publishes `supports_voice_clone` = false.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeAlias, TypedDict
 
-import grpc
 import numpy as np
 
 from stagemesh.services.codec.piper_adapter import (
@@ -22,19 +21,20 @@ from stagemesh.services.codec.piper_adapter import (
     LatentFramesInput,
     PiperCodecAdapter,
 )
-from stagemesh.shared.devices import CPU_FLOAT32
-from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepBudget
+from stagemesh.services.codec.servicer import (
+    DEFAULT_MAX_RUNNING,
+    CodecServicer,
+    codec_bundle,
+    decode_wire,
+)
+from stagemesh.shared.devices import CPU_FLOAT32, cpu_threads
+from stagemesh.shared.engine.adapter import InvalidInputError
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
-from stagemesh.shared.proto.v1 import codec_service_pb2_grpc
 from stagemesh.shared.stage_runtime import StageBundle, stage_description
-from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
+from stagemesh.shared.stage_stream import StageRoute, StageWire
 from stagemesh.shared.tensors import array_from_proto, array_to_proto, is_set
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
-DEFAULT_MAX_RUNNING = 8
-_NO_RESPONSES: tuple[pb.EncodeAudioResponse, ...] = ()
 
 LatentDecoderEngine: TypeAlias = StepEngine[
     LatentDecodeInput, LatentFramesInput, LatentDecodeState, Floats, LatentDecodeResult
@@ -60,21 +60,17 @@ class _LatentDecodeWire:
     def __init__(self, adapter: PiperCodecAdapter, defaults: LatentDecodeInput) -> None:
         self._adapter = adapter
         self._defaults = defaults
-        self.wire: LatentDecodeWire = StageWire(
-            response_cls=pb.DecodeAudioResponse, make_request=self._request,
-            encode_result=self._result, encode_partial=self._chunk, make_input=self._input)
+        self.wire: LatentDecodeWire = decode_wire(
+            self._payload, self._input, array_to_proto, adapter.sample_rate,
+            adapter.samples_per_frame)
 
-    def _request(self, message: pb.DecodeAudioRequest,
-                 deadline: float | None) -> EngineRequest[LatentDecodeInput]:
-        start, d = message.start, self._defaults
-        return EngineRequest(
-            request_id=start.request_id, deadline=deadline,
-            budget=StepBudget(total_steps=None),  # runs until its final frames are decoded
-            payload=LatentDecodeInput(
-                chunk_frames=start.chunk_frames or d.chunk_frames,
-                initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
-                left_context_frames=start.left_context_frames or d.left_context_frames,
-                right_context_frames=start.right_context_frames or d.right_context_frames))
+    def _payload(self, start: pb.DecodeAudioStart) -> LatentDecodeInput:
+        d = self._defaults
+        return LatentDecodeInput(
+            chunk_frames=start.chunk_frames or d.chunk_frames,
+            initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
+            left_context_frames=start.left_context_frames or d.left_context_frames,
+            right_context_frames=start.right_context_frames or d.right_context_frames)
 
     def _input(self, message: pb.DecodeAudioRequest) -> LatentFramesInput:
         frames = message.input
@@ -90,58 +86,15 @@ class _LatentDecodeWire:
         return LatentFramesInput(frames=latents.astype(np.float32, copy=False),
                                  final=frames.final)
 
-    def _chunk(self, pcm: Floats) -> pb.DecodeAudioResponse:
-        return pb.DecodeAudioResponse(chunk=pb.AudioChunk(
-            pcm=array_to_proto(pcm), sample_rate=self._adapter.sample_rate,
-            frames=pcm.shape[0] // self._adapter.samples_per_frame))
-
-    @staticmethod
-    def _result(result: LatentDecodeResult) -> pb.DecodeAudioResult:
-        return pb.DecodeAudioResult(total_samples=result.num_samples,
-                                    sample_rate=result.sample_rate)
-
-
-class PiperCodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
-    def __init__(self, decoder: LatentDecoderEngine, wire: LatentDecodeWire,
-                 description: pb.DescribeCodecResponse) -> None:
-        self.decoder = decoder
-        self.wire = wire
-        self.description = description
-
-    async def DecodeAudio(
-        self,
-        request_iterator: AsyncIterator[pb.DecodeAudioRequest],
-        context: grpc.aio.ServicerContext[pb.DecodeAudioRequest, pb.DecodeAudioResponse],
-    ) -> AsyncIterator[pb.DecodeAudioResponse]:
-        async for response in serve_stage_stream(self.decoder, self.wire, request_iterator,
-                                                 context):
-            yield response
-
-    async def EncodeAudio(
-        self,
-        request_iterator: AsyncIterator[pb.EncodeAudioRequest],
-        context: grpc.aio.ServicerContext[pb.EncodeAudioRequest, pb.EncodeAudioResponse],
-    ) -> AsyncIterator[pb.EncodeAudioResponse]:
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details("this codec cannot encode audio (the voice cannot clone)")
-        for response in _NO_RESPONSES:  # a stream that ends at once, with that status
-            yield response
-
-    async def DescribeCodec(
-        self,
-        request: pb.DescribeCodecRequest,
-        context: grpc.aio.ServicerContext[pb.DescribeCodecRequest, pb.DescribeCodecResponse],
-    ) -> pb.DescribeCodecResponse:
-        return self.description
-
 
 def build_stage(model_dir: Path, options: Mapping[str, object], *,
-                threads: int = 1) -> StageBundle:
+                threads: int | None = None) -> StageBundle:
     """options: EngineOptions (max_running, default 8) and LatentChunkOptions; `threads`:
-    ONNX Runtime intra-op threads."""
+    ONNX Runtime intra-op threads (default: the stage's share, `cpu_threads`)."""
     engine_options, chunk_options = parse_options(
         "codec", options, EngineOptions, LatentChunkOptions)
     defaults = LatentDecodeInput(**chunk_options)
+    threads = cpu_threads(threads)
     adapter = PiperCodecAdapter(model_dir, threads=threads)
     adapter.check_inputs(defaults)  # bad options fail at start-up, not per request
     decoder = StepEngine(adapter,
@@ -150,12 +103,8 @@ def build_stage(model_dir: Path, options: Mapping[str, object], *,
         stage=stage_description("codec", model_dir, decoder, CPU_FLOAT32),
         sample_rate=adapter.sample_rate, frame_rate=adapter.folder.frame_rate,
         num_codebooks=0, max_reference_seconds=0.0, latent_channels=adapter.channels)
-    servicer = PiperCodecServicer(decoder, _LatentDecodeWire(adapter, defaults).wire,
-                                  description)
-    return StageBundle(
-        name="codec", engines=[decoder], service_names=[SERVICE_NAME],
-        register=lambda server: codec_service_pb2_grpc.add_CodecServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), "runtime": "onnxruntime", "threads": str(threads),
-              "max_running": str(decoder.max_running),
-              **{name: str(value) for name, value in chunk_options.items()}})
+    servicer = CodecServicer(
+        StageRoute(decoder, _LatentDecodeWire(adapter, defaults).wire), None, description)
+    return codec_bundle(model_dir, [decoder], servicer, {
+        "runtime": "onnxruntime", "threads": str(threads),
+        **{name: str(value) for name, value in chunk_options.items()}})

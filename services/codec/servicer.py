@@ -1,154 +1,95 @@
-"""Codec stage servicer: DecodeAudio (streamed frames -> audio chunks), EncodeAudio, Describe.
+"""Codec stage servicer, one for every model family: DecodeAudio (streamed frames -> audio
+chunks), EncodeAudio (a reference clip -> frames, for voice cloning) and DescribeCodec, over the
+family's engines and wires (`csm_servicer`, `piper_servicer`).
 
 DecodeAudio takes its frames from `input` messages while the talker is still generating; the
-decoder engine emits one AudioChunk whenever the async-chunk rule says a chunk is due. The two
+decoder engine emits one AudioChunk whenever the family's chunk rule says a chunk is due. The two
 RPCs run on two engines (labelled `codec` and `codec-encode` in metrics), so a reference clip
-being encoded never waits behind a long decode.
+being encoded never waits behind a long decode. A family without an encoder answers EncodeAudio
+with UNIMPLEMENTED (its talker publishes `supports_voice_clone` = false, so the gateway never
+calls it).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TypeAlias, TypedDict
+from typing import Protocol, TypeVar
 
 import grpc
-import torch
 
-from stagemesh.services.codec.csm_adapter import (
-    CPU_DTYPE,
-    CodecDecoderAdapter,
-    CodecEncoderAdapter,
-    CodecLimits,
-    DecodeInput,
-    DecodeResult,
-    DecodeState,
-    EncodeInput,
-    EncodeState,
-    FramesInput,
-)
-from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
-from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, NoStream, StepBudget
-from stagemesh.shared.engine.engine import StepEngine
-from stagemesh.shared.options import EngineOptions, parse_options
+from stagemesh.shared.engine.adapter import EngineRequest, InputT, StepBudget, StreamT
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
-from stagemesh.shared.proto.v1 import codec_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle, stage_description
-from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
-from stagemesh.shared.tensors import TensorDecodeError, is_set
-from stagemesh.shared.torch_tensors import from_proto, to_proto
+from stagemesh.shared.proto.v1 import codec_service_pb2_grpc, common_pb2
+from stagemesh.shared.stage_runtime import StageBundle, StageEngine
+from stagemesh.shared.stage_stream import StageWire, StreamHandler
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
 #: Requests that share each decode step unless the recipe sets `max_running`.
 DEFAULT_MAX_RUNNING = 8
+_NO_RESPONSES: tuple[pb.EncodeAudioResponse, ...] = ()
 
-DecoderEngine: TypeAlias = StepEngine[
-    DecodeInput, FramesInput, DecodeState, torch.Tensor, DecodeResult
-]
-EncoderEngine: TypeAlias = StepEngine[EncodeInput, NoStream, EncodeState, NoStream, torch.Tensor]
-EncodeAudioWire: TypeAlias = StageWire[
-    pb.EncodeAudioRequest, pb.EncodeAudioResponse, EncodeInput, NoStream, NoStream, torch.Tensor
-]
-DecodeAudioWire: TypeAlias = StageWire[
-    pb.DecodeAudioRequest, pb.DecodeAudioResponse, DecodeInput, FramesInput, torch.Tensor,
-    DecodeResult,
-]
+DecodeAudioHandler = StreamHandler[pb.DecodeAudioRequest, pb.DecodeAudioResponse]
+EncodeAudioHandler = StreamHandler[pb.EncodeAudioRequest, pb.EncodeAudioResponse]
 
 
-class ChunkOptions(TypedDict, total=False):
-    """Chunk sizes (in frames) for DecodeAudio requests that leave them 0."""
+class Pcm(Protocol):
+    """A chunk of decoded samples, [samples] first (a torch tensor or a numpy array)."""
 
-    chunk_frames: int
-    initial_chunk_frames: int
-    left_context_frames: int
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
-class _DecodeWire:
-    """DecodeAudio <-> the decoder engine, with the stage's default chunk sizes."""
+class DecodeSummary(Protocol):
+    """What a family's decoder reports when a decode has finished."""
 
-    def __init__(self, adapter: CodecDecoderAdapter, defaults: DecodeInput) -> None:
-        self._adapter = adapter
-        self._defaults = defaults
-        self.wire: DecodeAudioWire = StageWire(
-            response_cls=pb.DecodeAudioResponse, make_request=self._request,
-            encode_result=self._result, encode_partial=self._chunk, make_input=self._input)
+    @property
+    def sample_rate(self) -> int: ...
 
-    def _request(
-        self, message: pb.DecodeAudioRequest, deadline: float | None
-    ) -> EngineRequest[DecodeInput]:
-        start, d = message.start, self._defaults
-        return EngineRequest(
-            request_id=start.request_id, deadline=deadline,
-            budget=StepBudget(total_steps=None),  # runs until its final frames are decoded
-            payload=DecodeInput(
-                chunk_frames=start.chunk_frames or d.chunk_frames,
-                initial_chunk_frames=start.initial_chunk_frames or d.initial_chunk_frames,
-                left_context_frames=start.left_context_frames or d.left_context_frames))
+    @property
+    def num_samples(self) -> int: ...
 
-    def _input(self, message: pb.DecodeAudioRequest) -> FramesInput:
-        frames = message.input
-        if not is_set(frames.codes):  # unset: no frames (final=true)
-            return FramesInput(frames=torch.empty((0, self._adapter.num_codebooks),
-                                                  dtype=torch.long), final=frames.final)
-        # An undecodable tensor raises TensorDecodeError: serve_stage_stream then ends the
-        # request with INVALID_ARGUMENT.
-        return FramesInput(frames=from_proto(frames.codes), final=frames.final)
 
-    def _chunk(self, pcm: torch.Tensor) -> pb.DecodeAudioResponse:
+PcmT = TypeVar("PcmT", bound=Pcm)
+SummaryT = TypeVar("SummaryT", bound=DecodeSummary)
+
+
+def decode_wire(
+    make_payload: Callable[[pb.DecodeAudioStart], InputT],
+    make_input: Callable[[pb.DecodeAudioRequest], StreamT],
+    pcm_to_proto: Callable[[PcmT], common_pb2.Tensor],
+    sample_rate: int,
+    samples_per_frame: int,
+) -> StageWire[pb.DecodeAudioRequest, pb.DecodeAudioResponse, InputT, StreamT, PcmT, SummaryT]:
+    """DecodeAudio <-> a family's decoder engine: the family reads its start (`make_payload`,
+    e.g. chunk sizes with the stage's defaults) and its frames (`make_input`) and encodes its
+    samples; every request runs until its final frames are decoded, a chunk per partial."""
+
+    def make_request(message: pb.DecodeAudioRequest,
+                     deadline: float | None) -> EngineRequest[InputT]:
+        return EngineRequest(request_id=message.start.request_id, deadline=deadline,
+                             budget=StepBudget(total_steps=None),
+                             payload=make_payload(message.start))
+
+    def encode_chunk(pcm: PcmT) -> pb.DecodeAudioResponse:
         return pb.DecodeAudioResponse(chunk=pb.AudioChunk(
-            pcm=to_proto(pcm.to(torch.float32)), sample_rate=self._adapter.sample_rate,
-            frames=pcm.shape[0] // self._adapter.samples_per_frame))
+            pcm=pcm_to_proto(pcm), sample_rate=sample_rate,
+            frames=pcm.shape[0] // samples_per_frame))
 
-    @staticmethod
-    def _result(result: DecodeResult) -> pb.DecodeAudioResult:
+    def encode_result(result: SummaryT) -> pb.DecodeAudioResult:
         return pb.DecodeAudioResult(total_samples=result.num_samples,
                                     sample_rate=result.sample_rate)
 
-
-def _clip_elements(limits: CodecLimits) -> int:
-    """Most samples a legal reference clip has: the longest clip at the highest rate."""
-    return math.ceil(limits.max_reference_seconds * max(limits.reference_sample_rates))
-
-
-def _encode_wire(limits: CodecLimits) -> EncodeAudioWire:
-    """EncodeAudio <-> the encoder engine. A clip's samples are decoded only up to the most a
-    legal clip has, so an oversized one is refused before it is allocated; its rate and exact
-    length are then checked by the adapter (`CodecEncoderAdapter.check_inputs`)."""
-    max_elements = _clip_elements(limits)
-
-    def make_request(
-        message: pb.EncodeAudioRequest, deadline: float | None
-    ) -> EngineRequest[EncodeInput]:
-        start = message.start
-        try:
-            audio = from_proto(start.pcm, max_elements=max_elements)
-        except TensorDecodeError as error:
-            raise InvalidInputError("ref_audio", f"reference audio: {error}") from None
-        return EngineRequest(request_id=start.request_id, deadline=deadline,
-                             payload=EncodeInput(audio=audio, sample_rate=start.sample_rate))
-
-    return StageWire(response_cls=pb.EncodeAudioResponse, make_request=make_request,
-                     encode_result=_encode_result)
-
-
-def _encode_result(codes: torch.Tensor) -> pb.EncodeAudioResult:
-    return pb.EncodeAudioResult(codes=to_proto(codes))
+    return StageWire(response_cls=pb.DecodeAudioResponse, make_request=make_request,
+                     encode_result=encode_result, encode_partial=encode_chunk,
+                     make_input=make_input)
 
 
 class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
-    def __init__(
-        self,
-        decoder: DecoderEngine,
-        decode_wire: DecodeAudioWire,
-        encoder: EncoderEngine,
-        encode_wire: EncodeAudioWire,
-        description: pb.DescribeCodecResponse,
-    ) -> None:
-        self.decoder = decoder
-        self.decode_wire = decode_wire
-        self.encoder = encoder
-        self.encode_wire = encode_wire
+    def __init__(self, decode: DecodeAudioHandler, encode: EncodeAudioHandler | None,
+                 description: pb.DescribeCodecResponse) -> None:
+        self.decode = decode
+        self.encode = encode
         self.description = description
 
     async def DecodeAudio(
@@ -156,8 +97,7 @@ class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
         request_iterator: AsyncIterator[pb.DecodeAudioRequest],
         context: grpc.aio.ServicerContext[pb.DecodeAudioRequest, pb.DecodeAudioResponse],
     ) -> AsyncIterator[pb.DecodeAudioResponse]:
-        async for response in serve_stage_stream(self.decoder, self.decode_wire,
-                                                 request_iterator, context):
+        async for response in self.decode(request_iterator, context):
             yield response
 
     async def EncodeAudio(
@@ -165,8 +105,13 @@ class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
         request_iterator: AsyncIterator[pb.EncodeAudioRequest],
         context: grpc.aio.ServicerContext[pb.EncodeAudioRequest, pb.EncodeAudioResponse],
     ) -> AsyncIterator[pb.EncodeAudioResponse]:
-        async for response in serve_stage_stream(self.encoder, self.encode_wire, request_iterator,
-                                                 context):
+        if self.encode is None:
+            context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+            context.set_details("this codec cannot encode audio (the voice cannot clone)")
+            for response in _NO_RESPONSES:  # a stream that ends at once, with that status
+                yield response
+            return
+        async for response in self.encode(request_iterator, context):
             yield response
 
     async def DescribeCodec(
@@ -177,39 +122,12 @@ class CodecServicer(codec_service_pb2_grpc.CodecServiceServicer):
         return self.description
 
 
-def _describe(
-    model_dir: Path, decoder: DecoderEngine, limits: CodecLimits, placement: Placement
-) -> pb.DescribeCodecResponse:
-    """The decoder's capacity (DecodeAudio is the stage's main work) and the codec's facts."""
-    return pb.DescribeCodecResponse(
-        stage=stage_description("codec", model_dir, decoder, placement),
-        sample_rate=limits.sample_rate, frame_rate=limits.frame_rate,
-        num_codebooks=limits.num_codebooks, max_reference_seconds=limits.max_reference_seconds,
-        reference_sample_rates=limits.reference_sample_rates)
-
-
-def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
-    """options: EngineOptions (max_running, default 8), ChunkOptions and DeviceOptions (one
-    placement for both engines)."""
-    engine_options, chunk_options, device_options = parse_options(
-        "codec", options, EngineOptions, ChunkOptions, DeviceOptions)
-    placement = resolve_placement("codec", device_options, CPU_DTYPE)
-    defaults = DecodeInput(**chunk_options)
-    decoder_adapter = CodecDecoderAdapter(model_dir, placement=placement)
-    decoder_adapter.check_inputs(defaults)  # bad options fail at start-up, not per request
-    decoder = StepEngine(decoder_adapter,
-                         max_running=engine_options.get("max_running", DEFAULT_MAX_RUNNING))
-    encoder_adapter = CodecEncoderAdapter(model_dir, placement=placement)
-    encoder = StepEngine(encoder_adapter)
-    servicer = CodecServicer(decoder, _DecodeWire(decoder_adapter, defaults).wire, encoder,
-                             _encode_wire(encoder_adapter.limits),
-                             _describe(model_dir, decoder, encoder_adapter.limits, placement))
+def codec_bundle(model_dir: Path, engines: list[StageEngine], servicer: CodecServicer,
+                 info: dict[str, str]) -> StageBundle:
+    """The Codec stage of any family: its engines (the decoder's first), the servicer, and
+    facts for the logs (`info`, after the model and the decoder's capacity)."""
     return StageBundle(
-        name="codec", engines=[decoder, encoder], service_names=[SERVICE_NAME],
+        name="codec", engines=engines, service_names=[SERVICE_NAME],
         register=lambda server: codec_service_pb2_grpc.add_CodecServiceServicer_to_server(
             servicer, server),
-        info={"model": str(model_dir), **placement.facts(),
-              "max_running": str(decoder.max_running),
-              "chunk_frames": str(defaults.chunk_frames),
-              "initial_chunk_frames": str(defaults.initial_chunk_frames),
-              "left_context_frames": str(defaults.left_context_frames)})
+        info={"model": str(model_dir), "max_running": str(engines[0].max_running), **info})

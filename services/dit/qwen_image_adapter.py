@@ -29,7 +29,6 @@ before the forward ends, so an interrupted step leaves every state as it was).
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -69,6 +68,7 @@ from stagemesh.services.dit.limits import image_limits
 from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
 from stagemesh.services.dit.stepping import StepState, check_one_batch, seeded_noise, step_batch
 from stagemesh.services.dit.types import CPU, DenoisedLatents
+from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -513,8 +513,7 @@ def _check_sigmas(sigmas: list[float], steps: int) -> None:
 
 def is_edit_folder(model_dir: str | Path) -> bool:
     """Whether the folder is a Qwen-Image-Edit pipeline (its DiT takes a condition image)."""
-    index = json.loads((Path(model_dir) / "model_index.json").read_text())
-    return bool(index.get("_class_name") == EDIT_PIPELINE_CLASS)
+    return folder_class(model_dir) == EDIT_PIPELINE_CLASS
 
 
 def _vision_tokens_bound(max_pixels: int, max_side: int) -> int:

@@ -12,7 +12,6 @@ requests preempted by more urgent ones, lower `priority` first).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Generic, Literal, TypeAlias, TypedDict, TypeVar
@@ -36,6 +35,7 @@ from stagemesh.services.dit.wan_adapter import (
     VideoDenoiseState,
     WanDenoiseAdapter,
 )
+from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -276,8 +276,8 @@ def admission_window_seconds(options: DitEngineOptions) -> float:
 def pipeline_class(model_dir: Path) -> str:
     """The folder's diffusers pipeline class (model_index.json `_class_name`): it picks the
     adapter. QwenImage* folders run on DenoiseAdapter, Wan* (`WAN_TASKS`) on WanDenoiseAdapter."""
-    name = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", "")
-    if not isinstance(name, str) or not (name.startswith("QwenImage") or name in WAN_TASKS):
+    name = folder_class(model_dir)
+    if name is None or not (name.startswith("QwenImage") or name in WAN_TASKS):
         raise ValueError(f"{model_dir}: the DiT stage serves QwenImage* and {sorted(WAN_TASKS)} "
                          f"pipelines, not {name!r}")
     return name

@@ -55,6 +55,7 @@ from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min_steps
 from stagemesh.services.dit.stepping import StepState, check_one_batch, seeded_noise, step_batch
 from stagemesh.services.dit.types import CPU, DenoisedLatents
+from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import CPU_FLOAT32, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -91,7 +92,7 @@ class WanFolder:
     def read(cls, model_dir: str | Path) -> WanFolder:
         root = Path(model_dir)
         index = json.loads((root / "model_index.json").read_text())
-        task = WAN_TASKS.get(index.get("_class_name", ""))
+        task = WAN_TASKS.get(folder_class(root) or "")
         if task is None:
             raise ValueError(f"{root}: not a Wan pipeline folder ({sorted(WAN_TASKS)})")
         if index.get("expand_timesteps"):

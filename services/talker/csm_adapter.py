@@ -39,11 +39,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 from transformers import CsmForConditionalGeneration, DynamicCache
-from transformers.cache_utils import DynamicLayer
 from transformers.models.csm.modeling_csm import CsmOutputWithPast
 
 from stagemesh.models.families.csm import CsmFacts, CsmPromptFormat, load_voices
 from stagemesh.models.options import capped_option
+from stagemesh.services.kv_batching import (
+    layer_kv,
+    left_padded_cache,
+    live,
+    nucleus,
+    padding_mask,
+)
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -442,9 +448,7 @@ class TalkerAdapter:
 
     @staticmethod
     def _live_cache(state: TalkerState) -> DynamicCache:
-        if state.cache is None:
-            raise RuntimeError(f"request {state.request_id} was released")
-        return state.cache
+        return live(state.cache, state.request_id)
 
     @staticmethod
     def _pending_frame(state: TalkerState) -> torch.Tensor:
@@ -480,10 +484,10 @@ class TalkerAdapter:
         caches = [self._live_cache(s) for s in states]
         lengths = [cache.get_seq_length() for cache in caches]
         longest = max(lengths)
-        batch = self._padded_batch_cache(caches, longest)
-        mask = torch.zeros((len(states), longest + 1), dtype=torch.long)
-        for row, length in enumerate(lengths):
-            mask[row, longest - length :] = 1
+        batch = left_padded_cache(
+            [[layer_kv(layer) for layer in cache.layers] for cache in caches], longest,
+            self._model.config)
+        mask = padding_mask(lengths, 1)
         device = self._model.device
         out: CsmOutputWithPast = self._model(
             input_ids=torch.stack([self._pending_frame(s) for s in states])[:, None, :],
@@ -497,20 +501,10 @@ class TalkerAdapter:
         for row, cache in enumerate(caches):
             successor = _sharing_copy(cache)
             for layer in range(len(batch.layers)):
-                keys, values = _layer_entries(batch, layer)
+                keys, values = layer_kv(batch.layers[layer])
                 successor.update(keys[row : row + 1, :, -1:], values[row : row + 1, :, -1:], layer)
             heads.append(_head(successor, out, row))
         return heads
-
-    def _padded_batch_cache(self, caches: Sequence[DynamicCache], longest: int) -> DynamicCache:
-        """The requests' caches stacked into one, each left-padded with zeros to `longest`."""
-        batch = DynamicCache(config=self._model.config)
-        for layer in range(len(caches[0].layers)):
-            entries = [_layer_entries(c, layer) for c in caches]
-            keys = [_left_pad(k, longest) for k, _ in entries]
-            values = [_left_pad(v, longest) for _, v in entries]
-            batch.update(torch.cat(keys), torch.cat(values), layer)
-        return batch
 
     def _next_frames(self, states: Sequence[TalkerState], heads: Sequence[_Head]) -> torch.Tensor:
         """[batch, num_codebooks]: the backbone's codebook 0, then the depth decoder's rest."""
@@ -547,7 +541,7 @@ class TalkerAdapter:
             kth = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, -math.inf)
         if params.top_p < 1:
-            scores = _top_p_filter(scores, params.top_p)
+            scores = scores.masked_fill(~nucleus(scores, params.top_p, logits=True), -math.inf)
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, 1, generator=state.generator)[0]
 
@@ -565,13 +559,6 @@ class TalkerAdapter:
         return StepOutput(step_index=state.steps, partial=frame, finished=finished)
 
 
-def _live(tensor: torch.Tensor | None, state: TalkerState) -> torch.Tensor:
-    """A per-request tensor that `release` clears."""
-    if tensor is None:
-        raise RuntimeError(f"request {state.request_id} was released")
-    return tensor
-
-
 def _head(cache: DynamicCache, out: CsmOutputWithPast, row: int) -> _Head:
     if out.logits is None or out.hidden_states is None:
         raise RuntimeError("the CSM backbone returned no logits or hidden states")
@@ -583,8 +570,8 @@ def _current_head(state: TalkerState) -> _Head:
     """A state's stored backbone results (it has no frame to feed)."""
     return _Head(
         cache=TalkerAdapter._live_cache(state),
-        logits=_live(state.logits, state),
-        hidden=_live(state.hidden, state),
+        logits=live(state.logits, state.request_id),
+        hidden=live(state.hidden, state.request_id),
     )
 
 
@@ -601,28 +588,6 @@ def _sharing_copy(cache: DynamicCache) -> DynamicCache:
     successor = copy.copy(cache)
     successor.layers = [copy.copy(layer) for layer in cache.layers]
     return successor
-
-
-def _layer_entries(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's keys and values [batch, heads, seq, dim] (CSM's caches are dynamic)."""
-    entry = cache.layers[layer]
-    if not isinstance(entry, DynamicLayer) or entry.keys is None or entry.values is None:
-        raise RuntimeError(f"cache layer {layer} is not an initialised dynamic layer")
-    return entry.keys, entry.values
-
-
-def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of ids whose probability reaches top_p (always at least one)."""
-    sorted_scores, order = torch.sort(scores, descending=True)
-    cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-    drop_sorted = cumulative - torch.softmax(sorted_scores, dim=-1) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return scores.masked_fill(drop, -math.inf)
-
-
-def _left_pad(entries: torch.Tensor, length: int) -> torch.Tensor:
-    """[batch, heads, seq, dim] -> [batch, heads, length, dim], zeros in front."""
-    return torch.nn.functional.pad(entries, (0, 0, length - entries.shape[-2], 0))
 
 
 #: The static proof that the adapter is the Talker stage's StageAdapter.

@@ -1,4 +1,4 @@
-"""Talker stage servicer for a Piper voice: GenerateFrames streams latent z frames.
+"""Talker stage for a Piper voice: GenerateFrames streams latent z frames.
 
 The contract is the Talker's (`talker_service.proto`): each step's chunk leaves as a `frames`
 event whose `latents` carry float32 [frames, 192] (where CSM fills `codes`), and Describe says
@@ -9,11 +9,9 @@ a 400 before any stage runs.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeAlias, TypedDict
-
-import grpc
 
 from stagemesh.services.talker.piper_adapter import (
     Floats,
@@ -22,20 +20,17 @@ from stagemesh.services.talker.piper_adapter import (
     PiperTalkerResult,
     PiperTalkerState,
 )
-from stagemesh.shared.devices import CPU_FLOAT32
+from stagemesh.services.talker.servicer import DEFAULT_MAX_RUNNING, talker_bundle
+from stagemesh.shared.devices import CPU_FLOAT32, cpu_threads
 from stagemesh.shared.engine.adapter import EngineRequest, NoStream, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import talker_service_pb2 as pb
-from stagemesh.shared.proto.v1 import talker_service_pb2_grpc
 from stagemesh.shared.stage_runtime import StageBundle, stage_description
-from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
+from stagemesh.shared.stage_stream import StageRoute, StageWire
 from stagemesh.shared.tensors import array_to_proto, is_set
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TalkerService"].full_name
-DEFAULT_MAX_RUNNING = 8
 
 PiperTalkerEngine: TypeAlias = StepEngine[
     PiperTalkerInput, NoStream, PiperTalkerState, Floats, PiperTalkerResult
@@ -87,28 +82,6 @@ def _wire() -> PiperFramesWire:
                      encode_result=encode_result, encode_partial=encode_chunk)
 
 
-class PiperTalkerServicer(talker_service_pb2_grpc.TalkerServiceServicer):
-    def __init__(self, engine: PiperTalkerEngine, description: pb.DescribeTalkerResponse) -> None:
-        self.engine = engine
-        self.description = description
-
-    async def GenerateFrames(
-        self,
-        request_iterator: AsyncIterator[pb.GenerateFramesRequest],
-        context: grpc.aio.ServicerContext[pb.GenerateFramesRequest, pb.GenerateFramesResponse],
-    ) -> AsyncIterator[pb.GenerateFramesResponse]:
-        async for response in serve_stage_stream(self.engine, _wire(), request_iterator,
-                                                 context):
-            yield response
-
-    async def DescribeTalker(
-        self,
-        request: pb.DescribeTalkerRequest,
-        context: grpc.aio.ServicerContext[pb.DescribeTalkerRequest, pb.DescribeTalkerResponse],
-    ) -> pb.DescribeTalkerResponse:
-        return self.description
-
-
 def _describe(model_dir: Path, engine: PiperTalkerEngine,
               adapter: PiperTalkerAdapter) -> pb.DescribeTalkerResponse:
     limits = adapter.limits
@@ -126,19 +99,17 @@ def _describe(model_dir: Path, engine: PiperTalkerEngine,
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object], *,
-                threads: int = 1) -> StageBundle:
+                threads: int | None = None) -> StageBundle:
     """options: EngineOptions (max_running, default 8) and PiperTalkerOptions; `threads`:
-    ONNX Runtime intra-op threads (the stage process's share of cores)."""
+    ONNX Runtime intra-op threads (default: the stage process's share of cores, `cpu_threads`)."""
     engine_options, adapter_options = parse_options(
         "talker", options, EngineOptions, PiperTalkerOptions)
+    threads = cpu_threads(threads)
     adapter = PiperTalkerAdapter(model_dir, **adapter_options, threads=threads)
     engine = StepEngine(adapter,
                         max_running=engine_options.get("max_running", DEFAULT_MAX_RUNNING))
-    servicer = PiperTalkerServicer(engine, _describe(model_dir, engine, adapter))
-    return StageBundle(
-        name="talker", engines=[engine], service_names=[SERVICE_NAME],
-        register=lambda server: talker_service_pb2_grpc.add_TalkerServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), "runtime": "onnxruntime", "threads": str(threads),
-              "max_running": str(engine.max_running),
-              "default_voice": adapter.limits.default_voice})
+    return talker_bundle(
+        model_dir, engine, StageRoute.per_stream(engine, _wire),
+        _describe(model_dir, engine, adapter),
+        {"runtime": "onnxruntime", "threads": str(threads),
+         "default_voice": adapter.limits.default_voice})

@@ -37,10 +37,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from stagemesh.models.options import capped_option
+from stagemesh.services.kv_batching import (
+    KvLayers,
+    layer_kv,
+    left_padded_cache,
+    live,
+    nucleus,
+    padding_mask,
+)
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -55,7 +62,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 #: One request's KV cache: per layer, keys and values [1, kv_heads, tokens, head_dim].
-KvLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 #: Option defaults. A chat answer of 256 tokens is a long paragraph; 1024 is the cap.
 DEFAULT_MAX_PROMPT_TOKENS = 2048
@@ -316,35 +322,30 @@ class ThinkerAdapter:
         pending = [s for s in states if s.pending_token is not None]
         fed = iter(self._forward(
             torch.tensor([[s.pending_token] for s in pending], device=self._model.device),
-            [_live(s.layers, s) for s in pending],
+            [live(s.layers, s.request_id) for s in pending],
             [s.prompt_tokens + len(s.token_ids) - 1 for s in pending],
         ) if pending else [])
         return [next(fed) if s.pending_token is not None
-                else _Fed(_live(s.layers, s), _live(s.logits, s)) for s in states]
+                else _Fed(live(s.layers, s.request_id), live(s.logits, s.request_id))
+                for s in states]
 
     def _forward(self, input_ids: torch.Tensor,
                  caches: Sequence[KvLayers],
                  positions: Sequence[int]) -> list[_Fed]:
         """One forward of `input_ids` [rows, new] after each row's cache (left-padded into one
         batch cache, padding masked); returns each row's extended cache and last logits."""
-        rows, new = input_ids.shape
+        new = input_ids.shape[1]
         lengths = [_cache_length(cache) for cache in caches]
         longest = max(lengths)
-        batch = DynamicCache(config=self._model.config)
-        for layer in range(len(caches[0]) if longest else 0):
-            keys, values = (_stacked([_padded(c[layer][part], longest) for c in caches])
-                            for part in (0, 1))
-            batch.update(keys, values, layer)
-        mask = torch.zeros((rows, longest + new), dtype=torch.long)
-        for row, length in enumerate(lengths):
-            mask[row, longest - length:] = 1
+        batch = left_padded_cache(caches, longest, self._model.config)
+        mask = padding_mask(lengths, new)
         device = self._model.device
         steps = torch.arange(new, device=device)
         position_ids = torch.tensor(list(positions), device=device)[:, None] + steps[None]
         out = self._model(input_ids=input_ids, attention_mask=mask.to(device),
                           position_ids=position_ids, cache=batch, use_cache=True,
                           logits_to_keep=1)
-        layers = [_kv(entry) for entry in batch.layers]
+        layers = [layer_kv(entry) for entry in batch.layers]
         return [_Fed([(k[row:row + 1, :, longest - length:], v[row:row + 1, :, longest - length:])
                       for k, v in layers], out.logits[row, -1])
                 for row, length in enumerate(lengths)]
@@ -355,7 +356,8 @@ class ThinkerAdapter:
             return int(logits.argmax())
         probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
         if sampling.top_p < 1:
-            probs = _nucleus(probs, sampling.top_p)
+            kept = nucleus(probs, sampling.top_p, logits=False)
+            probs = torch.where(kept, probs, torch.zeros_like(probs))
         return int(torch.multinomial(probs, 1, generator=state.generator)[0])
 
     def _advance(self, state: ThinkerState, fed: _Fed, token: int) -> StepOutput[TokenDelta]:
@@ -384,44 +386,8 @@ class ThinkerAdapter:
         return text
 
 
-def _live(value: _T | None, state: ThinkerState) -> _T:
-    """A per-request value that `release` clears."""
-    if value is None:
-        raise RuntimeError(f"request {state.request_id} was released")
-    return value
-
-
 def _cache_length(cache: KvLayers) -> int:
     return int(cache[0][0].shape[-2]) if cache else 0
-
-
-def _kv(entry: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch cache layer's keys and values after a forward."""
-    if not isinstance(entry, DynamicLayer) or entry.keys is None or entry.values is None:
-        raise RuntimeError("the model left a cache layer uninitialised")
-    return entry.keys, entry.values
-
-
-def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Rows [1, ...] -> one batch [rows, ...]; a lone row as it is (no copy)."""
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-
-def _padded(entries: torch.Tensor, length: int) -> torch.Tensor:
-    """One request's [1, heads, tokens, dim] with zero entries in front, up to `length`."""
-    missing = length - entries.shape[-2]
-    if missing == 0:
-        return entries
-    zeros = entries.new_zeros((*entries.shape[:-2], missing, entries.shape[-1]))
-    return torch.cat([zeros, entries], dim=-2)
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The smallest set of most likely tokens whose mass reaches top_p (never empty)."""
-    ordered, order = torch.sort(probs, descending=True)
-    before = torch.cumsum(ordered, dim=-1) - ordered  # mass of the more likely tokens
-    kept = torch.where(before < top_p, ordered, torch.zeros_like(ordered))
-    return torch.zeros_like(probs).scatter(0, order, kept)
 
 
 #: The static proof that the adapter is the Thinker stage's StageAdapter.

@@ -9,11 +9,11 @@ and the wire do not change with the family.
 from __future__ import annotations
 
 import enum
-import json
 import logging
 from pathlib import Path
 from typing import TypedDict
 
+from stagemesh.services.folders import folder_class
 from stagemesh.services.tokenizer.base import PromptAdapterBase
 from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.services.tokenizer.qwen_image_edit_adapter import EditPromptAdapter
@@ -55,10 +55,8 @@ PIPELINE_FAMILIES: dict[str, Family] = {
 
 def family_of(model_dir: Path) -> Family:
     """The family of the folder's pipeline; ValueError for a pipeline the stage cannot serve."""
-    index_path = Path(model_dir) / "model_index.json"
-    index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-    class_name = index.get("_class_name")
-    family = PIPELINE_FAMILIES.get(class_name) if isinstance(class_name, str) else None
+    class_name = folder_class(model_dir)
+    family = PIPELINE_FAMILIES.get(class_name) if class_name is not None else None
     if family is None:
         raise ValueError(
             f"{model_dir}/model_index.json: the tokenizer stage serves "

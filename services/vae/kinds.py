@@ -15,7 +15,6 @@ they normalize the latents, and that is all an `ImageEncoding` holds:
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeAlias
@@ -29,6 +28,7 @@ from diffusers.video_processor import VideoProcessor
 
 from stagemesh.models.families.qwen_image import EDIT_IMAGE_AREA, edit_image_size
 from stagemesh.models.families.wan import WanGeometry
+from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import Placement
 
 #: Either VAE; their encoders share one interface (`encoder(x, feat_cache, feat_idx)`).
@@ -49,8 +49,7 @@ class VaeKind(enum.Enum):
 
 def vae_kind(model_dir: str | Path) -> VaeKind:
     """The folder's VAE; ValueError for one this stage does not serve."""
-    config = json.loads((Path(model_dir) / "vae" / "config.json").read_text())
-    name = config.get("_class_name")
+    name = folder_class(model_dir, "vae")
     try:
         return VaeKind(name)
     except ValueError:

@@ -20,9 +20,9 @@ Metrics label them `vae` and `vae-encode`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Generic, TypeAlias
+from typing import TypeAlias
 
 import grpc
 import torch
@@ -57,13 +57,8 @@ from stagemesh.services.vae.video import (
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
-    InputT,
     InvalidInputError,
     NoStream,
-    PartialT,
-    ResultT,
-    StateT,
-    StreamT,
 )
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.engine.scheduler import BURST_ADMISSION_WINDOW_SECONDS
@@ -71,12 +66,7 @@ from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import vae_service_pb2 as pb
 from stagemesh.shared.proto.v1 import vae_service_pb2_grpc
 from stagemesh.shared.stage_runtime import StageBundle, StageEngine, stage_description
-from stagemesh.shared.stage_stream import (
-    RequestT,
-    ResponseT,
-    StageWire,
-    serve_stage_stream,
-)
+from stagemesh.shared.stage_stream import StageRoute, StageWire, StreamHandler
 from stagemesh.shared.torch_tensors import from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VaeService"].full_name
@@ -84,27 +74,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VaeService"].full_name
 #: Encodes that hold a feature cache at once; each steps alone, so more only interleaves them.
 DEFAULT_ENCODE_MAX_RUNNING = 4
 
-#: One RPC's bidi stream handler: the client's messages and the call -> the server's messages.
-_Handler: TypeAlias = Callable[
-    [AsyncIterator[RequestT], grpc.aio.ServicerContext[RequestT, ResponseT]],
-    AsyncIterator[ResponseT],
-]
-DecodeHandler: TypeAlias = _Handler[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse]
-
-
-class _Route(Generic[RequestT, ResponseT, InputT, StreamT, StateT, PartialT, ResultT]):
-    """One RPC served by one engine through its wire."""
-
-    def __init__(self, engine: StepEngine[InputT, StreamT, StateT, PartialT, ResultT],
-                 wire: StageWire[RequestT, ResponseT, InputT, StreamT, PartialT, ResultT]) -> None:
-        self.engine = engine
-        self.wire = wire
-
-    def __call__(
-        self, requests: AsyncIterator[RequestT],
-        context: grpc.aio.ServicerContext[RequestT, ResponseT],
-    ) -> AsyncIterator[ResponseT]:
-        return serve_stage_stream(self.engine, self.wire, requests, context)
+DecodeHandler: TypeAlias = StreamHandler[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse]
 
 
 # -- DecodeLatents, images (Qwen-Image) -----------------------------------------------------
@@ -194,8 +164,8 @@ def encode_wire(adapter: ImageEncoderAdapter) -> StageWire[
 class VaeServicer(vae_service_pb2_grpc.VaeServiceServicer):
     def __init__(
         self,
-        decode: _Handler[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse],
-        encode: _Handler[pb.EncodeImageRequest, pb.EncodeImageResponse],
+        decode: StreamHandler[pb.DecodeLatentsRequest, pb.DecodeLatentsResponse],
+        encode: StreamHandler[pb.EncodeImageRequest, pb.EncodeImageResponse],
         description: pb.DescribeVaeResponse,
     ) -> None:
         self.decode = decode
@@ -249,7 +219,7 @@ def _build_qwen_image(model_dir: Path, options: Mapping[str, object]) -> StageBu
                         admission_window=BURST_ADMISSION_WINDOW_SECONDS)
     encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor, condition_area(model_dir))
     encoder = ImageEncoderAdapter(decoder.vae, encoding, decoder.limits, placement)
-    return _bundle(model_dir, placement, decoder.limits, engine, _Route(engine, WIRE), encoder)
+    return _bundle(model_dir, placement, decoder.limits, engine, StageRoute(engine, WIRE), encoder)
 
 
 def _build_wan(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
@@ -262,7 +232,7 @@ def _build_wan(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         "max_running", DEFAULT_VIDEO_MAX_RUNNING))
     encoder = ImageEncoderAdapter(vae, WanI2VEncoding.of(geometry), decoder.limits, placement)
     bundle = _bundle(model_dir, placement, decoder.limits, engine,
-                     _Route(engine, video_wire(decoder)), encoder)
+                     StageRoute(engine, video_wire(decoder)), encoder)
     bundle.info["decode_chunk_frames"] = str(decoder.decode_chunk_frames)
     return bundle
 
@@ -281,7 +251,7 @@ def _bundle(
         stage=stage_description("vae", model_dir, decode_engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side, can_encode=True,
         max_frames=limits.max_frames)
-    servicer = VaeServicer(decode, _Route(encode_engine, encode_wire(encoder)), description)
+    servicer = VaeServicer(decode, StageRoute(encode_engine, encode_wire(encoder)), description)
     return StageBundle(
         name="vae", engines=[decode_engine, encode_engine], service_names=[SERVICE_NAME],
         register=lambda server: vae_service_pb2_grpc.add_VaeServiceServicer_to_server(

@@ -90,6 +90,46 @@ async def test_a_call_without_the_token_is_unauthenticated(tokenizer_address: st
         assert stream.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
 
 
+async def oversized_calls(address: str, method: str, size: int) -> list[grpc.StatusCode]:
+    """The statuses of a unary and a streamed call of one `size`-byte message to `method`,
+    sent without the token, each on a new channel."""
+    message = b"\x0a" + b"x" * size  # field 1, bytes: the start of any oversized request
+    codes = []
+    for streamed in (False, True):
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                if streamed:
+                    call: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = (
+                        channel.stream_stream(method))
+                    async for _ in call(iter([message]), timeout=10):
+                        pass
+                else:
+                    await channel.unary_unary(method)(message, timeout=10)
+        codes.append(error.value.code())
+    return codes
+
+
+@on_module_loop
+async def test_an_oversized_call_without_the_token_is_refused_not_internal(
+    tokenizer_address: str,
+) -> None:
+    """A message larger than the stage's receive limit, sent without the token, is refused as
+    unauthenticated or too large, never INTERNAL: a streamed call's refusal waits until the
+    caller has written its message (a status that ends the call mid-write made grpc's client
+    report INTERNAL, most of the time). The caller runs on its own loop, as a real one would."""
+    methods = [f"/{pb.DESCRIPTOR.package}.TokenizerService/{name}"
+               for name in ("EncodePrompt", "DescribeTokenizer")] + [
+        "/stagemesh.v1.NoSuchService/Nothing"]
+    for method in methods:
+        for _ in range(3):  # the race it guards against is likely, not certain
+            codes = await asyncio.to_thread(
+                asyncio.run, oversized_calls(tokenizer_address, method, 8 << 20))
+            assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED}, (method, codes)
+    async with open_channel(tokenizer_address) as channel:  # it still serves the mesh
+        assert (await describe(channel)).max_prompt_chars > 0
+
+
 @on_module_loop
 async def test_an_unknown_method_is_refused_the_same_way(tokenizer_address: str) -> None:
     """A caller without the token cannot tell which methods exist."""

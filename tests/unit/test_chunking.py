@@ -144,3 +144,28 @@ def test_last_boundary_matches_brute_force(chunk: int, initial: int) -> None:
     for n in range(1, 120):
         boundaries = [m for m in range(1, n) if rule.is_boundary(m)]
         assert rule.last_boundary_before(n) == (boundaries[-1] if boundaries else 0), n
+
+
+@pytest.mark.parametrize("initial_chunks", [None, 1, 2, 3])
+@pytest.mark.parametrize("chunk", [1, 4, 16, 25, 48])
+@pytest.mark.parametrize("initial", [1, 5, 8, 16, 30])
+def test_next_and_last_boundary_match_brute_force(
+    chunk: int, initial: int, initial_chunks: int | None
+) -> None:
+    rule = ChunkRule(chunk_frames=chunk, initial_chunk_frames=initial,
+                     initial_chunks=initial_chunks)
+    boundaries = [n for n in range(1, 400) if rule.is_boundary(n)]
+    for emitted in range(0, 200):
+        assert rule.next_boundary(emitted) == next(b for b in boundaries if b > emitted), emitted
+        before = [b for b in boundaries if b < emitted]
+        assert rule.last_boundary_before(emitted) == (before[-1] if before else 0), emitted
+
+
+def test_one_initial_chunk_then_full_chunks() -> None:
+    """The Piper decoder's rule: a first chunk of initial_chunk_frames, then chunk_frames."""
+    rule = ChunkRule(chunk_frames=48, initial_chunk_frames=16, left_context_frames=12,
+                     initial_chunks=1)
+    ends = [end for _, _, end in _emissions(rule, [1] * 130, 130)]
+    assert ends == [16, 64, 112, 130]
+    with pytest.raises(ValueError, match="initial_chunks"):
+        ChunkRule(initial_chunks=0)
