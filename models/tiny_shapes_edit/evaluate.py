@@ -145,6 +145,34 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
     return generate
 
 
+#: The README's example: what tiny-shapes draws, then each instruction applied to it.
+README_SOURCE, README_INSTRUCTIONS, README_SEED = (
+    "a red circle on the left", ("make it blue", "move it to the right", "make it a triangle"), 1)
+
+
+def write_readme_sample(edit_folder: str | Path, path: str | Path, *, steps: int = DEFAULT_STEPS,
+                        guidance: float = DEFAULT_GUIDANCE) -> None:
+    """The README's before/after strip: tiny-shapes' picture, then each edit of it (in-process,
+    stock pipelines, the README's seed), upscaled, the instruction under each."""
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES
+    from stagemesh.models.tiny_shapes import evaluate as drawing
+
+    source = drawing.pipeline_generator(SHIPPED_TINY_SHAPES, steps=steps,
+                                        guidance=guidance)(README_SOURCE, README_SEED)
+    edit = pipeline_generator(edit_folder, steps=steps, guidance=guidance)
+    images = [source] + [edit(source, text, README_SEED) for text in README_INSTRUCTIONS]
+    labels = [README_SOURCE, *README_INSTRUCTIONS]
+    size = source.shape[0] * _SCALE
+    strip = Image.new("RGB", (len(images) * (size + 24), size + 16), "white")
+    draw = ImageDraw.Draw(strip)
+    for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+        strip.paste(Image.fromarray(image).resize((size, size), Image.Resampling.NEAREST),
+                    (i * (size + 24), 0))
+        draw.text((i * (size + 24), size + 2), label, fill="black",
+                  font=ImageFont.load_default())
+    strip.save(path)
+
+
 def main() -> None:
     import argparse
 
@@ -156,6 +184,7 @@ def main() -> None:
     parser.add_argument("--per-kind", type=int, default=DEFAULT_PER_KIND)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sample", default=None, help="also write the README's strip here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import torch
@@ -165,6 +194,8 @@ def main() -> None:
     metrics = evaluate(generate, args.out_dir, held_out_sample(args.per_kind, args.seed),
                        seed=args.seed)
     print(json.dumps(metrics["accuracy"]))
+    if args.sample:
+        write_readme_sample(args.folder, args.sample, steps=args.steps, guidance=args.guidance)
 
 
 if __name__ == "__main__":
