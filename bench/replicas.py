@@ -7,7 +7,9 @@ Each arm sends `--rounds` bursts of `--concurrency` requests (after one warm-up 
 keeps the median wall time of a burst; the speed-up is one replica's median over two's. The
 DiT metrics of every replica (`stagemesh_steps_total`, read through GET /v1/stages) show which
 replicas did the work. A machine with fewer free cores than replicas cannot show the speed-up:
-the report gives the load average it ran under.
+the report gives the load average it ran under. `--size` sets the image side (32 px by
+default); `--vae-replicas` gives both arms that many VAE replicas, since at larger sizes the
+burst's last decodes queue on the one-thread VAE after both DiT replicas finish.
 """
 
 from __future__ import annotations
@@ -46,11 +48,17 @@ recipes:
       tokenizer: {{address: "127.0.0.1:1", metrics_port: 1}}
       dit: {{address: "{dit}", metrics_port: 2,
             options: {{max_batch: 1, max_steps: 1000}}}}
-      vae: {{address: "127.0.0.1:3", metrics_port: 3}}
-    defaults: {{width: 32, height: 32, num_inference_steps: {steps}, true_cfg_scale: 4.0,
-               negative_prompt: ""}}
+      vae: {{address: "{vae}", metrics_port: 3}}
+    defaults: {{width: {size}, height: {size}, num_inference_steps: {steps},
+               true_cfg_scale: 4.0, negative_prompt: ""}}
 """
-DIT_ADDRESSES = {1: "127.0.0.1:2", 2: "ipv4:127.0.0.1:2,127.0.0.1:4"}
+
+
+def _target(port: int, replicas: int) -> str:
+    """A placeholder address naming `replicas` replicas (serve moves them to free ports)."""
+    if replicas == 1:
+        return f"127.0.0.1:{port}"
+    return "ipv4:" + ",".join(f"127.0.0.1:{port + 10 * i}" for i in range(replicas))
 
 
 async def _image(client: httpx.AsyncClient, base_url: str, seed: int) -> float:
@@ -89,7 +97,9 @@ def _dit_steps(base_url: str) -> dict[str, float]:
 def _arm(replicas: int, options: argparse.Namespace) -> dict[str, Any]:
     recipe = options.out / f"recipe-{replicas}.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
-    recipe.write_text(RECIPE_TEMPLATE.format(dit=DIT_ADDRESSES[replicas], steps=options.steps))
+    recipe.write_text(RECIPE_TEMPLATE.format(
+        dit=_target(2, replicas), vae=_target(3, options.vae_replicas), steps=options.steps,
+        size=options.size))
     with serve_mesh(recipe, options.out / f"serve-{replicas}.log",
                     env={"STAGEMESH_THREADS": "1"}) as mesh:
         walls = asyncio.run(_bursts(mesh.base_url, options.concurrency, options.rounds))
@@ -105,18 +115,28 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=64, help="denoise steps per image")
+    parser.add_argument("--size", type=int, default=32,
+                        help="image side in pixels (tiny-shapes draws at 32; 256 makes the VAE "
+                             "and the DiT's step a larger share of a request)")
+    parser.add_argument("--vae-replicas", type=int, default=1,
+                        help="VAE replicas in both arms: the last images of a burst finish "
+                             "together on two DiT replicas and queue on a one-thread VAE (at "
+                             "256 px, 16 steps, a decode costs ~1/3 of a denoise); 2 takes "
+                             "that tail out of the DiT comparison")
     parser.add_argument("--out", type=Path, default=Path("bench-results/replicas"))
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     before = machine_info()
     one, two = _arm(1, options), _arm(2, options)
     speedup = one["median_burst_seconds"] / two["median_burst_seconds"]
-    result = {"concurrency": options.concurrency, "steps": options.steps,
+    result = {"concurrency": options.concurrency, "steps": options.steps, "size": options.size,
+              "vae_replicas": options.vae_replicas,
               "rounds": options.rounds, "one_replica": one, "two_replicas": two,
               "speedup": speedup, "machine_before": before, "machine_after": machine_info()}
     write_json(options.out / "replicas.json", result)
     write_bar_chart(options.out / "replicas.png", [BarGroup(
-        title=f"{options.concurrency} concurrent images, {options.steps} steps, max_batch 1",
+        title=f"{options.concurrency} concurrent {options.size}px images, {options.steps} steps, "
+              "max_batch 1",
         ylabel="median burst wall time (s)", categories=["1 DiT replica", "2 DiT replicas"],
         series={"wall": [one["median_burst_seconds"], two["median_burst_seconds"]]},
         labels=["", f"{speedup:.2f}x"])], suptitle="stagemesh bench replicas")

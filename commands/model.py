@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from stagemesh.commands import Command
@@ -15,16 +16,21 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "print each one's folder, one per line")
     prepare.add_argument("specs", nargs="+", metavar="spec",
                          help="model folder, or builtin:<name>")
+    prepare.add_argument("--json", action="store_true",
+                         help='one JSON object a line instead: {"folder": ..., "extras": '
+                              '{stage: the optional extra it needs}} (what serve reads)')
 
 
 def _prepare(args: argparse.Namespace) -> None:
     """Print the folder of each model spec on stdout, one line per spec as it is ready (its
-    only output there; logs go to stderr); a bad spec ends the command there.
+    only output there; logs go to stderr); a bad spec ends the command there. With --json, a
+    line also names the optional extra each stage of the folder's family needs.
 
     `stagemesh serve` runs this in one child process for all its specs, so that building a
-    model never loads torch into the gateway's process, and torch is imported once, not once
-    per spec.
+    model never loads torch into the gateway's process (nor opens a model folder there), and
+    torch is imported once, not once per spec.
     """
+    from stagemesh.models.families import stage_extras
     from stagemesh.models.registry import resolve_model
 
     for spec in args.specs:
@@ -32,7 +38,11 @@ def _prepare(args: argparse.Namespace) -> None:
             folder = resolve_model(spec)
         except (ValueError, FileNotFoundError) as error:  # a wrong spec: say so, no traceback
             raise SystemExit(f"stagemesh model prepare: {error}") from error
-        sys.stdout.write(f"{folder}\n")
+        if args.json:
+            extras = {stage: extra.name for stage, extra in stage_extras(folder).items()}
+            sys.stdout.write(json.dumps({"folder": str(folder), "extras": extras}) + "\n")
+        else:
+            sys.stdout.write(f"{folder}\n")
         sys.stdout.flush()
 
 

@@ -38,6 +38,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", default=None, metavar="STAGE=N[,STAGE=N]",
                         help="run N processes of a stage (e.g. dit=2), each on a free port; "
                              "the gateway routes each request to the least-loaded one")
+    parser.add_argument("--strict", action="store_true",
+                        help="fail when a recipe needs an optional extra that is not installed "
+                             "(default: serve the other recipes, with a warning naming it)")
 
 
 def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -50,7 +53,7 @@ def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
 def _serve(args: argparse.Namespace) -> None:
     from stagemesh.gateway.recipes import DEFAULT_RECIPES, load_recipes
-    from stagemesh.serve import PortInUse, parse_replicas, serve, with_free_ports
+    from stagemesh.serve import MissingExtra, PortInUse, parse_replicas, serve, with_free_ports
     from stagemesh.shared.tracing import setup as setup_tracing
 
     setup_tracing("gateway")  # traces, when OTEL_* asks for them
@@ -67,8 +70,8 @@ def _serve(args: argparse.Namespace) -> None:
     if replicas or args.stage_ports == "auto":
         recipes = with_free_ports(recipes, replicas)
     try:
-        serve(recipes, _gateway_config(args))
-    except PortInUse as error:  # another mesh holds a port: one line, not a traceback
+        serve(recipes, _gateway_config(args), strict=args.strict)
+    except (PortInUse, MissingExtra) as error:  # one line, not a traceback
         raise SystemExit(f"stagemesh serve: {error}") from None
 
 

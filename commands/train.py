@@ -1,20 +1,58 @@
-"""`stagemesh train MODEL` and `stagemesh eval MODEL`: train a shipped model, and measure it
-through a running mesh."""
+"""`stagemesh train MODEL` and `stagemesh eval MODEL`: train a model stagemesh ships, and
+measure it through a running mesh. A model is added to TRAINERS / EVALUATORS (its options are
+shared by all: name them so)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from stagemesh.commands import Command
 
-#: The shipped trained models (each also a recipe of the default mesh, of the same name).
-MODELS = ("tiny-shapes", "tiny-shapes-edit")
+
+def _train_tiny_shapes(args: argparse.Namespace) -> None:
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES
+    from stagemesh.models.tiny_shapes.train import TrainConfig, train
+
+    base = TrainConfig.smoke() if args.smoke else TrainConfig()
+    config = dataclasses.replace(base, threads=args.threads)
+    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES, smoke=args.smoke, seed=args.seed,
+          config=config)
+
+
+def _train_tiny_shapes_edit(args: argparse.Namespace) -> None:
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES_EDIT
+    from stagemesh.models.tiny_shapes_edit.train import EditTrainConfig, train
+
+    base = (EditTrainConfig.smoke() if args.smoke else
+            EditTrainConfig.proxy() if args.proxy else EditTrainConfig())
+    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES_EDIT, seed=args.seed,
+          config=dataclasses.replace(base, threads=args.threads))
+
+
+def _eval_tiny_shapes(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
+
+    eval_main(args)
+
+
+def _eval_tiny_shapes_edit(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes_edit.mesh_eval import main as eval_main
+
+    eval_main(args)
+
+
+#: Model name -> what `stagemesh train NAME` / `stagemesh eval NAME` runs.
+TRAINERS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "tiny-shapes": _train_tiny_shapes, "tiny-shapes-edit": _train_tiny_shapes_edit}
+EVALUATORS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "tiny-shapes": _eval_tiny_shapes, "tiny-shapes-edit": _eval_tiny_shapes_edit}
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", choices=MODELS)
+    parser.add_argument("model", choices=sorted(TRAINERS))
     parser.add_argument("--out", default=None,
                         help="output folder (default: the shipped assets/MODEL)")
     parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
@@ -25,31 +63,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (1 is fastest on a busy 2-core machine)")
 
 
-def _train(args: argparse.Namespace) -> None:
-    if args.model == "tiny-shapes-edit":
-        _train_edit(args)
-        return
-    from stagemesh.models.registry import SHIPPED_TINY_SHAPES
-    from stagemesh.models.tiny_shapes.train import TrainConfig, train
-
-    base = TrainConfig.smoke() if args.smoke else TrainConfig()
-    config = dataclasses.replace(base, threads=args.threads)
-    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES, smoke=args.smoke, seed=args.seed,
-          config=config)
-
-
-def _train_edit(args: argparse.Namespace) -> None:
-    from stagemesh.models.registry import SHIPPED_TINY_SHAPES_EDIT
-    from stagemesh.models.tiny_shapes_edit.train import EditTrainConfig, train
-
-    base = (EditTrainConfig.smoke() if args.smoke else
-            EditTrainConfig.proxy() if args.proxy else EditTrainConfig())
-    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES_EDIT, seed=args.seed,
-          config=dataclasses.replace(base, threads=args.threads))
-
-
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", choices=MODELS)
+    parser.add_argument("model", choices=sorted(EVALUATORS))
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--out", default=None, help="default: eval-results/MODEL")
     parser.add_argument("--subset", type=int, default=0,
@@ -62,20 +77,13 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _eval(args: argparse.Namespace) -> None:
+def _run_eval(args: argparse.Namespace) -> None:
     args.out = args.out or f"eval-results/{args.model}"
     args.model_name = args.model_name or args.model
-    if args.model == "tiny-shapes-edit":
-        from stagemesh.models.tiny_shapes_edit.mesh_eval import main as edit_eval_main
-
-        edit_eval_main(args)
-        return
-    from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
-
-    eval_main(args)
+    EVALUATORS[args.model](args)
 
 
-TRAIN = Command("train", "train a shipped model (tiny-shapes, tiny-shapes-edit)",
-                _add_train_arguments, _train)
+TRAIN = Command("train", "train a model stagemesh ships", _add_train_arguments,
+                lambda args: TRAINERS[args.model](args))
 EVAL = Command("eval", "evaluate a shipped model through a running mesh", _add_eval_arguments,
-               _eval)
+               _run_eval)

@@ -162,6 +162,19 @@ class ReplicaSet:
         chosen.turn = next(self._turns)
         return chosen
 
+    def take(self, exclude: Sequence[Replica] = ()) -> Replica | None:
+        """`pick` for a stage call, counted in flight at once (`release` it when the call
+        ends): calls that pick at the same moment and then wait (for a connection) must see
+        each other's load, or a burst piles onto the replica that looked idlest."""
+        chosen = self.pick(exclude)
+        if chosen is not None:
+            chosen.in_flight += 1
+        return chosen
+
+    def release(self, replica: Replica) -> None:
+        """A call `take` counted has ended."""
+        replica.in_flight -= 1
+
     def any_replica(self) -> Replica:
         """A replica for a call that is not a request's work (Describe): the pick, else the
         first one; raises when the target resolved to nothing."""
@@ -271,6 +284,7 @@ class ReplicaSet:
         await asyncio.gather(*(self._poll(r) for r in self.replicas if not r.retired))
 
     async def _poll(self, replica: Replica) -> None:
+        ours = replica.in_flight
         health, load = await asyncio.gather(_health(replica.channel), _load(replica.channel))
         before = replica.state
         if health is None:
@@ -281,7 +295,9 @@ class ReplicaSet:
         else:
             replica.state = ReplicaState.SERVING
         if load is not None:
-            replica.others = max(0, load.in_flight - replica.in_flight)
+            # The report counts our calls open when the stage wrote it, at most the most we
+            # had open during the poll: one that ended meanwhile is nobody else's load.
+            replica.others = max(0, load.in_flight - max(ours, replica.in_flight))
         if replica.state is not before and before is not ReplicaState.UNKNOWN:
             log.info("%s replica %s: %s -> %s", self.stage, replica.address, before.value,
                      replica.state.value)

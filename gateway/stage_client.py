@@ -116,16 +116,16 @@ async def _call_routed(call: _Call[RequestT, ResponseT],
     replicas, tried = rpc.replicas, list[Replica]()
     last = StageError(grpc.StatusCode.UNAVAILABLE,
                       f"no replica of the {call.stage} stage at {replicas.address}")
-    while (replica := replicas.pick(tried)) is not None:
+    while (replica := replicas.take(tried)) is not None:
         tried.append(replica)
         left = call.scope.remaining()
-        if not await replicas.connect(replica, min(CONNECT_TIMEOUT_S, left or CONNECT_TIMEOUT_S)):
-            replicas.mark_down(replica)
-            last = StageError(grpc.StatusCode.UNAVAILABLE,
-                              f"could not connect to replica {replica.address}")
-            continue
-        replica.in_flight += 1
         try:
+            if not await replicas.connect(replica,
+                                          min(CONNECT_TIMEOUT_S, left or CONNECT_TIMEOUT_S)):
+                replicas.mark_down(replica)
+                last = StageError(grpc.StatusCode.UNAVAILABLE,
+                                  f"could not connect to replica {replica.address}")
+                continue
             return await call.run(rpc.on(replica), replica.address)
         except _Refused as refused:
             replicas.mark_refusing(replica)
@@ -135,7 +135,7 @@ async def _call_routed(call: _Call[RequestT, ResponseT],
                 replicas.mark_down(replica)
             raise
         finally:
-            replica.in_flight -= 1
+            replicas.release(replica)
     raise StageCallError(call.stage, last, tried[-1].address if tried else "")
 
 

@@ -4,4 +4,5 @@ import sys
 
 from stagemesh.launcher.server import main
 
-main(sys.argv[1:])
+if __name__ == "__main__":  # importing it (a walk over every module) starts nothing
+    main(sys.argv[1:])

@@ -38,7 +38,8 @@ from stagemesh.gateway.app import GatewayConfig, run_gateway
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.launcher import Launcher, StartMode, start_mode
 from stagemesh.serve.children import child_env
-from stagemesh.serve.models import prepare_models
+from stagemesh.serve.extras import MissingExtra, servable_recipes
+from stagemesh.serve.models import prepare, prepare_models
 from stagemesh.serve.plan import StageLaunch, plan_launches, stage_argv, stage_command
 from stagemesh.serve.ports import (
     PortInUse,
@@ -57,8 +58,8 @@ from stagemesh.serve.supervisor import (
 from stagemesh.shared import eventloop
 from stagemesh.shared.mesh_auth import ensure_mesh_token
 
-__all__ = ["HEALTH_CHECK_METHOD", "PortInUse", "StageLaunch", "Supervisor", "check_ports_free",
-           "free_port", "parse_replicas", "plan_launches", "prepare_models",
+__all__ = ["HEALTH_CHECK_METHOD", "MissingExtra", "PortInUse", "StageLaunch", "Supervisor",
+           "check_ports_free", "free_port", "parse_replicas", "plan_launches", "prepare_models",
            "run_gateway_until_signal", "serve", "spawn_stage", "stage_argv", "stage_command",
            "stop_processes", "wait_serving", "with_free_ports"]
 
@@ -88,15 +89,17 @@ async def run_gateway_until_signal(recipes: dict[str, Recipe], config: GatewayCo
                 await watching
 
 
-def serve(recipes: dict[str, Recipe], config: GatewayConfig) -> None:
-    """Prepare models, start stages, wait for them, run the gateway (and restart stages that
-    exit) until Ctrl-C, then stop."""
+def serve(recipes: dict[str, Recipe], config: GatewayConfig, strict: bool = False) -> None:
+    """Prepare models, leave out the recipes whose optional extras are missing (MissingExtra
+    instead when `strict`), start stages, wait for them, run the gateway (and restart stages
+    that exit) until Ctrl-C, then stop."""
     ensure_mesh_token()  # before any child starts: they inherit it through the environment
     launcher = Launcher.start(child_env()) if start_mode() is StartMode.FORK else None
     supervisor: Supervisor | None = None
     try:
-        launches = plan_launches(recipes, prepare_models(
-            (r.model for r in recipes.values()), launcher=launcher))
+        prepared = prepare((r.model for r in recipes.values()), launcher=launcher)
+        recipes = servable_recipes(recipes, prepared, strict)
+        launches = plan_launches(recipes, {spec: p.folder for spec, p in prepared.items()})
         supervisor = Supervisor(launches, launcher)
         supervisor.start_all()
         eventloop.run(run_gateway_until_signal(recipes, config, supervisor))  # STAGEMESH_UVLOOP

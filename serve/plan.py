@@ -31,6 +31,11 @@ class StageLaunch:
         return self.endpoint.metrics_port_of(self.index)
 
     @property
+    def threads(self) -> int:
+        """Its torch threads: the replicas of a stage share the machine's cores."""
+        return stage_threads(self.endpoint.name, replicas=len(self.endpoint.replicas))
+
+    @property
     def name(self) -> str:
         """For logs: the stage, and the replica when the stage has several."""
         several = len(self.endpoint.replicas) > 1
@@ -66,7 +71,7 @@ def stage_argv(launch: StageLaunch) -> list[str]:
     host, port = split_host_port(launch.address)
     argv = ["stage", endpoint.name, "--port", str(port), "--host", host,
             "--model", str(launch.model_dir), "--options", json.dumps(endpoint.options),
-            "--threads", str(stage_threads(endpoint.name))]
+            "--threads", str(launch.threads)]
     if launch.metrics_port:
         argv += ["--metrics-port", str(launch.metrics_port)]
     return argv

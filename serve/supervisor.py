@@ -26,7 +26,7 @@ from stagemesh.serve.children import start_child
 from stagemesh.serve.plan import StageLaunch, stage_argv
 from stagemesh.serve.ports import PortInUse, check_ports_free
 from stagemesh.shared.mesh_auth import METADATA_KEY, mesh_token
-from stagemesh.shared.process import stage_threads, usable_cores
+from stagemesh.shared.process import usable_cores
 from stagemesh.shared.proto.v1 import control_service_pb2, control_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,7 @@ SUPERVISE_INTERVAL_S = 0.5
 
 def spawn_stage(launch: StageLaunch, launcher: Launcher | None = None) -> ChildProcess:
     log.info("starting stage %s on %s (torch threads: %d; usable cores: %d)",
-             launch.endpoint.name, launch.address, stage_threads(launch.endpoint.name),
-             usable_cores())
+             launch.endpoint.name, launch.address, launch.threads, usable_cores())
     return start_child(stage_argv(launch), launcher)
 
 

@@ -67,9 +67,11 @@ def cgroup_cpu_quota(cpu_max: Path) -> int | None:
         return None
 
 
-def stage_threads(stage: str, given: int | None = None) -> int:
-    """A stage's torch threads: `given` (--threads), else $STAGEMESH_THREADS, else by role
-    (HEAVY_STAGES get every usable core, the others one)."""
+def stage_threads(stage: str, given: int | None = None, replicas: int = 1) -> int:
+    """A stage's torch threads: `given` (--threads), else $STAGEMESH_THREADS, else by role:
+    HEAVY_STAGES share every usable core among the `replicas` of the stage on this machine
+    (two DiT replicas with every core each would run twice as many OpenMP threads as there
+    are cores, each stalling the other's parallel regions); the others get one."""
     if given is None and os.environ.get(THREADS_ENV):
         try:
             given = int(os.environ[THREADS_ENV])
@@ -80,7 +82,7 @@ def stage_threads(stage: str, given: int | None = None) -> int:
         if given < 1:
             raise SystemExit(f"torch threads must be at least 1, got {given}")
         return given
-    return usable_cores() if stage in HEAVY_STAGES else 1
+    return max(1, usable_cores() // replicas) if stage in HEAVY_STAGES else 1
 
 
 def quiet_openmp_waits() -> None:

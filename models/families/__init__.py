@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stagemesh.shared.extras import VOICE_GPL, Extra
 from stagemesh.shared.limits import CLONE_VOICE, DEFAULT_VOICE
 
 #: Voice names with a meaning of their own on the wire; no model may name a voice so.
@@ -28,3 +29,14 @@ def family_of(model_dir: str | Path) -> str | None:
         return None
     family = json.loads(path.read_text()).get("family")
     return str(family) if family is not None else None
+
+
+#: The optional extra a family's stage needs (family -> stage -> extra): the Piper talker
+#: phonemizes with piper-tts. `stagemesh serve` skips a recipe whose stage needs one that is
+#: not installed (`stagemesh model prepare --json` reports them).
+STAGE_EXTRAS: dict[str, dict[str, Extra]] = {PIPER_FAMILY: {"talker": VOICE_GPL}}
+
+
+def stage_extras(model_dir: str | Path) -> dict[str, Extra]:
+    """Stage name -> the extra that stage needs to serve this folder's family (most: none)."""
+    return STAGE_EXTRAS.get(family_of(model_dir) or "", {})

@@ -16,8 +16,10 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from stagemesh.shared.extras import VOICE_GPL
+
 #: The extra that installs the phonemizer, named where a missing one is reported.
-GPL_EXTRA_HINT = "pip install 'stagemesh[voice-gpl]' (piper-tts, GPL-3.0-or-later)"
+GPL_EXTRA_HINT = f"{VOICE_GPL.install_hint} ({VOICE_GPL.what})"
 #: Piper's id-map markers: sentence start and end, and the pad placed after every phoneme.
 BOS, EOS, PAD = "^", "$", "_"
 

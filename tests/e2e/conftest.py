@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,12 +101,18 @@ class Served:
         return self.metrics(stage, recipe).get(f"{name}{{{wanted}}}", 0.0)
 
 
-def start_serve(*extra: str) -> Served:
+def start_serve(*extra: str, env: Mapping[str, str] | None = None,
+                stderr: Path | None = None) -> Served:
+    """`stagemesh serve EXTRA...` on free ports, once /health answers 200 (in `env`, else this
+    process's environment; its stderr to the file `stderr`, else this process's)."""
     http_port, grpc_port = free_port(), free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "stagemesh", "serve", "--stage-ports", "auto",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), *extra],
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    with contextlib.ExitStack() as files:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stagemesh", "serve", "--stage-ports", "auto",
+             "--http-port", str(http_port), "--grpc-port", str(grpc_port), *extra],
+            env={**(os.environ if env is None else env), "HF_HUB_OFFLINE": "1",
+                 "TRANSFORMERS_OFFLINE": "1"},
+            stderr=files.enter_context(stderr.open("wb")) if stderr else None)
     served = Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", process)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

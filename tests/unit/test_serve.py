@@ -3,6 +3,7 @@ models prepared by child processes, and a serve process that never imports a mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -155,6 +156,21 @@ def test_serve_starts_each_stage_with_its_thread_count(tmp_path: Path) -> None:
         threads[name] = command[command.index("--threads") + 1]
         assert command[command.index("stage") + 1] == name
     assert threads == {"tokenizer": "1", "dit": "4", "vae": "1"}
+
+
+@pytest.mark.usefixtures("four_cores")
+@pytest.mark.parametrize(("replicas", "threads"), [(2, "2"), (3, "1"), (8, "1")])
+def test_the_replicas_of_a_heavy_stage_share_the_cores(tmp_path: Path, replicas: int,
+                                                       threads: str) -> None:
+    ports = ",".join(f"127.0.0.1:{50200 + i}" for i in range(replicas))
+    recipe = dataclasses.replace(_image_recipe("a", "builtin:tiny-shapes", 50061), stages={
+        "dit": StageEndpoint("dit", f"ipv4:{ports}"), "vae": StageEndpoint("vae", "127.0.0.1:9")})
+    launches = plan_launches({"a": recipe}, {"builtin:tiny-shapes": tmp_path})
+    commands = {launch.address: stage_command(launch) for launch in launches}
+    assert len(commands) == replicas + 1
+    assert {address: command[command.index("--threads") + 1]
+            for address, command in commands.items()} == {
+        **{f"127.0.0.1:{50200 + i}": threads for i in range(replicas)}, "127.0.0.1:9": "1"}
 
 
 def test_openmp_threads_sleep_when_idle_unless_the_operator_says_otherwise(
