@@ -13,13 +13,16 @@ from typing import Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TINY_SHAPES = REPO_ROOT / "assets" / "tiny-shapes"
+SHIPPED_TINY_SHAPES_EDIT = REPO_ROOT / "assets" / "tiny-shapes-edit"
 
 
-def _tiny_shapes() -> Path:
-    if not (SHIPPED_TINY_SHAPES / "model_index.json").exists():
-        raise FileNotFoundError(f"{SHIPPED_TINY_SHAPES} is missing; run "
-                                "`stagemesh train tiny-shapes` to rebuild it")
-    return SHIPPED_TINY_SHAPES
+def _shipped(folder: Path, name: str) -> Callable[[], Path]:
+    def find() -> Path:
+        if not (folder / "model_index.json").exists():
+            raise FileNotFoundError(f"{folder} is missing; run `stagemesh train {name}` to "
+                                    "rebuild it")
+        return folder
+    return find
 
 
 def _qwen_image(preset: str) -> Callable[[], Path]:
@@ -69,7 +72,8 @@ def _whisper_tiny_en() -> Path:
 
 
 BUILTIN: dict[str, Callable[[], Path]] = {
-    "tiny-shapes": _tiny_shapes,
+    "tiny-shapes": _shipped(SHIPPED_TINY_SHAPES, "tiny-shapes"),
+    "tiny-shapes-edit": _shipped(SHIPPED_TINY_SHAPES_EDIT, "tiny-shapes-edit"),
     "qwen-image-tiny": _qwen_image("tiny"),
     "qwen-image-bench": _qwen_image("bench"),
     "qwen-image-edit-tiny": _qwen_image_edit,

@@ -27,6 +27,7 @@ from typing import TypeAlias
 import grpc
 import torch
 
+from stagemesh.models.families.qwen_image import condition_area
 from stagemesh.models.families.wan import WanGeometry
 from stagemesh.services.vae.encode import MAX_SOURCE_PIXELS, EncodeInput, ImageEncoderAdapter
 from stagemesh.services.vae.kinds import (
@@ -221,7 +222,7 @@ def _build_qwen_image(model_dir: Path, options: Mapping[str, object]) -> StageBu
     decoder = LatentDecoderAdapter(model_dir, placement=placement)
     engine = StepEngine(decoder, max_running=DEFAULT_MAX_RUNNING,
                         admission_window=BURST_ADMISSION_WINDOW_SECONDS)
-    encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor)
+    encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor, condition_area(model_dir))
     encoder = ImageEncoderAdapter(decoder.vae, encoding, decoder.limits, placement)
     return _bundle(model_dir, placement, decoder.limits, engine, StageRoute(engine, WIRE), encoder)
 
