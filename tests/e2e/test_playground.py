@@ -33,8 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from stagemesh.gateway.wire.streams import SSE_DONE, sse_event
 from stagemesh.gateway.playground import CSP, playground_routes
+from stagemesh.gateway.wire.streams import SSE_DONE, sse_event
 from stagemesh.serve import free_port
 
 from .conftest import wait_until
