@@ -55,7 +55,9 @@ def image_request(request: pb.GenerateImageRequest | pb.EditImageRequest) -> Ima
         seed=request.seed if request.HasField("seed") else None,
         execution_mode=(generate.execution_mode if generate
                         else common_pb2.EXECUTION_MODE_UNSPECIFIED),
-        priority=generate.priority if generate else None)
+        priority=generate.priority if generate else None,
+        step_cache_threshold=(request.step_cache_threshold
+                              if request.HasField("step_cache_threshold") else None))
 
 
 def edit_request(request: pb.EditImageRequest) -> EditRequest:
@@ -243,6 +245,8 @@ def video_request(request: pb.CreateVideoRequest) -> VideoRequest:
                         else None),
         flow_shift=request.flow_shift if request.HasField("flow_shift") else None,
         seed=request.seed if request.HasField("seed") else None,
+        step_cache_threshold=(request.step_cache_threshold
+                              if request.HasField("step_cache_threshold") else None),
         image=request.input_reference or None)
 
 

@@ -176,6 +176,9 @@ _IMAGE_FIELDS: Schema = {
     "execution_mode": {"type": "string", "enum": ["step", "request"]},
     "response_format": {"type": "string", "enum": ["b64_json"]}, "stream": _BOOLEAN,
     "priority": _INTEGER,
+    "step_cache_threshold": {"type": "number", "minimum": 0, "description":
+                             "the DiT's step cache for this request: 0 = off; unset = the "
+                             "stage's setting; at most what the stage publishes"},
 }
 _SPEECH_FIELDS: Schema = {
     "input": _STRING, "model": _STRING, "voice": _STRING,
@@ -216,7 +219,7 @@ _VIDEO_FIELDS: Schema = {
     "num_frames": {"type": "integer", "description": "the model's rule: 4k+1 for Wan"},
     "num_inference_steps": _INTEGER, "guidance_scale": _NUMBER,
     "guidance_scale_2": _NUMBER, "boundary_ratio": _NUMBER, "flow_shift": _NUMBER,
-    "seed": _INTEGER,
+    "seed": _INTEGER, "step_cache_threshold": _IMAGE_FIELDS["step_cache_threshold"],
     "image_reference": {"type": "object", "properties": {"image_url": {
         "type": "string", "description": "a data URL (data:image/png;base64,...)"}}},
 }
@@ -233,7 +236,8 @@ _EDIT_TYPES: Schema = {
     "mask": {**_IMAGE_FILE, "description": "not supported (a 400 naming mask)"},
     **dict.fromkeys(("n", "width", "height", "num_inference_steps", "seed", "priority"),
                     _INTEGER),
-    **dict.fromkeys(("true_cfg_scale", "guidance_scale", "timeout"), _NUMBER),
+    **dict.fromkeys(("true_cfg_scale", "guidance_scale", "timeout", "step_cache_threshold"),
+                    _NUMBER),
     "size": {"type": "string", "description": "WxH, or auto (the recipe's or the input's)"},
     "stream": _BOOLEAN, "execution_mode": _IMAGE_FIELDS["execution_mode"],
     "response_format": _IMAGE_FIELDS["response_format"],

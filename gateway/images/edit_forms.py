@@ -3,7 +3,8 @@
 OpenAI's fields (`image` files, also `image[]` as the openai SDK sends a list, `prompt`,
 `model`, `n`, `size`, `response_format`, `output_format`, `user`, `stream`) plus stagemesh's
 image extensions (`seed`, `num_inference_steps`, `true_cfg_scale` alias `guidance_scale`,
-`negative_prompt`, `width`/`height`, `execution_mode`, `priority`, `timeout`). Only the form's
+`negative_prompt`, `width`/`height`, `execution_mode`, `priority`, `step_cache_threshold`,
+`timeout`). Only the form's
 shape is checked here; limits are checked against what the stages publish when the request is
 prepared (edit_protocol.py). Every refusal names its field.
 """
@@ -19,7 +20,8 @@ from stagemesh.gateway.wire.forms import Form, FormFields
 EDIT_FIELDS = frozenset({
     "image", "prompt", "model", "n", "size", "response_format", "output_format", "user",
     "stream", "seed", "num_inference_steps", "true_cfg_scale", "guidance_scale",
-    "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask"})
+    "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask",
+    "step_cache_threshold"})
 #: `size` values that mean "the size derived from the input image".
 AUTO_SIZES = frozenset({"auto", ""})
 
@@ -61,6 +63,7 @@ def edit_request(form: Form) -> tuple[EditRequest, bool]:
         width=width, height=height, num_inference_steps=fields.integer("num_inference_steps"),
         true_cfg_scale=scale, seed=fields.integer("seed"),
         execution_mode=execution_mode(fields.string("execution_mode")),
-        priority=fields.integer("priority"))
+        priority=fields.integer("priority"),
+        step_cache_threshold=fields.number("step_cache_threshold"))
     images = tuple(file.data for file in form.file_list("image"))
     return EditRequest(image=image, images=images), fields.boolean("stream")

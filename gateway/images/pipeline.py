@@ -126,19 +126,21 @@ async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.
     """DiT -> VAE -> PNG for one image, as its own stage requests (its sub-id); `condition`:
     an edit's input image latents."""
     request_id = scope.sub_request_ids[part.index]
+    start = dit_service_pb2.DenoiseStart(
+        request_id=request_id,
+        prompt_embeds=encoded.prompt_embeds,
+        prompt_embeds_mask=encoded.prompt_embeds_mask,
+        negative_prompt_embeds=encoded.negative_prompt_embeds,
+        negative_prompt_embeds_mask=encoded.negative_prompt_embeds_mask,
+        height=params.height, width=params.width,
+        num_inference_steps=params.num_inference_steps,
+        true_cfg_scale=params.true_cfg_scale, seed=part.seed,
+        execution_mode=params.execution_mode, priority=params.priority,
+        condition_latents=condition)
+    if params.step_cache_threshold is not None:
+        start.step_cache_threshold = params.step_cache_threshold
     denoised = await call_stage(
-        scope, "dit", stubs.dit.Denoise, dit_service_pb2.DenoiseRequest(
-            start=dit_service_pb2.DenoiseStart(
-                request_id=request_id,
-                prompt_embeds=encoded.prompt_embeds,
-                prompt_embeds_mask=encoded.prompt_embeds_mask,
-                negative_prompt_embeds=encoded.negative_prompt_embeds,
-                negative_prompt_embeds_mask=encoded.negative_prompt_embeds_mask,
-                height=params.height, width=params.width,
-                num_inference_steps=params.num_inference_steps,
-                true_cfg_scale=params.true_cfg_scale, seed=part.seed,
-                execution_mode=params.execution_mode, priority=params.priority,
-                condition_latents=condition)),
+        scope, "dit", stubs.dit.Denoise, dit_service_pb2.DenoiseRequest(start=start),
         dit_service_pb2.DenoiseRequest, request_id=request_id, on_event=progress.dit)
     decoded = await call_stage(
         scope, "vae", stubs.vae.DecodeLatents, vae_service_pb2.DecodeLatentsRequest(

@@ -47,6 +47,7 @@ class ImageRequest:
     seed: int | None = None
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
     priority: int | None = None
+    step_cache_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ImageParams:
     seed: int
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
     priority: int = 0  # in the DiT's queue: lower runs sooner
+    step_cache_threshold: float | None = None  # None: the DiT's own setting; 0: off
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -112,6 +114,23 @@ def _priority(priority: int | None) -> int:
     return priority
 
 
+def step_cache_threshold(value: float | None, facts: ImageFacts) -> float | None:
+    """A request's step cache threshold against what the DiT publishes: None = the stage's
+    setting, 0 = off, at most its maximum; a taylorseer stage forecasts on a fixed schedule, so
+    it takes 0 or its own setting only."""
+    if value is None or value == 0:
+        return value
+    if facts.step_cache == "taylorseer" and value != facts.step_cache_threshold:
+        raise InvalidRequest("step_cache_threshold", "this model's DiT runs a taylorseer step "
+                             f"cache: step_cache_threshold must be 0 (off) or "
+                             f"{facts.step_cache_threshold:g}, got {value:g}")
+    if not 0 < value <= facts.max_step_cache_threshold:
+        raise InvalidRequest("step_cache_threshold", "step_cache_threshold must be in "
+                             f"[0, {facts.max_step_cache_threshold:g}] for this model "
+                             f"(0 = off), got {value:g}")
+    return value
+
+
 def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
                           facts: ImageFacts) -> ImageParams:
     """Fill the recipe's defaults and check every field against the stages' published facts."""
@@ -140,7 +159,9 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
     return ImageParams(prompt=request.prompt, negative_prompt=negative, n=n, width=width,
                        height=height, num_inference_steps=steps, true_cfg_scale=scale,
                        seed=seed, execution_mode=request.execution_mode,
-                       priority=_priority(request.priority))
+                       priority=_priority(request.priority),
+                       step_cache_threshold=step_cache_threshold(request.step_cache_threshold,
+                                                                 facts))
 
 
 def execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
@@ -169,7 +190,8 @@ def image_request(body: Mapping[str, object]) -> ImageRequest:
         num_inference_steps=fields.integer("num_inference_steps"),
         true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
         execution_mode=execution_mode(fields.string("execution_mode")),
-        priority=fields.integer("priority"))
+        priority=fields.integer("priority"),
+        step_cache_threshold=fields.number("step_cache_threshold"))
 
 
 def _cfg_scale(fields: JsonFields, name: str) -> float | None:

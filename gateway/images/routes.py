@@ -55,7 +55,8 @@ def progress_payload(item: StageEvent) -> dict[str, object]:
             payload = {"type": "progress", "stage": item.stage, "step": progress.step_index,
                        "total_steps": progress.total_steps,
                        "step_seconds": progress.step_seconds,
-                       "elapsed_seconds": progress.elapsed_seconds}
+                       "elapsed_seconds": progress.elapsed_seconds,
+                       "reused": progress.reused}
     if item.part is not None:
         payload |= {"index": item.part.index, "seed": item.part.seed}
     return payload

@@ -267,6 +267,11 @@ class ImageFacts:
     max_images_per_request: int
     min_steps: int
     execution_modes: tuple[ExecutionMode, ...]  # the first is the default
+    #: The DiT's step cache ("off", "first_block", "taylorseer"), its own threshold and the
+    #: largest one a request may set (0: the stage runs no cache).
+    step_cache: str = "off"
+    step_cache_threshold: float = 0.0
+    max_step_cache_threshold: float = 0.0
 
     @classmethod
     def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
@@ -279,7 +284,10 @@ class ImageFacts:
                    max_steps=dit.max_steps, max_true_cfg_scale=dit.max_true_cfg_scale,
                    max_images_per_request=dit.max_images_per_request,
                    min_steps=max(1, dit.min_steps),
-                   execution_modes=tuple(dit.execution_modes))
+                   execution_modes=tuple(dit.execution_modes),
+                   step_cache=dit.step_cache or "off",
+                   step_cache_threshold=dit.step_cache_threshold,
+                   max_step_cache_threshold=dit.max_step_cache_threshold)
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,8 @@ class VideoJobs:
             params={"num_inference_steps": params.num_inference_steps,
                     "guidance_scale": params.guidance_scale,
                     "guidance_scale_2": params.guidance_scale_2,
-                    "boundary_ratio": params.boundary_ratio, "flow_shift": params.flow_shift})
+                    "boundary_ratio": params.boundary_ratio, "flow_shift": params.flow_shift,
+                    "step_cache_threshold": params.step_cache_threshold})
         if (owner, job_id) in self._local or self.core.scopes.get(job_id, owner) is not None:
             raise _taken(job_id)
         self._start_heartbeat()

@@ -156,6 +156,8 @@ def denoise_start(params: VideoParams, request_id: str,
         start.boundary_ratio = params.boundary_ratio
     if params.flow_shift is not None:
         start.flow_shift = params.flow_shift
+    if params.step_cache_threshold is not None:
+        start.step_cache_threshold = params.step_cache_threshold
     return start
 
 

@@ -37,7 +37,8 @@ MAX_REFERENCE_PIXELS = 4096 * 4096
 VIDEO_BODY_BYTES = MAX_BODY_BYTES
 #: The create/sync form (or JSON object): its fields by type.
 INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
-NUMBER_FIELDS = ("seconds", "guidance_scale", "guidance_scale_2", "boundary_ratio", "flow_shift")
+NUMBER_FIELDS = ("seconds", "guidance_scale", "guidance_scale_2", "boundary_ratio", "flow_shift",
+                 "step_cache_threshold")
 TEXT_FIELDS = ("model", "prompt", "negative_prompt", "size", "image_reference")
 FORM_FIELDS = {*INTEGER_FIELDS, *NUMBER_FIELDS, *TEXT_FIELDS, "input_reference"}
 #: image_reference carries a whole image as a data URL.
@@ -61,6 +62,7 @@ class VideoRequest:
     boundary_ratio: float | None = None
     flow_shift: float | None = None
     seed: int | None = None
+    step_cache_threshold: float | None = None  # None: the DiT's own setting; 0: off
     #: Image-to-video: the first frame (PNG, JPEG or WebP bytes).
     image: bytes | None = None
     #: Which field the image came in (`input_reference` or `image_reference`), for errors.
@@ -83,6 +85,7 @@ class VideoParams:
     guidance_scale_2: float | None = None
     boundary_ratio: float | None = None
     flow_shift: float | None = None
+    step_cache_threshold: float | None = None  # None: the DiT's own setting; 0: off
     #: Image-to-video: the decoded first frame, uint8 RGB [H, W, 3] as the client sent it.
     image: RgbImage | None = None
 
@@ -207,7 +210,8 @@ def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
     image = resolve_image_request(
         ImageRequest(prompt=request.prompt, negative_prompt=request.negative_prompt,
                      width=request.width, height=request.height,
-                     num_inference_steps=request.num_inference_steps, seed=request.seed),
+                     num_inference_steps=request.num_inference_steps, seed=request.seed,
+                     step_cache_threshold=request.step_cache_threshold),
         ImageDefaults(width=defaults.width, height=defaults.height,
                       num_inference_steps=defaults.num_inference_steps, true_cfg_scale=0.0,
                       negative_prompt=defaults.negative_prompt), facts.image)
@@ -229,7 +233,8 @@ def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
         height=image.height, num_frames=frames, fps=fps,
         num_inference_steps=image.num_inference_steps, guidance_scale=guidance, seed=image.seed,
         guidance_scale_2=scale_2, boundary_ratio=ratio,
-        flow_shift=_flow_shift(request, defaults, facts), image=_image(request, facts))
+        flow_shift=_flow_shift(request, defaults, facts),
+        step_cache_threshold=image.step_cache_threshold, image=_image(request, facts))
 
 
 # -- the OpenAI form ------------------------------------------------------------------------------
@@ -268,7 +273,8 @@ def video_request(form: Form) -> VideoRequest:
         guidance_scale=fields.number("guidance_scale"),
         guidance_scale_2=fields.number("guidance_scale_2"),
         boundary_ratio=fields.number("boundary_ratio"), flow_shift=fields.number("flow_shift"),
-        seed=fields.integer("seed"), image=image, image_field=image_field)
+        seed=fields.integer("seed"), step_cache_threshold=fields.number("step_cache_threshold"),
+        image=image, image_field=image_field)
 
 
 def form_from_json(body: dict[str, object]) -> Form:

@@ -115,6 +115,10 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
     fail_seed: int | None = None  # fail only the request of this seed (None: every request)
     preempt_at_step: int | None = None  # a `preempted` event after this step
     step_seconds: dict[int, float] = field(default_factory=dict)  # per seed; default 0
+    step_cache: str = "off"  # published with its threshold and the largest a request may set
+    step_cache_threshold: float = 0.0
+    max_step_cache_threshold: float = 0.0
+    reused_steps: frozenset[int] = frozenset()  # steps whose progress says `reused`
     describes: int = 0
     starts: list[Any] = field(default_factory=list)
     in_flight: int = 0
@@ -127,7 +131,9 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
             stage=common_pb2.StageDescription(stage="dit"), size_multiple=8, max_side=64,
             max_pixels=64 * 64, max_steps=self.max_steps, max_true_cfg_scale=5.0,
             max_images_per_request=2,
-            execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST])
+            execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST],
+            step_cache=self.step_cache, step_cache_threshold=self.step_cache_threshold,
+            max_step_cache_threshold=self.max_step_cache_threshold)
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await start_message(requests)
@@ -139,7 +145,8 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
             for step in range(1, start.num_inference_steps + 1):
                 await asyncio.sleep(self.step_seconds.get(start.seed, 0.0))
                 yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
-                    step_index=step, total_steps=start.num_inference_steps))
+                    step_index=step, total_steps=start.num_inference_steps,
+                    reused=step in self.reused_steps))
                 if step == self.preempt_at_step:
                     yield dit_service_pb2.DenoiseResponse(
                         preempted=common_pb2.Preempted(step_index=step))

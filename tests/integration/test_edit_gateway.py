@@ -246,6 +246,7 @@ def as_parts(fields: dict[str, str]) -> list[tuple[str, tuple[None, str]]]:
     ({"model": "not-edit"}, png(8, 8), "model"),  # its DiT does not edit images
     ({"response_format": "url"}, png(8, 8), "response_format"),
     ({"mask": "x"}, png(8, 8), "mask"),
+    ({"step_cache_threshold": "0.1"}, png(8, 8), "step_cache_threshold"),  # the DiT has none
 ])
 async def test_bad_edits_are_refused_naming_the_field_before_any_stage(
     served: Served, fields: dict[str, str], image: bytes | None, param: str,
@@ -324,10 +325,12 @@ async def test_native_rest_and_grpc_edit_image(served: Served) -> None:
     async with grpc.aio.insecure_channel(served.grpc_target) as channel:
         stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         replies = [reply async for reply in stub.EditImage(gateway_service_pb2.EditImageRequest(
-            model="edit", prompt="p", images=[image], n=2, seed=8, num_inference_steps=1))]
+            model="edit", prompt="p", images=[image], n=2, seed=8, num_inference_steps=1,
+            step_cache_threshold=0))]
         images = [i for reply in replies if reply.HasField("result")
                   for i in reply.result.images]
         assert sorted(i.seed for i in images) == [8, 9]
+        assert [s.HasField("step_cache_threshold") for s in served.dit.starts[-2:]] == [True] * 2
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             async for _ in stub.EditImage(gateway_service_pb2.EditImageRequest(
                     model="edit", prompt="p", images=[image, image])):

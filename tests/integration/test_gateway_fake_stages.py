@@ -353,3 +353,70 @@ async def test_the_grpc_api_runs_the_same_core(mesh: Mesh) -> None:
                                               "num_inference_steps")
     assert b"".join(r.audio for r in audio)[:4] == b"RIFF"
     assert {r.sample_rate for r in audio} == {SAMPLE_RATE}
+
+
+def with_step_cache(mesh: Mesh, kind: str, threshold: float, maximum: float) -> None:
+    dit = mesh.servicers["dit"]
+    dit.step_cache, dit.step_cache_threshold, dit.max_step_cache_threshold = (
+        kind, threshold, maximum)
+
+
+async def test_step_cache_threshold_goes_to_the_dit_on_rest_chat_and_grpc(mesh: Mesh) -> None:
+    with_step_cache(mesh, "first_block", 0.1, 0.4)
+    dit = mesh.servicers["dit"]
+    for threshold in (0.25, 0):
+        response = await mesh.client.post("/v1/images/generations", json={
+            "prompt": "x", "num_inference_steps": 2, "step_cache_threshold": threshold})
+        assert response.status_code == 200, response.text
+    chat = await mesh.client.post("/v1/chat/completions", json={
+        "model": "img", "messages": [{"role": "user", "content": "a cat"}],
+        "num_inference_steps": 2, "step_cache_threshold": 0.3})
+    assert chat.status_code == 200, chat.text
+    await mesh.client.post("/v1/images/generations", json={"prompt": "x",
+                                                          "num_inference_steps": 2})
+    async with gateway_stub(mesh.core) as stub:
+        _ = [r async for r in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+            prompt="x", num_inference_steps=2, step_cache_threshold=0.125), timeout=10)]
+    sent = [s.step_cache_threshold if s.HasField("step_cache_threshold") else None
+            for s in dit.starts]
+    assert sent == [0.25, 0.0, pytest.approx(0.3), None, 0.125]  # unset: the stage's own
+
+
+@pytest.mark.parametrize(("kind", "own", "asked"), [
+    ("first_block", 0.1, 0.5),  # above the stage's maximum
+    ("first_block", 0.1, -0.1),
+    ("off", 0.0, 0.1),  # a stage without a cache publishes a maximum of 0
+    ("taylorseer", 0.2, 0.1),  # a forecasting cache takes 0 or its own setting only
+])
+async def test_a_step_cache_threshold_the_dit_cannot_run_is_a_400_before_any_stage(
+        mesh: Mesh, kind: str, own: float, asked: float) -> None:
+    with_step_cache(mesh, kind, own, 0.4 if kind != "off" else 0.0)
+    for path, body in (("/v1/images/generations", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"model": "img", "messages": [
+                           {"role": "user", "content": "a cat"}]})):
+        response = await mesh.client.post(path, json={**body, "step_cache_threshold": asked})
+        assert response.status_code == 400, response.text
+        assert error_of(response)["param"] == "step_cache_threshold"
+    assert mesh.servicers["dit"].starts == [] and mesh.servicers["tokenizer"].starts == []
+
+
+async def test_a_taylorseer_stage_takes_its_own_threshold(mesh: Mesh) -> None:
+    with_step_cache(mesh, "taylorseer", 0.2, 0.4)
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "num_inference_steps": 2, "step_cache_threshold": 0.2})
+    assert response.status_code == 200, response.text
+    assert mesh.servicers["dit"].starts[0].step_cache_threshold == pytest.approx(0.2)
+
+
+async def test_progress_says_which_steps_reused_the_cache_on_sse_and_ndjson(mesh: Mesh) -> None:
+    mesh.servicers["dit"].reused_steps = frozenset({2})
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "stream": True, "num_inference_steps": 3})
+    steps = [(e["step"], e["reused"]) for e in sse_events(response) if e["type"] == "progress"]
+    assert steps == [(1, False), (2, True), (3, False)]
+    native = await mesh.client.post("/v1/images:generate", json={
+        "prompt": "x", "num_inference_steps": 3})
+    lines = [json.loads(line) for line in native.text.splitlines()]
+    progress = [line["progress"] for line in lines if "progress" in line]
+    assert [(p["step_index"], p["reused"]) for p in progress] == [
+        (1, False), (2, True), (3, False)]

@@ -250,12 +250,13 @@ async def test_an_urlencoded_form_works_as_curl_d_sends_it(mesh: VideoMesh) -> N
 
 async def test_sync_passes_the_sampling_params_through(mesh: VideoMesh) -> None:
     form = {**FORM, "num_inference_steps": "5", "guidance_scale": "6.5", "seed": "42",
-            "negative_prompt": "blur", "flow_shift": "3"}
+            "negative_prompt": "blur", "flow_shift": "3", "step_cache_threshold": "0"}
     response = await mesh.client.post("/v1/videos/sync", **multipart(form))
     assert response.status_code == 200, response.text
     start = mesh.dit.starts[-1]
     assert (start.num_inference_steps, start.true_cfg_scale, start.seed) == (5, 6.5, 42)
     assert start.HasField("flow_shift") and start.flow_shift == 3.0
+    assert start.HasField("step_cache_threshold") and start.step_cache_threshold == 0.0
     assert not start.HasField("guidance_scale_2") and not start.HasField("boundary_ratio")
 
 
@@ -296,6 +297,7 @@ async def test_sync_image_to_video_takes_a_file_or_a_data_url(mesh: VideoMesh, h
      {"input_reference": png()}, "image_reference"),
     ({**FORM, "model": "i2v"}, None, "input_reference"),
     ({**FORM, "colour": "red"}, None, "colour"),
+    ({**FORM, "step_cache_threshold": "0.1"}, None, "step_cache_threshold"),  # the DiT has none
 ])
 async def test_the_seeds_error_cases_are_400s_naming_the_field(
     mesh: VideoMesh, form: dict[str, str], files: dict[str, bytes] | None, param: str,
