@@ -70,6 +70,14 @@ from stagemesh.services.dit.limits import MAX_TRUE_CFG_SCALE as MAX_TRUE_CFG_SCA
 from stagemesh.services.dit.limits import DitLimits as DitLimits
 from stagemesh.services.dit.limits import image_limits
 from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
+from stagemesh.services.dit.preview import (
+    Preview,
+    Previewer,
+    PreviewOptions,
+    Projection,
+    check_options,
+    preview_histogram,
+)
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
     Prediction,
@@ -121,6 +129,8 @@ class DenoiseInput:
     condition_latents: tuple[torch.Tensor, ...] = ()
     #: The request's step cache: None = the stage's setting, 0 = off.
     step_cache_threshold: float | None = None
+    #: Step previews (None: none).
+    preview: PreviewOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +217,7 @@ class DenoiseAdapter:
             max_images_per_request=max_images_per_request,
         )
         self._setup(transformer, scheduler, factor, limits, step_cache)
+        self.projection = Projection.load(model_dir)
 
     @classmethod
     def from_components(
@@ -251,6 +262,7 @@ class DenoiseAdapter:
         self._hooks = BlockInterruptHooks(self._pacer)
         self.limits = limits
         self.step_cache = StepCache(step_cache or StepCacheConfig())
+        self.projection: Projection | None = None  # the VAE's latent-to-RGB map: previews
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -266,6 +278,7 @@ class DenoiseAdapter:
         self._check_embeddings(payload.embeddings)
         self._check_conditions(payload.condition_latents)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        check_options(payload.preview, self.projection)
 
     def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
         dim, most = self._text_dim, self._max_text_tokens
@@ -336,13 +349,27 @@ class DenoiseAdapter:
             work=_Work(latents, embeddings, scheduler, condition),
             request_id=request.request_id,
             cache=self.step_cache.new_row(threshold),
+            preview=self._previewer(payload, scheduler),
         )
+
+    def _previewer(self, payload: DenoiseInput,
+                   scheduler: FlowMatchEulerDiscreteScheduler) -> Previewer | None:
+        if payload.preview is None or self.projection is None:
+            return None
+
+        def grid(latents: torch.Tensor) -> torch.Tensor:  # packed 2x2 patches -> [C, h, w]
+            unpacked: torch.Tensor = QwenImagePipeline._unpack_latents(
+                latents, payload.height, payload.width, self.vae_scale_factor)
+            return unpacked[0, :, 0]
+
+        return Previewer(payload.preview, self.projection, scheduler.sigmas, grid,
+                         preview_histogram())
 
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:
         assert_never(payload)  # the DiT stage takes no streamed input
 
     @torch.inference_mode()
-    def step(self, states: Sequence[DenoiseState]) -> list[StepOutput[NoStream]]:
+    def step(self, states: Sequence[DenoiseState]) -> list[StepOutput[Preview]]:
         """One denoising step for every state, all in one transformer forward.
 
         Nothing is written to a state until the forward and every guidance combination are
@@ -578,7 +605,7 @@ def _vision_tokens_bound(max_pixels: int, max_side: int) -> int:
 
 
 #: The static proof that the adapter is the DiT stage's StageAdapter.
-_: type[StageAdapter[DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents]] = (
+_: type[StageAdapter[DenoiseInput, NoStream, DenoiseState, Preview, DenoisedLatents]] = (
     DenoiseAdapter
 )
 _interruptible: type[Interruptible] = DenoiseAdapter

@@ -22,6 +22,13 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
+from stagemesh.services.dit.preview import (
+    DEFAULT_PREVIEW_SIZE,
+    MAX_PREVIEW_SIZE,
+    MIN_PREVIEW_EVERY,
+    Preview,
+    PreviewOptions,
+)
 from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
@@ -61,6 +68,7 @@ from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
 from stagemesh.shared.stage_runtime import StageBundle, servicer_bundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
+from stagemesh.shared.tensors import array_to_proto
 from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DitService"].full_name
@@ -72,10 +80,10 @@ MODE_TO_PROTO = {mode: value for value, mode in MODES.items()}
 InputT = TypeVar("InputT")
 StateT = TypeVar("StateT")
 DitEngine: TypeAlias = StepEngine[
-    DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents
+    DenoiseInput, NoStream, DenoiseState, Preview, DenoisedLatents
 ]
 VideoEngine: TypeAlias = StepEngine[
-    VideoDenoiseInput, NoStream, VideoDenoiseState, NoStream, DenoisedLatents
+    VideoDenoiseInput, NoStream, VideoDenoiseState, Preview, DenoisedLatents
 ]
 
 #: Requests that run at once (the most one forward advances) unless the recipe sets `max_batch`.
@@ -188,7 +196,8 @@ def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineReques
                            num_inference_steps=start.num_inference_steps,
                            true_cfg_scale=start.true_cfg_scale, seed=start.seed, sigmas=sigmas,
                            condition_latents=_condition_latents(start),
-                           step_cache_threshold=_threshold(start))
+                           step_cache_threshold=_threshold(start),
+                           preview=_preview_options(start))
     return _engine_request(start, deadline, total, payload)
 
 
@@ -210,6 +219,14 @@ def _video_request(message: pb.DenoiseRequest,
     return _engine_request(start, deadline, start.num_inference_steps, payload)
 
 
+def _preview_options(start: pb.DenoiseStart) -> PreviewOptions | None:
+    """The request's preview options; None (unset or every 0) = no previews."""
+    if start.preview.every == 0:
+        return None
+    return PreviewOptions(every=start.preview.every,
+                          size=start.preview.size or DEFAULT_PREVIEW_SIZE)
+
+
 def _threshold(start: pb.DenoiseStart) -> float | None:
     """The request's step_cache_threshold; None (unset) = the stage's setting."""
     return start.step_cache_threshold if start.HasField("step_cache_threshold") else None
@@ -220,17 +237,26 @@ def _result(latents: DenoisedLatents) -> pb.DenoiseResult:
                             width=latents.width, num_frames=latents.num_frames)
 
 
+def _preview(preview: Preview) -> pb.DenoiseResponse:
+    height, width = preview.pixels.shape[:2]
+    return pb.DenoiseResponse(preview=common_pb2.Preview(
+        step_index=preview.step_index, pixels=array_to_proto(preview.pixels), width=width,
+        height=height))
+
+
 DenoiseWire: TypeAlias = StageWire[pb.DenoiseRequest, pb.DenoiseResponse, InputT, NoStream,
-                                   NoStream, DenoisedLatents]
+                                   Preview, DenoisedLatents]
 WIRE: DenoiseWire[DenoiseInput] = StageWire(
-    response_cls=pb.DenoiseResponse, make_request=_request, encode_result=_result)
+    response_cls=pb.DenoiseResponse, make_request=_request, encode_result=_result,
+    encode_partial=_preview)
 VIDEO_WIRE: DenoiseWire[VideoDenoiseInput] = StageWire(
-    response_cls=pb.DenoiseResponse, make_request=_video_request, encode_result=_result)
+    response_cls=pb.DenoiseResponse, make_request=_video_request, encode_result=_result,
+    encode_partial=_preview)
 
 
 class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, StateT]):
     def __init__(
-        self, engine: StepEngine[InputT, NoStream, StateT, NoStream, DenoisedLatents],
+        self, engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
         wire: DenoiseWire[InputT], description: pb.DescribeDitResponse,
     ) -> None:
         self.engine = engine
@@ -267,9 +293,9 @@ NO_CACHE = CacheFacts(StepCacheConfig(), 0)
 
 
 def _describe(
-    model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, NoStream, DenoisedLatents],
+    model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, mode: ExecutionMode, placement: Placement, request_mode: bool = False,
-    cache: CacheFacts = NO_CACHE,
+    cache: CacheFacts = NO_CACHE, previews: bool = False,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first, and REQUEST only
     when it is the default or the `request_mode` option allows it."""
@@ -293,7 +319,10 @@ def _describe(
         step_cache_interval=config.interval, step_cache_warmup_steps=config.warmup_steps,
         step_cache_final_steps=config.final_steps, step_cache_max_skips=config.max_skips,
         max_step_cache_threshold=config.published_max_threshold,
-        step_cache_bytes_per_row=cache.bytes_per_row)
+        step_cache_bytes_per_row=cache.bytes_per_row,
+        max_preview_size=MAX_PREVIEW_SIZE if previews else 0,
+        default_preview_size=DEFAULT_PREVIEW_SIZE if previews else 0,
+        min_preview_every=MIN_PREVIEW_EVERY if previews else 0)
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -337,13 +366,15 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
     image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
-                   CacheFacts(cache, image.step_cache_bytes_per_row()))
+                   CacheFacts(cache, image.step_cache_bytes_per_row()),
+                   previews=image.projection is not None)
 
 
 def _bundle(
-    model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, NoStream, DenoisedLatents],
+    model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
+    previews: bool = False,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
     running request's step cache must fit (`check_capacity`)."""
@@ -358,7 +389,7 @@ def _bundle(
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
     servicer = DitServicer(engine, wire, _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache))
+        cache, previews))
     return servicer_bundle("dit", model_dir, [engine], servicer,
                            dit_service_pb2_grpc.add_DitServiceServicer_to_server, SERVICE_NAME,
                            {**placement.facts(), "mode": mode.value,

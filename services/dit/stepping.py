@@ -18,9 +18,10 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from stagemesh.services.dit.preview import Preview, Previewer
 from stagemesh.services.dit.step_cache import RowCache
 from stagemesh.shared.devices import synchronize
-from stagemesh.shared.engine.adapter import NoStream, StepOutput
+from stagemesh.shared.engine.adapter import StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class StepState(Generic[PlanT, WorkT]):
     step_index: int = 0  # denoise steps done
     request_id: str = ""
     cache: RowCache | None = None  # the row's step cache (None: off); freed on release
+    preview: Previewer | None = None  # the request's step previews (None: it asked for none)
 
     def live(self) -> WorkT:
         if self.work is None:
@@ -65,7 +67,7 @@ class StepState(Generic[PlanT, WorkT]):
         """The timestep of the step to do next."""
         return self.plan.timesteps[self.step_index]
 
-    def advance(self, prediction: Prediction) -> StepOutput[NoStream]:
+    def advance(self, prediction: Prediction) -> StepOutput[Preview]:
         """The scheduler step for this state (its own scheduler copy, its own timestep).
 
         Runs after the batch's forwards, so a failure here is this state's error output:
@@ -76,11 +78,14 @@ class StepState(Generic[PlanT, WorkT]):
         except Exception as exc:
             logger.exception("scheduler step %d failed", self.step_index)
             return StepOutput(step_index=self.step_index, error=f"scheduler step failed: {exc}")
+        preview = (None if self.preview is None
+                   else self.preview.after(self.step_index + 1, work.latents, prediction.noise))
         work.latents = stepped
         self.step_index += 1
         return StepOutput(
             step_index=self.step_index,
             finished=self.step_index == len(self.plan.timesteps),
+            partial=preview,
             reused=prediction.reused,
         )
 
@@ -96,7 +101,7 @@ class Prediction:
 class Advancing(Protocol):
     """A state one step advances: `StepState` of any plan and work."""
 
-    def advance(self, prediction: Prediction) -> StepOutput[NoStream]: ...
+    def advance(self, prediction: Prediction) -> StepOutput[Preview]: ...
 
 
 StateT = TypeVar("StateT", bound=Advancing)
@@ -106,7 +111,7 @@ def step_batch(
     states: Sequence[StateT],
     predict: Callable[[Sequence[StateT]], list[Prediction]],
     device: torch.device,
-) -> list[StepOutput[NoStream]]:
+) -> list[StepOutput[Preview]]:
     """One denoising step for every state: `predict` gives each state's noise prediction
     (guidance applied), then each state's scheduler steps; the step ends when the device has
     done it."""

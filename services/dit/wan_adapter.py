@@ -58,6 +58,7 @@ from stagemesh.services.dit import checks
 from stagemesh.services.dit.forward import Branch, RowHooks, RowMeta, wan_forward
 from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min_steps
+from stagemesh.services.dit.preview import Preview
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
     Prediction,
@@ -477,7 +478,7 @@ class WanDenoiseAdapter:
         assert_never(payload)  # the DiT stage takes no streamed input
 
     @torch.inference_mode()
-    def step(self, states: Sequence[VideoDenoiseState]) -> list[StepOutput[NoStream]]:
+    def step(self, states: Sequence[VideoDenoiseState]) -> list[StepOutput[Preview]]:
         """One denoising step for every state: a forward per (transformer, text length) group.
 
         Nothing is written to a state until every forward is done: one that raises
@@ -638,6 +639,6 @@ def _video_shape(state: VideoDenoiseState) -> tuple[int, int, int]:
 
 #: The static proof that the adapter is the DiT stage's StageAdapter.
 _: type[
-    StageAdapter[VideoDenoiseInput, NoStream, VideoDenoiseState, NoStream, DenoisedLatents]
+    StageAdapter[VideoDenoiseInput, NoStream, VideoDenoiseState, Preview, DenoisedLatents]
 ] = WanDenoiseAdapter
 _interruptible: type[Interruptible] = WanDenoiseAdapter

@@ -24,33 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/common.proto\x12\x0cstagemesh.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.stagemesh.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1a\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\x05\"r\n\x08Progress\x12\x12\n\nstep_index\x18\x01 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x17\n\x0f\x65lapsed_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06reused\x18\x05 \x01(\x08\"\x1f\n\tPreempted\x12\x12\n\nstep_index\x18\x01 \x01(\x05\"g\n\x07\x41\x62orted\x12\x12\n\nstep_index\x18\x01 \x01(\x05\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.stagemesh.v1.AbortReason\x12\x1d\n\x15\x61\x62ort_latency_seconds\x18\x03 \x01(\x01\"y\n\x10StageDescription\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bmax_pending\x18\x03 \x01(\x05\x12\x13\n\x0bmax_running\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t*\xac\x01\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT16\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x12\x0e\n\nDTYPE_BOOL\x10\x08*\xd2\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x1b\n\x17REQUEST_STATE_PREEMPTED\x10\x03\x12\x1b\n\x17REQUEST_STATE_SUCCEEDED\x10\x04\x12\x19\n\x15REQUEST_STATE_ABORTED\x10\x05\x12\x18\n\x14REQUEST_STATE_FAILED\x10\x06*\xa4\x01\n\x0b\x41\x62ortReason\x12\x1c\n\x18\x41\x42ORT_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x42ORT_REASON_CANCELLED\x10\x01\x12\x1c\n\x18\x41\x42ORT_REASON_CLIENT_GONE\x10\x02\x12\"\n\x1e\x41\x42ORT_REASON_DEADLINE_EXCEEDED\x10\x03\x12\x19\n\x15\x41\x42ORT_REASON_SHUTDOWN\x10\x04*d\n\rExecutionMode\x12\x1e\n\x1a\x45XECUTION_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45XECUTION_MODE_STEP\x10\x01\x12\x1a\n\x16\x45XECUTION_MODE_REQUEST\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stagemesh/v1/common.proto\x12\x0cstagemesh.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.stagemesh.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1a\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\x05\"\x9a\x01\n\x08Progress\x12\x12\n\nstep_index\x18\x01 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x17\n\x0f\x65lapsed_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06reused\x18\x05 \x01(\x08\x12&\n\x07preview\x18\x06 \x01(\x0b\x32\x15.stagemesh.v1.Preview\"o\n\x07Preview\x12\x12\n\nstep_index\x18\x01 \x01(\x05\x12$\n\x06pixels\x18\x02 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\x0b\n\x03png\x18\x03 \x01(\x0c\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\"-\n\x0ePreviewOptions\x12\r\n\x05\x65very\x18\x01 \x01(\x05\x12\x0c\n\x04size\x18\x02 \x01(\x05\"\x1f\n\tPreempted\x12\x12\n\nstep_index\x18\x01 \x01(\x05\"g\n\x07\x41\x62orted\x12\x12\n\nstep_index\x18\x01 \x01(\x05\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.stagemesh.v1.AbortReason\x12\x1d\n\x15\x61\x62ort_latency_seconds\x18\x03 \x01(\x01\"y\n\x10StageDescription\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bmax_pending\x18\x03 \x01(\x05\x12\x13\n\x0bmax_running\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t*\xac\x01\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT16\x10\x06\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x07\x12\x0e\n\nDTYPE_BOOL\x10\x08*\xd2\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x1b\n\x17REQUEST_STATE_PREEMPTED\x10\x03\x12\x1b\n\x17REQUEST_STATE_SUCCEEDED\x10\x04\x12\x19\n\x15REQUEST_STATE_ABORTED\x10\x05\x12\x18\n\x14REQUEST_STATE_FAILED\x10\x06*\xa4\x01\n\x0b\x41\x62ortReason\x12\x1c\n\x18\x41\x42ORT_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x42ORT_REASON_CANCELLED\x10\x01\x12\x1c\n\x18\x41\x42ORT_REASON_CLIENT_GONE\x10\x02\x12\"\n\x1e\x41\x42ORT_REASON_DEADLINE_EXCEEDED\x10\x03\x12\x19\n\x15\x41\x42ORT_REASON_SHUTDOWN\x10\x04*d\n\rExecutionMode\x12\x1e\n\x1a\x45XECUTION_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45XECUTION_MODE_STEP\x10\x01\x12\x1a\n\x16\x45XECUTION_MODE_REQUEST\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagemesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=550
-  _globals['_DTYPE']._serialized_end=722
-  _globals['_REQUESTSTATE']._serialized_start=725
-  _globals['_REQUESTSTATE']._serialized_end=935
-  _globals['_ABORTREASON']._serialized_start=938
-  _globals['_ABORTREASON']._serialized_end=1102
-  _globals['_EXECUTIONMODE']._serialized_start=1104
-  _globals['_EXECUTIONMODE']._serialized_end=1204
+  _globals['_DTYPE']._serialized_start=751
+  _globals['_DTYPE']._serialized_end=923
+  _globals['_REQUESTSTATE']._serialized_start=926
+  _globals['_REQUESTSTATE']._serialized_end=1136
+  _globals['_ABORTREASON']._serialized_start=1139
+  _globals['_ABORTREASON']._serialized_end=1303
+  _globals['_EXECUTIONMODE']._serialized_start=1305
+  _globals['_EXECUTIONMODE']._serialized_end=1405
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=116
   _globals['_CANCEL']._serialized_start=118
   _globals['_CANCEL']._serialized_end=142
   _globals['_QUEUED']._serialized_start=144
   _globals['_QUEUED']._serialized_end=170
-  _globals['_PROGRESS']._serialized_start=172
-  _globals['_PROGRESS']._serialized_end=286
-  _globals['_PREEMPTED']._serialized_start=288
-  _globals['_PREEMPTED']._serialized_end=319
-  _globals['_ABORTED']._serialized_start=321
-  _globals['_ABORTED']._serialized_end=424
-  _globals['_STAGEDESCRIPTION']._serialized_start=426
-  _globals['_STAGEDESCRIPTION']._serialized_end=547
+  _globals['_PROGRESS']._serialized_start=173
+  _globals['_PROGRESS']._serialized_end=327
+  _globals['_PREVIEW']._serialized_start=329
+  _globals['_PREVIEW']._serialized_end=440
+  _globals['_PREVIEWOPTIONS']._serialized_start=442
+  _globals['_PREVIEWOPTIONS']._serialized_end=487
+  _globals['_PREEMPTED']._serialized_start=489
+  _globals['_PREEMPTED']._serialized_end=520
+  _globals['_ABORTED']._serialized_start=522
+  _globals['_ABORTED']._serialized_end=625
+  _globals['_STAGEDESCRIPTION']._serialized_start=627
+  _globals['_STAGEDESCRIPTION']._serialized_end=748
 # @@protoc_insertion_point(module_scope)

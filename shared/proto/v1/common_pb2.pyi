@@ -216,6 +216,7 @@ class Progress(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
     ELAPSED_SECONDS_FIELD_NUMBER: _builtins.int
     REUSED_FIELD_NUMBER: _builtins.int
+    PREVIEW_FIELD_NUMBER: _builtins.int
     step_index: _builtins.int
     """Steps completed so far (1 after the first step)."""
     total_steps: _builtins.int
@@ -226,6 +227,12 @@ class Progress(_message.Message):
     """Wall time since the request was admitted."""
     reused: _builtins.bool
     """The step reused the request's step cache (a DiT: no full transformer pass ran for it)."""
+    @_builtins.property
+    def preview(self) -> Global___Preview:
+        """A small picture of the request's current estimate of its result (the gateway's public
+        streams, when the client asked for previews; stage streams send DenoiseResponse.preview).
+        """
+
     def __init__(
         self,
         *,
@@ -234,14 +241,81 @@ class Progress(_message.Message):
         step_seconds: _builtins.float = ...,
         elapsed_seconds: _builtins.float = ...,
         reused: _builtins.bool = ...,
+        preview: Global___Preview | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["preview", b"preview"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_seconds", b"elapsed_seconds", "reused", b"reused", "step_index", b"step_index", "step_seconds", b"step_seconds", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["elapsed_seconds", b"elapsed_seconds", "preview", b"preview", "reused", b"reused", "step_index", b"step_index", "step_seconds", b"step_seconds", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Progress: _TypeAlias = Progress  # noqa: Y015
+
+@_typing.final
+class Preview(_message.Message):
+    """A small picture of what a request is making, as it stands after a step: a DiT's estimate of
+    the final image (its x0 prediction; a video's middle frame), projected to RGB.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_INDEX_FIELD_NUMBER: _builtins.int
+    PIXELS_FIELD_NUMBER: _builtins.int
+    PNG_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    step_index: _builtins.int
+    """Steps completed when it was taken."""
+    png: _builtins.bytes
+    """On the gateway's public streams: the same picture as PNG."""
+    width: _builtins.int
+    height: _builtins.int
+    @_builtins.property
+    def pixels(self) -> Global___Tensor:
+        """On a stage stream: uint8 RGB [height, width, 3] (the gateway encodes it off its loop)."""
+
+    def __init__(
+        self,
+        *,
+        step_index: _builtins.int = ...,
+        pixels: Global___Tensor | None = ...,
+        png: _builtins.bytes = ...,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pixels", b"pixels"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["height", b"height", "pixels", b"pixels", "png", b"png", "step_index", b"step_index", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Preview: _TypeAlias = Preview  # noqa: Y015
+
+@_typing.final
+class PreviewOptions(_message.Message):
+    """What previews a client asks for; off unless `every` > 0."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVERY_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    every: _builtins.int
+    """A preview every this many steps (and never more often than the DiT's min_preview_every)."""
+    size: _builtins.int
+    """Longest side of the preview in pixels; 0 = the DiT's default, at most its max_preview_size."""
+    def __init__(
+        self,
+        *,
+        every: _builtins.int = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["every", b"every", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PreviewOptions: _TypeAlias = PreviewOptions  # noqa: Y015
 
 @_typing.final
 class Preempted(_message.Message):

@@ -72,6 +72,7 @@ class DenoiseStart(_message.Message):
     BOUNDARY_RATIO_FIELD_NUMBER: _builtins.int
     FLOW_SHIFT_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    PREVIEW_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     height: _builtins.int
@@ -129,6 +130,12 @@ class DenoiseStart(_message.Message):
         At most DescribeDitResponse.max_condition_images.
         """
 
+    @_builtins.property
+    def preview(self) -> _common_pb2.PreviewOptions:
+        """Previews of the x0 estimate (DenoiseResponse.preview): every `preview.every` steps, off
+        when unset or 0; within DescribeDitResponse's min_preview_every and max_preview_size.
+        """
+
     def __init__(
         self,
         *,
@@ -151,10 +158,11 @@ class DenoiseStart(_message.Message):
         boundary_ratio: _builtins.float | None = ...,
         flow_shift: _builtins.float | None = ...,
         step_cache_threshold: _builtins.float | None = ...,
+        preview: _common_pb2.PreviewOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "preview", b"preview", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "condition_latents", b"condition_latents", "execution_mode", b"execution_mode", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "condition_latents", b"condition_latents", "execution_mode", b"execution_mode", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
     _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
@@ -186,6 +194,7 @@ class DenoiseResponse(_message.Message):
     RESULT_FIELD_NUMBER: _builtins.int
     ABORTED_FIELD_NUMBER: _builtins.int
     PREEMPTED_FIELD_NUMBER: _builtins.int
+    PREVIEW_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def queued(self) -> _common_pb2.Queued: ...
     @_builtins.property
@@ -196,6 +205,10 @@ class DenoiseResponse(_message.Message):
     def aborted(self) -> _common_pb2.Aborted: ...
     @_builtins.property
     def preempted(self) -> _common_pb2.Preempted: ...
+    @_builtins.property
+    def preview(self) -> _common_pb2.Preview:
+        """A small picture of the x0 estimate after a step, when the request asked for previews."""
+
     def __init__(
         self,
         *,
@@ -204,12 +217,13 @@ class DenoiseResponse(_message.Message):
         result: Global___DenoiseResult | None = ...,
         aborted: _common_pb2.Aborted | None = ...,
         preempted: _common_pb2.Preempted | None = ...,
+        preview: _common_pb2.Preview | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "preempted", b"preempted", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "preempted", b"preempted", "preview", b"preview", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "preempted", b"preempted", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "event", b"event", "preempted", b"preempted", "preview", b"preview", "progress", b"progress", "queued", b"queued", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "progress", "result", "aborted", "preempted"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["queued", "progress", "result", "aborted", "preempted", "preview"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -302,6 +316,9 @@ class DescribeDitResponse(_message.Message):
     STEP_CACHE_MAX_SKIPS_FIELD_NUMBER: _builtins.int
     MAX_STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     STEP_CACHE_BYTES_PER_ROW_FIELD_NUMBER: _builtins.int
+    MAX_PREVIEW_SIZE_FIELD_NUMBER: _builtins.int
+    DEFAULT_PREVIEW_SIZE_FIELD_NUMBER: _builtins.int
+    MIN_PREVIEW_EVERY_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -352,6 +369,13 @@ class DescribeDitResponse(_message.Message):
     """The largest step_cache_threshold a request may set; 0 when the stage runs no cache."""
     step_cache_bytes_per_row: _builtins.int
     """Bytes one guided request's cache holds at most (at the largest size the stage accepts)."""
+    max_preview_size: _builtins.int
+    """Previews: the longest side a request may ask for (0: this stage makes no previews, its
+    model folder has no latent-to-RGB projection), the side it uses when not asked, and the
+    fewest steps between two previews.
+    """
+    default_preview_size: _builtins.int
+    min_preview_every: _builtins.int
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -387,10 +411,13 @@ class DescribeDitResponse(_message.Message):
         step_cache_max_skips: _builtins.int = ...,
         max_step_cache_threshold: _builtins.float = ...,
         step_cache_bytes_per_row: _builtins.int = ...,
+        max_preview_size: _builtins.int = ...,
+        default_preview_size: _builtins.int = ...,
+        min_preview_every: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
