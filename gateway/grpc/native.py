@@ -23,7 +23,7 @@ from stagemesh.gateway.images.pipeline import (
     prepare_edit,
     prepare_images,
 )
-from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.images.protocol import ImageRequest, PreviewAsk
 from stagemesh.gateway.mesh.events import Done, Output, StageEvent
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
@@ -57,7 +57,9 @@ def image_request(request: pb.GenerateImageRequest | pb.EditImageRequest) -> Ima
                         else common_pb2.EXECUTION_MODE_UNSPECIFIED),
         priority=generate.priority if generate else None,
         step_cache_threshold=(request.step_cache_threshold
-                              if request.HasField("step_cache_threshold") else None))
+                              if request.HasField("step_cache_threshold") else None),
+        preview=(PreviewAsk(request.preview.every, request.preview.size or None)
+                 if request.HasField("preview") else None))
 
 
 def edit_request(request: pb.EditImageRequest) -> EditRequest:

@@ -179,6 +179,9 @@ _IMAGE_FIELDS: Schema = {
     "step_cache_threshold": {"type": "number", "minimum": 0, "description":
                              "the DiT's step cache for this request: 0 = off; unset = the "
                              "stage's setting; at most what the stage publishes"},
+    "preview": {"type": "object", "description": "step previews on SSE progress events "
+                "(`preview`: a PNG data URL) every `every` steps, `size` px on the long side",
+                "properties": {"every": _INTEGER, "size": _INTEGER}},
 }
 _SPEECH_FIELDS: Schema = {
     "input": _STRING, "model": _STRING, "voice": _STRING,
@@ -234,8 +237,8 @@ _EDIT_TYPES: Schema = {
     "image": {"type": "array", "items": _IMAGE_FILE,
               "description": "the image(s) to edit (also sent as image[])"},
     "mask": {**_IMAGE_FILE, "description": "not supported (a 400 naming mask)"},
-    **dict.fromkeys(("n", "width", "height", "num_inference_steps", "seed", "priority"),
-                    _INTEGER),
+    **dict.fromkeys(("n", "width", "height", "num_inference_steps", "seed", "priority",
+                     "preview_every", "preview_size"), _INTEGER),
     **dict.fromkeys(("true_cfg_scale", "guidance_scale", "timeout", "step_cache_threshold"),
                     _NUMBER),
     "size": {"type": "string", "description": "WxH, or auto (the recipe's or the input's)"},

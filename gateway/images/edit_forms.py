@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import EditRequest
-from stagemesh.gateway.images.protocol import ImageRequest, execution_mode, parse_size
+from stagemesh.gateway.images.protocol import (
+    ImageRequest,
+    PreviewAsk,
+    execution_mode,
+    parse_size,
+)
 from stagemesh.gateway.wire.forms import Form, FormFields
 
 #: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
@@ -21,7 +26,7 @@ EDIT_FIELDS = frozenset({
     "image", "prompt", "model", "n", "size", "response_format", "output_format", "user",
     "stream", "seed", "num_inference_steps", "true_cfg_scale", "guidance_scale",
     "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask",
-    "step_cache_threshold"})
+    "step_cache_threshold", "preview_every", "preview_size"})
 #: `size` values that mean "the size derived from the input image".
 AUTO_SIZES = frozenset({"auto", ""})
 
@@ -49,6 +54,12 @@ def _check_openai_fields(form: Form, fields: FormFields) -> None:
         raise InvalidRequest("output_format", "only output_format 'png' is supported")
 
 
+def _preview(fields: FormFields) -> PreviewAsk | None:
+    """`preview_every` / `preview_size` (a form has no objects)."""
+    every = fields.integer("preview_every")
+    return None if every is None else PreviewAsk(every, fields.integer("preview_size"))
+
+
 def edit_request(form: Form) -> tuple[EditRequest, bool]:
     """The edit form -> (the request, whether to stream SSE progress)."""
     form.refuse_unknown(set(EDIT_FIELDS))
@@ -64,6 +75,7 @@ def edit_request(form: Form) -> tuple[EditRequest, bool]:
         true_cfg_scale=scale, seed=fields.integer("seed"),
         execution_mode=execution_mode(fields.string("execution_mode")),
         priority=fields.integer("priority"),
-        step_cache_threshold=fields.number("step_cache_threshold"))
+        step_cache_threshold=fields.number("step_cache_threshold"),
+        preview=_preview(fields))
     images = tuple(file.data for file in form.file_list("image"))
     return EditRequest(image=image, images=images), fields.boolean("stream")

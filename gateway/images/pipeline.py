@@ -53,14 +53,35 @@ def encode_png(pixels: npt.NDArray[np.generic]) -> bytes:
 
 class _Progress:
     """Forwards the queued/progress/preempted events of the image stages to `emit`, tagged with
-    the image they are about (`part`; None for the prompt, which all images share)."""
+    the image they are about (`part`; None for the prompt, which all images share).
 
-    def __init__(self, emit: Emit[GeneratedImage] | None, part: Part | None = None) -> None:
+    With previews every `preview_every` steps, the DiT's progress of a step that has one is held
+    until its preview follows (the DiT sends them back to back) and sent once, carrying the
+    preview as PNG (encoded in a worker thread: the loop never blocks on it)."""
+
+    def __init__(self, emit: Emit[GeneratedImage] | None, part: Part | None = None,
+                 preview_every: int = 0) -> None:
         self.emit = emit
         self.part = part
+        self.preview_every = preview_every
+        self.held: common_pb2.Progress | None = None
 
     def of(self, part: Part) -> _Progress:
-        return _Progress(self.emit, part)
+        return _Progress(self.emit, part, self.preview_every)
+
+    async def flush(self, stage: str) -> None:
+        """Send a held progress (its preview never came)."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            await self._forward(stage, held)
+
+    async def _preview(self, stage: str, preview: common_pb2.Preview) -> None:
+        progress = self.held or common_pb2.Progress(step_index=preview.step_index)
+        self.held = None
+        png = await asyncio.to_thread(encode_png, array_from_proto(preview.pixels))
+        progress.preview.CopyFrom(common_pb2.Preview(
+            step_index=preview.step_index, png=png, width=preview.width, height=preview.height))
+        await self._forward(stage, progress)
 
     async def _forward(self, stage: str,
                        event: common_pb2.Queued | common_pb2.Progress | common_pb2.Preempted
@@ -74,11 +95,20 @@ class _Progress:
             await self._forward(stage, response.queued)
 
     async def dit(self, stage: str, response: dit_service_pb2.DenoiseResponse) -> None:
-        match response.WhichOneof("event"):
+        event = response.WhichOneof("event")
+        if event == "preview":
+            await self._preview(stage, response.preview)
+            return
+        await self.flush(stage)
+        match event:
             case "queued":
                 await self._forward(stage, response.queued)
             case "progress":
-                await self._forward(stage, response.progress)
+                step = response.progress.step_index
+                if self.preview_every and step % self.preview_every == 0:
+                    self.held = response.progress
+                else:
+                    await self._forward(stage, response.progress)
             case "preempted":
                 await self._forward(stage, response.preempted)
 
@@ -139,9 +169,13 @@ async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.
         condition_latents=condition)
     if params.step_cache_threshold is not None:
         start.step_cache_threshold = params.step_cache_threshold
+    if params.preview is not None:
+        start.preview.CopyFrom(common_pb2.PreviewOptions(every=params.preview.every,
+                                                         size=params.preview.size or 0))
     denoised = await call_stage(
         scope, "dit", stubs.dit.Denoise, dit_service_pb2.DenoiseRequest(start=start),
         dit_service_pb2.DenoiseRequest, request_id=request_id, on_event=progress.dit)
+    await progress.flush("dit")
     decoded = await call_stage(
         scope, "vae", stubs.vae.DecodeLatents, vae_service_pb2.DecodeLatentsRequest(
             start=vae_service_pb2.DecodeLatentsStart(
@@ -165,7 +199,7 @@ async def draw_images(params: ImageParams, scope: CancelScope, stubs: ImageStubs
     The scope must have been opened with `params.n` parts.
     """
     _check_parts(params, scope)
-    progress = _Progress(emit)
+    progress = _Progress(emit, preview_every=params.preview.every if params.preview else 0)
     encoded = await _encode_prompt(params, scope, stubs, progress)
     return await _draw_all(params, encoded, (), scope, stubs, progress)
 
@@ -177,7 +211,8 @@ async def draw_edits(params: EditParams, scope: CancelScope, stubs: ImageStubs,
     DiT conditioned on the image latents. A cancel stops whichever stage is open; no stage
     after it runs."""
     _check_parts(params.image, scope)
-    progress = _Progress(emit)
+    preview = params.image.preview
+    progress = _Progress(emit, preview_every=preview.every if preview else 0)
     images = tuple(array_to_proto(image) for image in params.inputs)
     async with side_by_side() as group:
         prompt = group.create_task(_encode_prompt(params.image, scope, stubs, progress, images))

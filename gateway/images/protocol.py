@@ -11,6 +11,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from stagemesh.gateway.core import random_seed
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.mesh.stages import ExecutionMode, ImageFacts
@@ -33,6 +35,15 @@ EXECUTION_MODES: dict[str, ExecutionMode] = {"step": common_pb2.EXECUTION_MODE_S
 
 
 @dataclass(frozen=True)
+class PreviewAsk:
+    """Step previews a client asked for: every `every` steps, `size` px on the long side
+    (None: the DiT's default)."""
+
+    every: int
+    size: int | None = None
+
+
+@dataclass(frozen=True)
 class ImageRequest:
     """An image request as the client sent it; None = not given (default or random)."""
 
@@ -48,6 +59,7 @@ class ImageRequest:
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
     priority: int | None = None
     step_cache_threshold: float | None = None
+    preview: PreviewAsk | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,7 @@ class ImageParams:
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
     priority: int = 0  # in the DiT's queue: lower runs sooner
     step_cache_threshold: float | None = None  # None: the DiT's own setting; 0: off
+    preview: PreviewAsk | None = None  # step previews (every and size concrete); None: none
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -120,7 +133,9 @@ def step_cache_threshold(value: float | None, facts: ImageFacts) -> float | None
     it takes 0 or its own setting only."""
     if value is None or value == 0:
         return value
-    if facts.step_cache == "taylorseer" and value != facts.step_cache_threshold:
+    # the stage publishes its setting as a proto float: compare at that precision
+    if facts.step_cache == "taylorseer" and np.float32(value) != np.float32(
+            facts.step_cache_threshold):
         raise InvalidRequest("step_cache_threshold", "this model's DiT runs a taylorseer step "
                              f"cache: step_cache_threshold must be 0 (off) or "
                              f"{facts.step_cache_threshold:g}, got {value:g}")
@@ -129,6 +144,24 @@ def step_cache_threshold(value: float | None, facts: ImageFacts) -> float | None
                              f"[0, {facts.max_step_cache_threshold:g}] for this model "
                              f"(0 = off), got {value:g}")
     return value
+
+
+def resolve_preview(ask: PreviewAsk | None, facts: ImageFacts) -> PreviewAsk | None:
+    """A request's previews against what the DiT publishes (a 400 naming `preview`); every 0
+    is none."""
+    if ask is None or ask.every == 0:
+        return None
+    if facts.max_preview_size <= 0:
+        raise InvalidRequest("preview", "this model makes no step previews (its folder has no "
+                             "latent-to-RGB projection)")
+    if ask.every < max(1, facts.min_preview_every):
+        raise InvalidRequest("preview", f"preview.every must be at least "
+                             f"{max(1, facts.min_preview_every)}, got {ask.every}")
+    size = facts.default_preview_size if ask.size is None else ask.size
+    if not 1 <= size <= facts.max_preview_size:
+        raise InvalidRequest("preview", f"preview.size must be in [1, {facts.max_preview_size}]"
+                             f", got {size}")
+    return PreviewAsk(ask.every, size)
 
 
 def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
@@ -161,7 +194,8 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
                        seed=seed, execution_mode=request.execution_mode,
                        priority=_priority(request.priority),
                        step_cache_threshold=step_cache_threshold(request.step_cache_threshold,
-                                                                 facts))
+                                                                 facts),
+                       preview=resolve_preview(request.preview, facts))
 
 
 def execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
@@ -191,7 +225,23 @@ def image_request(body: Mapping[str, object]) -> ImageRequest:
         true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
         execution_mode=execution_mode(fields.string("execution_mode")),
         priority=fields.integer("priority"),
-        step_cache_threshold=fields.number("step_cache_threshold"))
+        step_cache_threshold=fields.number("step_cache_threshold"),
+        preview=_preview(body.get("preview")))
+
+
+def _preview(value: object) -> PreviewAsk | None:
+    """`preview: {"every": k, "size": px}` (size optional); absent or null: none."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) - {"every", "size"}:
+        raise InvalidRequest("preview", 'preview must look like {"every": 1, "size": 128}')
+    fields = JsonFields(value)
+    try:
+        every, size = fields.integer("every"), fields.integer("size")
+    except InvalidRequest:
+        raise InvalidRequest("preview", "preview.every and preview.size must be integers") \
+            from None
+    return None if every is None else PreviewAsk(every, size)
 
 
 def _cfg_scale(fields: JsonFields, name: str) -> float | None:

@@ -57,6 +57,9 @@ def progress_payload(item: StageEvent) -> dict[str, object]:
                        "step_seconds": progress.step_seconds,
                        "elapsed_seconds": progress.elapsed_seconds,
                        "reused": progress.reused}
+            if progress.HasField("preview"):
+                payload["preview"] = ("data:image/png;base64,"
+                                      + base64.b64encode(progress.preview.png).decode())
     if item.part is not None:
         payload |= {"index": item.part.index, "seed": item.part.seed}
     return payload

@@ -272,6 +272,11 @@ class ImageFacts:
     step_cache: str = "off"
     step_cache_threshold: float = 0.0
     max_step_cache_threshold: float = 0.0
+    #: Step previews: the longest side a request may ask (0: none), the default side, and the
+    #: fewest steps between two.
+    max_preview_size: int = 0
+    default_preview_size: int = 0
+    min_preview_every: int = 0
 
     @classmethod
     def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
@@ -287,7 +292,10 @@ class ImageFacts:
                    execution_modes=tuple(dit.execution_modes),
                    step_cache=dit.step_cache or "off",
                    step_cache_threshold=dit.step_cache_threshold,
-                   max_step_cache_threshold=dit.max_step_cache_threshold)
+                   max_step_cache_threshold=dit.max_step_cache_threshold,
+                   max_preview_size=dit.max_preview_size,
+                   default_preview_size=dit.default_preview_size,
+                   min_preview_every=dit.min_preview_every)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def fit_folder_projection(model_dir: str | Path, pictures: npt.NDArray[np.uint8]
     mean, std = latent_stats(vae)
     pixels = torch.from_numpy(pictures).permute(0, 3, 1, 2).float() / 255.0  # [n, 3, H, W]
     latents = []
-    for chunk in pixels.split(ENCODE_CHUNK):
+    for chunk in torch.split(pixels, ENCODE_CHUNK):
         encoded = vae.encode((chunk * 2 - 1)[:, :, None]).latent_dist.mode()
         latents.append(((encoded - mean) / std)[:, :, 0])
     grid = torch.cat(latents)

@@ -119,6 +119,7 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
     step_cache_threshold: float = 0.0
     max_step_cache_threshold: float = 0.0
     reused_steps: frozenset[int] = frozenset()  # steps whose progress says `reused`
+    max_preview_size: int = 0  # > 0: it makes previews (grey 4 x 6, the step as its level)
     describes: int = 0
     starts: list[Any] = field(default_factory=list)
     in_flight: int = 0
@@ -133,7 +134,9 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
             max_images_per_request=2,
             execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST],
             step_cache=self.step_cache, step_cache_threshold=self.step_cache_threshold,
-            max_step_cache_threshold=self.max_step_cache_threshold)
+            max_step_cache_threshold=self.max_step_cache_threshold,
+            max_preview_size=self.max_preview_size, default_preview_size=self.max_preview_size // 2,
+            min_preview_every=1 if self.max_preview_size else 0)
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await start_message(requests)
@@ -147,6 +150,10 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
                 yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
                     step_index=step, total_steps=start.num_inference_steps,
                     reused=step in self.reused_steps))
+                if start.preview.every and step % start.preview.every == 0:
+                    yield dit_service_pb2.DenoiseResponse(preview=common_pb2.Preview(
+                        step_index=step, width=6, height=4,
+                        pixels=array_to_proto(np.full((4, 6, 3), step, np.uint8))))
                 if step == self.preempt_at_step:
                     yield dit_service_pb2.DenoiseResponse(
                         preempted=common_pb2.Preempted(step_index=step))

@@ -28,6 +28,7 @@ from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.serve import free_port
 from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import (
+    common_pb2,
     gateway_service_pb2,
 )
 from tests.integration.fake_stages import (
@@ -420,3 +421,50 @@ async def test_progress_says_which_steps_reused_the_cache_on_sse_and_ndjson(mesh
     progress = [line["progress"] for line in lines if "progress" in line]
     assert [(p["step_index"], p["reused"]) for p in progress] == [
         (1, False), (2, True), (3, False)]
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+async def test_previews_ride_on_the_progress_of_their_step_on_sse_and_grpc(mesh: Mesh) -> None:
+    dit = mesh.servicers["dit"]
+    dit.max_preview_size = 64
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "stream": True, "num_inference_steps": 4, "preview": {"every": 2}})
+    progress = [e for e in sse_events(response) if e["type"] == "progress"]
+    assert [e["step"] for e in progress] == [1, 2, 3, 4]  # one event a step, as without
+    assert ["preview" in e for e in progress] == [False, True, False, True]
+    prefix = "data:image/png;base64,"
+    for event in progress[1::2]:
+        assert event["preview"].startswith(prefix)
+        pixels = png_pixels(base64.b64decode(event["preview"][len(prefix):]))
+        assert pixels.shape == (4, 6, 3) and (pixels == event["step"]).all()
+    assert (dit.starts[0].preview.every, dit.starts[0].preview.size) == (2, 32)  # the default
+    async with gateway_stub(mesh.core) as stub:
+        replies = [r async for r in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+            prompt="x", num_inference_steps=2, preview=common_pb2.PreviewOptions(
+                every=1, size=16)), timeout=10)]
+    previews = [r.progress.preview for r in replies if r.HasField("progress")]
+    assert [p.step_index for p in previews] == [1, 2]
+    assert png_pixels(previews[1].png)[0, 0].tolist() == [2, 2, 2]
+    assert dit.starts[1].preview.size == 16
+
+
+@pytest.mark.parametrize(("offered", "preview"), [
+    (0, {"every": 1}),  # the DiT makes none
+    (64, {"every": 1, "size": 65}),  # above its maximum
+    (64, {"every": -1}),
+    (64, {"every": 1, "colour": "red"}),
+    (64, [1]),
+])
+async def test_previews_the_dit_cannot_make_are_a_400_naming_preview(
+        mesh: Mesh, offered: int, preview: Any) -> None:
+    mesh.servicers["dit"].max_preview_size = offered
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "preview": preview})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == "preview"
+    assert mesh.servicers["dit"].starts == []
