@@ -55,6 +55,7 @@ from stagemesh.bench.common import (
 )
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
+from stagemesh.services.dit.preview import Preview
 from stagemesh.services.dit.qwen_image_adapter import (
     MAX_STEPS,
     MAX_TRUE_CFG_SCALE,
@@ -335,7 +336,7 @@ class StepBoundaryOnly:
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:
         self._adapter.add_input(state, payload)
 
-    def step(self, states: Sequence[DenoiseState]) -> Sequence[StepOutput[NoStream]]:
+    def step(self, states: Sequence[DenoiseState]) -> Sequence[StepOutput[Preview]]:
         return self._adapter.step(states)
 
     def finish(self, state: DenoiseState) -> DenoisedLatents:
@@ -348,8 +349,8 @@ class StepBoundaryOnly:
         return self._adapter.batch_key(state)
 
 
-DitEngine = StepEngine[DenoiseInput, NoStream, DenoiseState, NoStream, DenoisedLatents]
-DitStream = RequestStream[NoStream, DenoisedLatents]
+DitEngine = StepEngine[DenoiseInput, NoStream, DenoiseState, Preview, DenoisedLatents]
+DitStream = RequestStream[Preview, DenoisedLatents]
 Terminal = Completed[DenoisedLatents] | Aborted | Failed
 
 

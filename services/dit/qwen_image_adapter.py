@@ -175,6 +175,8 @@ class DenoiseAdapter:
     """The DiT stage's model: QwenImageTransformer2DModel + its FlowMatch scheduler."""
 
     stage = "dit"
+    #: The folder VAE's latent-to-RGB map (`vae/preview.json`): None = no step previews.
+    projection: Projection | None
 
     def __init__(
         self,
@@ -262,7 +264,7 @@ class DenoiseAdapter:
         self._hooks = BlockInterruptHooks(self._pacer)
         self.limits = limits
         self.step_cache = StepCache(step_cache or StepCacheConfig())
-        self.projection: Projection | None = None  # the VAE's latent-to-RGB map: previews
+        self.projection = None  # a folder's is loaded after setup
 
     # -- validation ---------------------------------------------------------------------------
 
