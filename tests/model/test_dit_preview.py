@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -125,3 +126,41 @@ def test_a_folder_without_a_projection_refuses_previews_naming_the_field() -> No
     with pytest.raises(InvalidInputError) as refused:
         dit.check_inputs(payload)
     assert refused.value.field_name == "preview"
+
+
+@pytest.mark.timeout(120)
+async def test_the_stage_publishes_its_limits_and_streams_previews(folder: Path) -> None:
+    from stagemesh.services.registry import build_stage
+    from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2, dit_service_pb2_grpc
+    from stagemesh.shared.stage_runtime import start_stage, stop_stage
+    from stagemesh.shared.tensors import array_from_proto
+    from stagemesh.shared.torch_tensors import to_proto
+
+    start = dit_service_pb2.DenoiseStart(
+        request_id="p", prompt_embeds=to_proto(torch.randn(1, 5, 64)), height=SIZE,
+        width=SIZE, num_inference_steps=8, true_cfg_scale=1.0, seed=0,
+        preview=common_pb2.PreviewOptions(every=4, size=16))
+    described = {}
+    for name, model_dir in (("fitted", folder), ("shipped", Path(SHIPPED_DIR))):
+        bundle = build_stage("dit", model_dir, {})
+        server = await start_stage(bundle)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = dit_service_pb2_grpc.DitServiceStub(channel)
+                described[name] = await stub.DescribeDit(dit_service_pb2.DescribeDitRequest())
+                if name == "fitted":
+                    responses = [r async for r in stub.Denoise(iter([
+                        dit_service_pb2.DenoiseRequest(start=start)]))]
+        finally:
+            await stop_stage(bundle, server, grace=0.5)
+    assert (described["fitted"].max_preview_size, described["fitted"].min_preview_every) == (
+        256, 1)
+    assert described["shipped"].max_preview_size == 0  # no projection, no previews
+    events = [r.WhichOneof("event") for r in responses]
+    previews = [r.preview for r in responses if r.HasField("preview")]
+    assert [p.step_index for p in previews] == [4, 8]
+    assert events.index("preview") == events.index("progress") + 4  # right after step 4
+    pixels = array_from_proto(previews[0].pixels)
+    assert pixels.shape == (16, 16, 3) and pixels.dtype == np.uint8
+    assert (previews[0].width, previews[0].height) == (16, 16)
+    assert events[-1] == "result"
