@@ -148,12 +148,11 @@ def step_cache_threshold(value: float | None, facts: ImageFacts) -> float | None
 
 def resolve_preview(ask: PreviewAsk | None, facts: ImageFacts) -> PreviewAsk | None:
     """A request's previews against what the DiT publishes (a 400 naming `preview`); every 0
-    is none."""
-    if ask is None or ask.every == 0:
+    is none. A model that makes no previews (its folder has no latent-to-RGB projection) runs
+    the request without them: they are a view of the work, not part of its result, and a page
+    that asks for them by default (the playground) must work with every model."""
+    if ask is None or ask.every == 0 or facts.max_preview_size <= 0:
         return None
-    if facts.max_preview_size <= 0:
-        raise InvalidRequest("preview", "this model makes no step previews (its folder has no "
-                             "latent-to-RGB projection)")
     if ask.every < max(1, facts.min_preview_every):
         raise InvalidRequest("preview", f"preview.every must be at least "
                              f"{max(1, facts.min_preview_every)}, got {ask.every}")

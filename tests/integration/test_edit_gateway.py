@@ -247,7 +247,7 @@ def as_parts(fields: dict[str, str]) -> list[tuple[str, tuple[None, str]]]:
     ({"response_format": "url"}, png(8, 8), "response_format"),
     ({"mask": "x"}, png(8, 8), "mask"),
     ({"step_cache_threshold": "0.1"}, png(8, 8), "step_cache_threshold"),  # the DiT has none
-    ({"preview_every": "1"}, png(8, 8), "preview"),  # nor previews
+    ({"preview_every": "x"}, png(8, 8), "preview_every"),
 ])
 async def test_bad_edits_are_refused_naming_the_field_before_any_stage(
     served: Served, fields: dict[str, str], image: bytes | None, param: str,

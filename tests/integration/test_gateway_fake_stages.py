@@ -453,8 +453,15 @@ async def test_previews_ride_on_the_progress_of_their_step_on_sse_and_grpc(mesh:
     assert dit.starts[1].preview.size == 16
 
 
+async def test_a_dit_without_previews_runs_the_request_without_them(mesh: Mesh) -> None:
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "stream": True, "num_inference_steps": 2, "preview": {"every": 1}})
+    progress = [e for e in sse_events(response) if e["type"] == "progress"]
+    assert [("preview" in e) for e in progress] == [False, False]
+    assert not mesh.servicers["dit"].starts[0].HasField("preview")
+
+
 @pytest.mark.parametrize(("offered", "preview"), [
-    (0, {"every": 1}),  # the DiT makes none
     (64, {"every": 1, "size": 65}),  # above its maximum
     (64, {"every": -1}),
     (64, {"every": 1, "colour": "red"}),
