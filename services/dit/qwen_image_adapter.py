@@ -68,6 +68,8 @@ from stagemesh.services.dit.limits import MAX_TRUE_CFG_SCALE as MAX_TRUE_CFG_SCA
 from stagemesh.services.dit.limits import DitLimits as DitLimits
 from stagemesh.services.dit.limits import image_limits
 from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
+from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
+from stagemesh.services.dit.lora_slots import SlotBank
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
     Prediction,
@@ -119,6 +121,8 @@ class DenoiseInput:
     condition_latents: tuple[torch.Tensor, ...] = ()
     #: The request's step cache: None = the stage's setting, 0 = off.
     step_cache_threshold: float | None = None
+    #: The request's LoRA adapters and scales (names from the stage's `lora_dir`).
+    lora: tuple[LoraUse, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,12 +179,13 @@ class DenoiseAdapter:
         max_images_per_request: int = 4,
         placement: Placement = CPU_FLOAT32,
         step_cache: StepCacheConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """placement: where the transformer computes, and in what dtype; latents, timesteps and
         embeddings of a request live there, latents leave on the CPU in that dtype.
         max_pixels: None = DEFAULT_MAX_PIXELS, or for an edit model every size its pipeline's
         default-size rule makes within max_side (`edit_pixels_bound`).
-        step_cache: the stage's step cache (None: off)."""
+        step_cache: the stage's step cache (None: off). lora: its adapters (None: off)."""
         transformer = QwenImageTransformer2DModel.from_pretrained(
             model_dir,
             subfolder="transformer",
@@ -202,7 +207,7 @@ class DenoiseAdapter:
             max_true_cfg_scale=max_true_cfg_scale,
             max_images_per_request=max_images_per_request,
         )
-        self._setup(transformer, scheduler, factor, limits, step_cache)
+        self._setup(transformer, scheduler, factor, limits, step_cache, lora)
 
     @classmethod
     def from_components(
@@ -211,11 +216,12 @@ class DenoiseAdapter:
         scheduler: FlowMatchEulerDiscreteScheduler,
         limits: DitLimits,
         step_cache: StepCacheConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> DenoiseAdapter:
         """An adapter over a transformer already built, on its device in its dtype: e.g. a
         real-size one with random weights (`stagemesh bench gpu`), which no folder holds."""
         adapter = cls.__new__(cls)
-        adapter._setup(transformer, scheduler, limits.size_multiple, limits, step_cache)
+        adapter._setup(transformer, scheduler, limits.size_multiple, limits, step_cache, lora)
         return adapter
 
     def _setup(
@@ -225,6 +231,7 @@ class DenoiseAdapter:
         factor: int,
         limits: DitLimits,
         step_cache: StepCacheConfig | None,
+        lora: LoraConfig | None,
     ) -> None:
         if transformer.config["guidance_embeds"]:
             raise ValueError("guidance-distilled Qwen-Image transformers are not supported")
@@ -247,6 +254,8 @@ class DenoiseAdapter:
         self._hooks = BlockInterruptHooks(self._pacer)
         self.limits = limits
         self.step_cache = StepCache(step_cache or StepCacheConfig())
+        self.loras = LoraCatalog(lora or LoraConfig())
+        self.lora_slots = SlotBank(transformer, self.loras) if self.loras.config.enabled else None
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -262,6 +271,7 @@ class DenoiseAdapter:
         self._check_embeddings(payload.embeddings)
         self._check_conditions(payload.condition_latents)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        self.loras.check(payload.lora)
 
     def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
         dim, most = self._text_dim, self._max_text_tokens
@@ -327,11 +337,13 @@ class DenoiseAdapter:
         )
         condition = torch.cat([packed for packed, _ in conditions], dim=1) if conditions else None
         threshold = self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        adapters = self.lora_slots.acquire(payload.lora) if self.lora_slots else ()
         return DenoiseState(
             plan=plan,
             work=_Work(latents, embeddings, scheduler, condition),
             request_id=request.request_id,
             cache=self.step_cache.new_row(threshold),
+            adapters=adapters,
         )
 
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:
@@ -357,6 +369,9 @@ class DenoiseAdapter:
     def release(self, state: DenoiseState) -> None:
         self.step_cache.free(state.cache)
         state.cache = None
+        if self.lora_slots is not None:
+            self.lora_slots.release(state.adapters)
+        state.adapters = ()
         state.work = None
 
     def batch_key(self, state: DenoiseState) -> Hashable:
@@ -470,6 +485,7 @@ class DenoiseAdapter:
             img_shapes=[list(rows[0].img_shapes)] * len(rows),
             rows=[row.meta for row in rows],
             hooks=hooks,
+            adapters=self.lora_slots,
         )
         return prediction[:, :tokens]
 
@@ -512,7 +528,7 @@ def _row(state: DenoiseState, *, negative: bool) -> _Row:
         mask,
         plan.img_shapes,
         work.condition,
-        RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND),
+        RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND, state.adapters),
     )
 
 

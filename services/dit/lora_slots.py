@@ -1,0 +1,224 @@
+"""The per-row LoRA product: slot stacks on the transformer's Linears, and who holds which slot.
+
+Every Linear some adapter of the catalog targets gets, beside its base weight (never merged,
+never swapped), a down stack A [max_loras, max_lora_rank, in] and an up stack
+B [max_loras, out, max_lora_rank] of zeros. An adapter loaded into slot s writes its matrices
+into A[s] and B[s] (rank padded with zeros, PEFT's per-module alpha/r folded into B), so that a
+forward hook adds, per row b with adapters (s_k, w_k):
+
+    y[b] += sum_k w_k * B[s_k] @ A[s_k] @ x[b]
+
+as two batched matmuls over the gathered slots. Rows with other adapters, several adapters,
+other scales or none (scale 0) share the forward; a batch without any adapter adds nothing, so
+it is bit for bit the base model. Which slots and scales each row runs is bound for one forward
+(`bind`, from the rows' `RowMeta.adapters`) and narrowed with the rows that run a block subset
+(`narrowed`, the step cache's), so the product follows forward.py's row records (ARCHITECTURE
+§10).
+
+Slots are held by requests (`acquire` in prepare, `release` with the state): a held slot is
+never evicted, so a running or preempted row keeps its adapters; a free slot is taken LRU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
+from peft.utils.other import get_pattern_key
+
+from stagemesh.services.dit.forward import RowMeta, SlotUse
+from stagemesh.services.dit.lora import DOWN, UP, AdapterFile, LoraCatalog, LoraUse
+
+logger = logging.getLogger(__name__)
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every slot is held by a running or preempted request: the request must wait."""
+
+
+@dataclass
+class _Rows:
+    """The slots [rows, k] and scales [rows, k] of the rows a forward runs now."""
+
+    slots: torch.Tensor
+    scales: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> _Rows:
+        return _Rows(self.slots[rows], self.scales[rows])
+
+
+class _Stacks:
+    """One LoRA'd Linear's slot stacks, applied by a forward hook while rows are bound."""
+
+    def __init__(self, bank: SlotBank, linear: torch.nn.Linear) -> None:
+        self.bank = bank
+        shape = (bank.max_loras, bank.max_rank)
+        weight = linear.weight
+        self.down = torch.zeros(*shape, linear.in_features, device=weight.device, dtype=bank.dtype)
+        self.up = torch.zeros(
+            bank.max_loras, linear.out_features, bank.max_rank, device=weight.device,
+            dtype=bank.dtype,
+        )  # fmt: skip
+
+    def hook(
+        self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> torch.Tensor:
+        rows = self.bank.rows
+        if rows is None:
+            return out
+        x = args[0]
+        flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
+        down = self.down[rows.slots]  # [rows, k, rank, in]
+        up = self.up[rows.slots]  # [rows, k, out, rank]
+        low = torch.einsum("bti,bkri->bktr", flat, down) * rows.scales[:, :, None, None]
+        delta = torch.einsum("bktr,bkor->bto", low, up)
+        return out + delta.reshape(out.shape).to(out.dtype)
+
+
+class SlotBank:
+    """`max_loras` slots on every Linear the catalog's adapters target, and their holders."""
+
+    def __init__(self, transformer: torch.nn.Module, catalog: LoraCatalog) -> None:
+        config = catalog.config
+        self.catalog = catalog
+        self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
+        self.dtype = next(transformer.parameters()).dtype
+        self.device = next(transformer.parameters()).device
+        self.rows: _Rows | None = None
+        self.stacks: dict[str, _Stacks] = {}
+        modules = dict(transformer.named_modules())
+        for name in sorted(catalog.targets()):
+            linear = modules.get(name)
+            if not isinstance(linear, torch.nn.Linear):
+                raise ValueError(f"LoRA target {name!r} is not a Linear of the transformer")
+            stacks = self.stacks[name] = _Stacks(self, linear)
+            linear.register_forward_hook(stacks.hook)
+        self._loaded: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
+        self._holders: dict[int, int] = {}  # slot -> requests holding it
+
+    # -- holding ---------------------------------------------------------------------------
+
+    def acquire(self, uses: Sequence[LoraUse]) -> tuple[SlotUse, ...]:
+        """Each adapter's slot, loading those not resident (LRU among unheld slots), held until
+        `release`. NoFreeSlotError, holding nothing, when a slot cannot be had."""
+        held: list[SlotUse] = []
+        try:
+            for use in uses:
+                slot = self._slot_for(use.name)
+                self._holders[slot] = self._holders.get(slot, 0) + 1
+                held.append(SlotUse(slot, use.scale))
+        except BaseException:
+            self.release(held)
+            raise
+        return tuple(held)
+
+    def release(self, held: Sequence[SlotUse]) -> None:
+        for use in held:
+            self._holders[use.slot] -= 1
+            if not self._holders[use.slot]:
+                del self._holders[use.slot]
+
+    def held(self, slot: int) -> bool:
+        return slot in self._holders
+
+    def resident(self) -> list[str]:
+        """The loaded adapters, least recently used first."""
+        return list(self._loaded)
+
+    def _slot_for(self, name: str) -> int:
+        if name in self._loaded:
+            self._loaded.move_to_end(name)
+            return self._loaded[name]
+        used = set(self._loaded.values())
+        free = next((s for s in range(self.max_loras) if s not in used), None)
+        if free is None:
+            victim = next((n for n, s in self._loaded.items() if s not in self._holders), None)
+            if victim is None:
+                raise NoFreeSlotError(f"all {self.max_loras} LoRA slots are held")
+            free = self._loaded.pop(victim)
+            logger.info("LoRA %s evicted from slot %d", victim, free)
+        self._write(free, self.catalog.adapters[name])
+        self._loaded[name] = free
+        return free
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _write(self, slot: int, adapter: AdapterFile) -> None:
+        """The adapter's matrices into `slot` of every stack (zeros where it targets nothing)."""
+        matrices = read_adapter(adapter)
+        for name, stacks in self.stacks.items():
+            stacks.down[slot].zero_()
+            stacks.up[slot].zero_()
+            pair = matrices.get(name)
+            if pair is None:
+                continue
+            down, up = pair
+            rank = down.shape[0]
+            stacks.down[slot, :rank] = down.to(self.device, self.dtype)
+            stacks.up[slot, :, :rank] = up.to(self.device, self.dtype)
+        logger.info("LoRA %s loaded into slot %d", adapter.name, slot)
+
+    # -- one forward -----------------------------------------------------------------------
+
+    @contextmanager
+    def bind(self, rows: Sequence[RowMeta]) -> Iterator[None]:
+        """The rows' slots and scales for one forward; nothing added when no row has any."""
+        width = max((len(row.adapters) for row in rows), default=0)
+        if not width:
+            yield
+            return
+        slots = torch.zeros(len(rows), width, dtype=torch.long)
+        scales = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            for k, use in enumerate(row.adapters):
+                slots[i, k], scales[i, k] = use.slot, use.scale
+        self.rows = _Rows(slots.to(self.device), scales.to(self.device, self.dtype))
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    @contextmanager
+    def narrowed(self, rows: torch.Tensor) -> Iterator[None]:
+        """Only `rows` (indices into the bound rows) run until the block returns."""
+        bound = self.rows
+        if bound is None:
+            yield
+            return
+        self.rows = bound.select(rows)
+        try:
+            yield
+        finally:
+            self.rows = bound
+
+
+def read_adapter(adapter: AdapterFile) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter's (A, B * alpha / r) per target module, read through diffusers'
+    `lora_state_dict` (which converts non-diffusers layouts), scaled as PEFT's LoraConfig
+    from the file's metadata scales them (no metadata: alpha = rank, scale 1)."""
+    state, metadata = QwenImageLoraLoaderMixin.lora_state_dict(
+        str(adapter.path.parent), weight_name=adapter.path.name, return_lora_metadata=True
+    )
+    config = {key.removeprefix("transformer."): value for key, value in (metadata or {}).items()}
+    if config.get("use_dora") or any("lora_magnitude_vector" in k for k in state):
+        raise ValueError(f"LoRA {adapter.name}: DoRA is not served")
+    alpha_pattern: dict[str, float] = config.get("alpha_pattern") or {}
+    matrices: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, down in state.items():
+        if DOWN not in key:
+            continue
+        module = key.split(DOWN)[0]
+        name = module.removeprefix("transformer.")
+        rank = down.shape[0]  # PEFT's rank_pattern names exactly this
+        alpha = float(config.get("lora_alpha", rank))
+        if alpha_pattern:
+            alpha = float(alpha_pattern.get(get_pattern_key(list(alpha_pattern), name), alpha))
+        scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
+        matrices[name] = (down, state[module + UP + "weight"] * scaling)
+    return matrices

@@ -1,0 +1,240 @@
+"""LoRA per request on the DiT (services/dit/lora.py, lora_slots.py) with qwen-image-tiny.
+
+Seeded adapters are written with diffusers' `save_lora_weights` (and one as a bare
+`<name>.safetensors`) into a tmp `lora_dir`. One adapter at a scale, and two adapters at two
+scales, must give diffusers' latents (`load_lora_weights` + `set_adapters`) within 1e-5 in fp32;
+in one step batch, rows with four different adapters and a row without any each equal their
+solo run; a cancelled batch mate and a preemption change nobody's result; a symlink out of the
+directory is refused.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from safetensors.torch import save_file
+
+from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.models.registry import resolve_model
+from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse, inside
+from stagemesh.services.dit.lora_slots import NoFreeSlotError
+from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
+from stagemesh.shared.engine import EngineRequest, InvalidInputError
+
+TOLERANCE = 1e-5
+SIZE, STEPS, CFG = 32, 6, 4.0
+#: The attention projections of both streams (what Qwen-Image LoRAs usually train).
+TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj")
+#: name -> (rank, lora_alpha in the file's metadata or None, seed, written as a bare file)
+ADAPTERS: dict[str, tuple[int, int | None, int, bool]] = {
+    "ink": (4, 8, 1, False),
+    "wax": (8, None, 2, False),
+    "clay": (2, 2, 3, True),
+    "neon": (6, 3, 4, False),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir() -> Path:
+    return resolve_model("builtin:qwen-image-tiny")
+
+
+def _layers(transformer: torch.nn.Module, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    layers: dict[str, torch.Tensor] = {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(TARGETS):
+            a = torch.randn(rank, module.in_features, generator=generator) * 0.3
+            b = torch.randn(module.out_features, rank, generator=generator) * 0.3
+            layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"] = a, b
+    return layers
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("loras")
+    pipe = QwenImagePipeline.from_pretrained(tiny_dir, local_files_only=True)
+    for name, (rank, alpha, seed, bare) in ADAPTERS.items():
+        layers = _layers(pipe.transformer, rank, seed)
+        if bare:  # a single file, no metadata: alpha = rank
+            save_file(
+                {f"transformer.{k}": v for k, v in layers.items()}, root / f"{name}.safetensors"
+            )
+            continue
+        metadata = None
+        if alpha is not None:
+            targets = sorted({k.split(".lora_")[0] for k in layers})
+            metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets}
+        QwenImagePipeline.save_lora_weights(
+            root / name, transformer_lora_layers=layers,
+            transformer_lora_adapter_metadata=metadata,
+        )  # fmt: skip
+    return root
+
+
+def _config(lora_dir: Path, **fields: object) -> LoraConfig:
+    return replace(LoraConfig(directory=lora_dir.resolve(), max_lora_rank=8), **fields)  # type: ignore[arg-type]
+
+
+def _payload(seed: int, dim: int, lora: tuple[LoraUse, ...] = ()) -> DenoiseInput:
+    generator = torch.Generator().manual_seed(seed)
+    emb = PromptEmbeddings(
+        torch.randn(1, 5 + seed, dim, generator=generator), None,
+        torch.randn(1, 4, dim, generator=generator), None,
+    )  # fmt: skip
+    return DenoiseInput(emb, SIZE, SIZE, STEPS, CFG, seed, lora=lora)
+
+
+def _start(dit: DenoiseAdapter, name: str, payload: DenoiseInput) -> DenoiseState:
+    dit.check_inputs(payload)
+    return dit.prepare(EngineRequest(request_id=name, payload=payload))
+
+
+def _solo(dit: DenoiseAdapter, payload: DenoiseInput) -> torch.Tensor:
+    state = _start(dit, "solo", payload)
+    while not dit.step([state])[0].finished:
+        pass
+    latents = dit.finish(state).latents
+    dit.release(state)
+    return latents
+
+
+def _dim(dit: DenoiseAdapter) -> int:
+    dim: int = dit.transformer.config["joint_attention_dim"]
+    return dim
+
+
+@pytest.mark.parametrize(
+    "uses", [(LoraUse("ink", 0.7),), (LoraUse("wax", 1.3), LoraUse("clay", -0.6))],
+    ids=["one", "two"],
+)  # fmt: skip
+def test_latents_equal_diffusers_set_adapters(
+    tiny_dir: Path, lora_dir: Path, uses: tuple[LoraUse, ...]
+) -> None:
+    pipe = QwenImagePipeline.from_pretrained(tiny_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    for use in uses:
+        bare = ADAPTERS[use.name][3]
+        source, weight = (
+            (lora_dir, f"{use.name}.safetensors") if bare else (lora_dir / use.name, None)
+        )
+        pipe.load_lora_weights(source, weight_name=weight, adapter_name=use.name)
+    pipe.set_adapters([u.name for u in uses], [u.scale for u in uses])
+    dit = DenoiseAdapter(tiny_dir, lora=_config(lora_dir))
+    payload = _payload(1, _dim(dit), uses)
+    emb = payload.embeddings
+    want = pipe(
+        prompt_embeds=emb.prompt_embeds, negative_prompt_embeds=emb.negative_prompt_embeds,
+        true_cfg_scale=CFG, height=SIZE, width=SIZE, num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(payload.seed), output_type="latent",
+    ).images  # fmt: skip
+    got = _solo(dit, payload)
+    base = _solo(dit, replace(payload, lora=()))
+    assert (got - base).abs().max().item() > 100 * TOLERANCE, "the adapters change nothing"
+    assert (got - want).abs().max().item() <= TOLERANCE
+
+
+def _mixed(dim: int) -> dict[str, DenoiseInput]:
+    return {
+        "ink": _payload(1, dim, (LoraUse("ink", 1.0),)),
+        "wax+neon": _payload(2, dim, (LoraUse("wax", 0.5), LoraUse("neon", -1.5))),
+        "clay": _payload(3, dim, (LoraUse("clay", 2.0),)),
+        "neon": _payload(4, dim, (LoraUse("neon", 0.8),)),
+        "none": _payload(5, dim),
+    }
+
+
+def test_mixed_batch_rows_equal_their_solo_runs(tiny_dir: Path, lora_dir: Path) -> None:
+    """Four adapters (one row with two), a row without any, one forward per step; then the
+    same with a batch mate cancelled after two steps and one row preempted for two steps."""
+    dit = DenoiseAdapter(tiny_dir, lora=_config(lora_dir))
+    payloads = _mixed(_dim(dit))
+    solo = {name: _solo(dit, payload) for name, payload in payloads.items()}
+    for cancel, pause in ((None, None), ("clay", "wax+neon")):
+        live = {name: _start(dit, name, p) for name, p in payloads.items()}
+        got: dict[str, torch.Tensor] = {}
+        tick = 0
+        while live:
+            if tick == 2 and cancel in live:
+                dit.release(live.pop(cancel))
+            batch = [n for n in live if not (n == pause and tick in (1, 2))]
+            for name, out in zip(batch, dit.step([live[n] for n in batch]), strict=True):
+                assert out.error is None
+                if out.finished:
+                    got[name] = dit.finish(live[name]).latents
+                    dit.release(live.pop(name))
+            tick += 1
+        for name, latents in got.items():
+            assert (latents - solo[name]).abs().max().item() <= TOLERANCE, name
+        assert set(got) == set(payloads) - {cancel}
+    assert dit.lora_slots is not None and not any(
+        dit.lora_slots.held(s) for s in range(dit.lora_slots.max_loras)
+    )
+
+
+def test_held_slots_are_never_evicted(tiny_dir: Path, lora_dir: Path) -> None:
+    dit = DenoiseAdapter(tiny_dir, lora=_config(lora_dir, max_loras=2, max_loras_per_request=2))
+    dim = _dim(dit)
+    bank = dit.lora_slots
+    assert bank is not None
+    first = _start(dit, "a", _payload(1, dim, (LoraUse("ink"), LoraUse("wax"))))
+    with pytest.raises(NoFreeSlotError):
+        _start(dit, "b", _payload(2, dim, (LoraUse("clay"),)))
+    assert bank.resident() == ["ink", "wax"]
+    want = _solo(dit, _payload(3, dim, (LoraUse("wax", 0.5),)))  # shares the resident slot
+    dit.release(first)
+    clay = _solo(dit, _payload(2, dim, (LoraUse("clay"),)))  # evicts the LRU: ink
+    assert bank.resident() == ["wax", "clay"]
+    assert (_solo(dit, _payload(3, dim, (LoraUse("wax", 0.5),))) - want).abs().max() <= TOLERANCE
+    fresh = DenoiseAdapter(tiny_dir, lora=_config(lora_dir))
+    assert (_solo(fresh, _payload(2, dim, (LoraUse("clay"),))) - clay).abs().max() <= TOLERANCE
+
+
+def test_requests_are_checked_naming_lora(tiny_dir: Path, lora_dir: Path) -> None:
+    dit = DenoiseAdapter(tiny_dir, lora=_config(lora_dir, max_lora_scale=2.0))
+    dim = _dim(dit)
+    assert dit.loras.names == sorted(ADAPTERS)
+    bad = [
+        (LoraUse("nope"),),
+        (LoraUse("ink", 2.5),),
+        (LoraUse("ink", float("nan")),),
+        (LoraUse("ink"), LoraUse("ink")),
+        (*(LoraUse(name) for name in ADAPTERS), LoraUse("x")),
+    ]
+    for uses in bad:
+        with pytest.raises(InvalidInputError) as caught:
+            dit.check_inputs(_payload(1, dim, uses))
+        assert caught.value.field_name == "lora"
+    plain = DenoiseAdapter(tiny_dir)
+    with pytest.raises(InvalidInputError):
+        plain.check_inputs(_payload(1, dim, (LoraUse("ink"),)))
+
+
+def test_directory_scan_keeps_inside_and_fitting(lora_dir: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.safetensors").write_bytes((lora_dir / "clay.safetensors").read_bytes())
+    root = tmp_path / "loras"
+    root.mkdir()
+    (root / "evil.safetensors").symlink_to(outside / "evil.safetensors")
+    (root / "ok").symlink_to(lora_dir / "ink")  # a link out as well: refused
+    (root / "clay.safetensors").write_bytes((lora_dir / "clay.safetensors").read_bytes())
+    (root / "big").mkdir()
+    (root / "big" / "pytorch_lora_weights.safetensors").write_bytes(
+        (lora_dir / "wax" / "pytorch_lora_weights.safetensors").read_bytes()
+    )
+    (root / "notes.txt").write_text("not an adapter")
+    catalog = LoraCatalog(LoraConfig(directory=root.resolve(), max_lora_rank=4))
+    assert catalog.names == ["clay"]  # evil and ok lead out; big is rank 8 > 4
+    assert catalog.adapters["clay"].rank == 2
+    with pytest.raises(ValueError, match="outside"):
+        inside(root.resolve(), root / "evil.safetensors")
