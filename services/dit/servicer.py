@@ -22,6 +22,8 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
+from stagemesh.services.dit.lora import FIELD as LORA_FIELD
+from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
 from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
@@ -90,9 +92,10 @@ DEFAULT_ADMISSION_WINDOW_MS = BURST_ADMISSION_WINDOW_SECONDS * 1000
 MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
-class DitModeOptions(StepCacheOptions, total=False):
-    """How the stage runs a request by default (step execution unless set false), and its
-    step cache (`StepCacheOptions`: off unless set)."""
+class DitModeOptions(StepCacheOptions, LoraOptions, total=False):
+    """How the stage runs a request by default (step execution unless set false), its step
+    cache (`StepCacheOptions`: off unless set) and its LoRA adapters (`LoraOptions`: none unless
+    `lora_dir` is set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -188,7 +191,7 @@ def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineReques
                            num_inference_steps=start.num_inference_steps,
                            true_cfg_scale=start.true_cfg_scale, seed=start.seed, sigmas=sigmas,
                            condition_latents=_condition_latents(start),
-                           step_cache_threshold=_threshold(start))
+                           step_cache_threshold=_threshold(start), lora=_lora(start))
     return _engine_request(start, deadline, total, payload)
 
 
@@ -197,6 +200,8 @@ def _video_request(message: pb.DenoiseRequest,
     """A Wan model's request: true_cfg_scale is the pipeline's guidance_scale; the optional
     fields stay None when unset (the model's own boundary, shift, guidance_scale_2)."""
     start = message.start
+    if start.lora:
+        raise InvalidInputError(LORA_FIELD, "lora: this stage serves no LoRA adapters")
     if start.sigmas:
         raise InvalidInputError("sigmas", "a Wan model takes num_inference_steps, not sigmas")
     payload = VideoDenoiseInput(
@@ -213,6 +218,12 @@ def _video_request(message: pb.DenoiseRequest,
 def _threshold(start: pb.DenoiseStart) -> float | None:
     """The request's step_cache_threshold; None (unset) = the stage's setting."""
     return start.step_cache_threshold if start.HasField("step_cache_threshold") else None
+
+
+def _lora(start: pb.DenoiseStart) -> tuple[LoraUse, ...]:
+    """The request's adapters; a scale left unset is 1.0 (diffusers' set_adapters default)."""
+    return tuple(LoraUse(use.name, use.scale if use.HasField("scale") else 1.0)
+                 for use in start.lora)
 
 
 def _result(latents: DenoisedLatents) -> pb.DenoiseResult:
@@ -264,12 +275,14 @@ class CacheFacts:
 
 #: A stage without a step cache.
 NO_CACHE = CacheFacts(StepCacheConfig(), 0)
+#: A stage without LoRA adapters (a Wan model's, for now).
+NO_LORAS = LoraCatalog(LoraConfig())
 
 
 def _describe(
     model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, NoStream, DenoisedLatents],
     limits: DitLimits, mode: ExecutionMode, placement: Placement, request_mode: bool = False,
-    cache: CacheFacts = NO_CACHE,
+    cache: CacheFacts = NO_CACHE, loras: LoraCatalog = NO_LORAS,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first, and REQUEST only
     when it is the default or the `request_mode` option allows it."""
@@ -277,7 +290,7 @@ def _describe(
     modes = [mode, *(other for other in ExecutionMode
                      if other is not mode and (other is not ExecutionMode.REQUEST
                                                or request_mode))]
-    return pb.DescribeDitResponse(
+    description = pb.DescribeDitResponse(
         stage=stage_description("dit", model_dir, engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side,
         max_pixels=limits.max_pixels, max_steps=limits.max_steps, min_steps=limits.min_steps,
@@ -294,6 +307,20 @@ def _describe(
         step_cache_final_steps=config.final_steps, step_cache_max_skips=config.max_skips,
         max_step_cache_threshold=config.published_max_threshold,
         step_cache_bytes_per_row=cache.bytes_per_row)
+    _describe_loras(description, loras)
+    return description
+
+
+def _describe_loras(description: pb.DescribeDitResponse, loras: LoraCatalog) -> None:
+    """Describe's LoRA fields: the names a request may use, the limits it is checked by (all
+    zero when the stage serves none)."""
+    lora = loras.config
+    if not lora.enabled:
+        return
+    description.lora_names.extend(loras.names)
+    description.max_loras, description.max_lora_rank = lora.max_loras, lora.max_lora_rank
+    description.max_loras_per_request = lora.max_loras_per_request
+    description.max_lora_scale = lora.max_lora_scale
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -324,7 +351,10 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         "dit", options, DitModeOptions, DitEngineOptions, AnyLimitOptions, DeviceOptions)
     resolve_placement("dit", device_options, CPU_DTYPE)
     cache = StepCacheConfig.from_options(first_options)
+    lora = LoraConfig.from_options(first_options)
     if pipeline_class(model_dir) in WAN_TASKS:
+        if lora.enabled:
+            raise ValueError("option lora_dir: LoRA is served on Qwen-Image models only (yet)")
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
@@ -335,15 +365,17 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache)
+    image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache,
+                           lora=lora)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
-                   CacheFacts(cache, image.step_cache_bytes_per_row()))
+                   CacheFacts(cache, image.step_cache_bytes_per_row()), image.loras)
 
 
 def _bundle(
     model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, NoStream, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
+    loras: LoraCatalog = NO_LORAS,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
     running request's step cache must fit (`check_capacity`)."""
@@ -358,7 +390,7 @@ def _bundle(
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
     servicer = DitServicer(engine, wire, _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache))
+        cache, loras))
     return StageBundle(
         name="dit", engines=[engine], service_names=[SERVICE_NAME],
         register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import QwenImagePipeline
-from safetensors.torch import save_file
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.registry import resolve_model
@@ -29,11 +28,10 @@ from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse, inside
 from stagemesh.services.dit.lora_slots import NoFreeSlotError
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
 from stagemesh.shared.engine import EngineRequest, InvalidInputError
+from tests.lora_files import write_adapter
 
 TOLERANCE = 1e-5
 SIZE, STEPS, CFG = 32, 6, 4.0
-#: The attention projections of both streams (what Qwen-Image LoRAs usually train).
-TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj")
 #: name -> (rank, lora_alpha in the file's metadata or None, seed, written as a bare file)
 ADAPTERS: dict[str, tuple[int, int | None, int, bool]] = {
     "ink": (4, 8, 1, False),
@@ -48,36 +46,12 @@ def tiny_dir() -> Path:
     return resolve_model("builtin:qwen-image-tiny")
 
 
-def _layers(transformer: torch.nn.Module, rank: int, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    layers: dict[str, torch.Tensor] = {}
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.endswith(TARGETS):
-            a = torch.randn(rank, module.in_features, generator=generator) * 0.3
-            b = torch.randn(module.out_features, rank, generator=generator) * 0.3
-            layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"] = a, b
-    return layers
-
-
 @pytest.fixture(scope="module")
 def lora_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("loras")
     pipe = QwenImagePipeline.from_pretrained(tiny_dir, local_files_only=True)
     for name, (rank, alpha, seed, bare) in ADAPTERS.items():
-        layers = _layers(pipe.transformer, rank, seed)
-        if bare:  # a single file, no metadata: alpha = rank
-            save_file(
-                {f"transformer.{k}": v for k, v in layers.items()}, root / f"{name}.safetensors"
-            )
-            continue
-        metadata = None
-        if alpha is not None:
-            targets = sorted({k.split(".lora_")[0] for k in layers})
-            metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets}
-        QwenImagePipeline.save_lora_weights(
-            root / name, transformer_lora_layers=layers,
-            transformer_lora_adapter_metadata=metadata,
-        )  # fmt: skip
+        write_adapter(pipe.transformer, root, name, rank, seed, alpha, bare)
     return root
 
 
