@@ -15,17 +15,22 @@ it is bit for bit the base model. Which slots and scales each row runs is bound 
 (`narrowed`, the step cache's), so the product follows forward.py's row records (ARCHITECTURE
 §10).
 
-Slots are held by requests (`acquire` in prepare, `release` with the state): a held slot is
-never evicted, so a running or preempted row keeps its adapters; a free slot is taken LRU.
+Slots are held by requests (`hold` in prepare, `release` with the state): a held slot is never
+evicted, so a running or preempted row keeps its adapters; a free slot is taken LRU. Files are
+read on a loader thread and written into their slots on the engine thread at a step boundary
+(`attach`); a request whose adapters are not attached yet (loading, or every slot it could
+take is held) waits while the others step.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
@@ -33,12 +38,41 @@ from peft.utils.other import get_pattern_key
 
 from stagemesh.services.dit.forward import RowMeta, SlotUse
 from stagemesh.services.dit.lora import DOWN, UP, AdapterFile, LoraCatalog, LoraUse
+from stagemesh.shared.engine.adapter import NoStream, StepOutput
 
 logger = logging.getLogger(__name__)
 
 
-class NoFreeSlotError(RuntimeError):
-    """Every slot is held by a running or preempted request: the request must wait."""
+#: The longest a step whose every state waits for its adapters blocks the engine thread.
+WAIT_SECONDS = 0.05
+
+#: An adapter's (A, B * alpha / r) per target module.
+Matrices = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class LoraHold:
+    """A request's adapters, and (once attached) their slots and scales: held until release."""
+
+    uses: tuple[LoraUse, ...]
+    slots: tuple[SlotUse, ...] | None = None  # None: waiting for a load or a slot
+
+    @property
+    def attached(self) -> bool:
+        return self.slots is not None or not self.uses
+
+
+class Holding(Protocol):
+    """A DiT state as `step_attached` sees it."""
+
+    @property
+    def step_index(self) -> int: ...
+
+    @property
+    def lora(self) -> LoraHold | None: ...
+
+
+HoldingT = TypeVar("HoldingT", bound=Holding)
 
 
 @dataclass
@@ -100,28 +134,75 @@ class SlotBank:
             linear.register_forward_hook(stacks.hook)
         self._loaded: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
         self._holders: dict[int, int] = {}  # slot -> requests holding it
+        self._pending: list[LoraHold] = []  # oldest first
+        self._loading: dict[str, futures.Future[Matrices]] = {}
+        # Files are read off the engine thread; one reader keeps disk and host memory calm.
+        self._loader = futures.ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
 
     # -- holding ---------------------------------------------------------------------------
 
-    def acquire(self, uses: Sequence[LoraUse]) -> tuple[SlotUse, ...]:
-        """Each adapter's slot, loading those not resident (LRU among unheld slots), held until
-        `release`. NoFreeSlotError, holding nothing, when a slot cannot be had."""
-        held: list[SlotUse] = []
-        try:
+    def hold(self, uses: Sequence[LoraUse]) -> LoraHold:
+        """A request's claim on its adapters' slots (made in prepare). The files of those not
+        resident start loading on the loader thread now; the hold is attached (`attach`, at a
+        step boundary) once every one is loaded and has a slot."""
+        hold = LoraHold(tuple(uses))
+        if uses:
+            self._pending.append(hold)
             for use in uses:
-                slot = self._slot_for(use.name)
-                self._holders[slot] = self._holders.get(slot, 0) + 1
-                held.append(SlotUse(slot, use.scale))
-        except BaseException:
-            self.release(held)
-            raise
-        return tuple(held)
+                self._load(use.name)
+            self.attach()
+        return hold
 
-    def release(self, held: Sequence[SlotUse]) -> None:
-        for use in held:
-            self._holders[use.slot] -= 1
-            if not self._holders[use.slot]:
-                del self._holders[use.slot]
+    def attach(self) -> None:
+        """Attach every pending hold that can be (oldest first; one that cannot waits while the
+        others pass): its missing adapters are written into free or least recently used unheld
+        slots. Engine thread only, between forwards (the slot stacks are what they read)."""
+        for hold in list(self._pending):
+            missing = [u.name for u in hold.uses if u.name not in self._loaded]
+            for name in missing:  # evicted since it was held: read it again
+                self._load(name)
+            loads = [self._loading[name] for name in missing]
+            if not all(load.done() for load in loads):
+                continue
+            evictable = [n for n, s in self._loaded.items() if s not in self._holders]
+            free = self.max_loras - len(self._loaded)
+            mine = {u.name for u in hold.uses}
+            if len(missing) > free + len([n for n in evictable if n not in mine]):
+                continue  # every slot it could take is held: it waits
+            self._pending.remove(hold)
+            for name in missing:
+                self._write(self._free_slot(keep=mine), name, self._loading.pop(name).result())
+            slots = []
+            for use in hold.uses:
+                self._loaded.move_to_end(use.name)
+                slot = self._loaded[use.name]
+                self._holders[slot] = self._holders.get(slot, 0) + 1
+                slots.append(SlotUse(slot, use.scale))
+            hold.slots = tuple(slots)
+
+    def wait(self, timeout: float) -> None:
+        """Until some pending hold's file has loaded, or `timeout` seconds (nothing to attach
+        this tick: a short wait instead of a spinning engine)."""
+        loads = [self._loading[u.name] for h in self._pending for u in h.uses
+                 if u.name in self._loading]  # fmt: skip
+        if loads:
+            futures.wait(loads, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+
+    def release(self, hold: LoraHold | None) -> None:
+        """The request's slots are free to evict (or its pending claim is dropped)."""
+        if hold is None:
+            return
+        if hold in self._pending:
+            self._pending.remove(hold)
+            wanted = {u.name for h in self._pending for u in h.uses}
+            for use in hold.uses:
+                if use.name not in wanted and use.name in self._loading:
+                    self._loading.pop(use.name).cancel()
+        for held in hold.slots or ():
+            self._holders[held.slot] -= 1
+            if not self._holders[held.slot]:
+                del self._holders[held.slot]
+        hold.slots = None
 
     def held(self, slot: int) -> bool:
         return slot in self._holders
@@ -130,39 +211,56 @@ class SlotBank:
         """The loaded adapters, least recently used first."""
         return list(self._loaded)
 
-    def _slot_for(self, name: str) -> int:
-        if name in self._loaded:
-            self._loaded.move_to_end(name)
-            return self._loaded[name]
+    def _load(self, name: str) -> None:
+        if name not in self._loaded and name not in self._loading:
+            self._loading[name] = self._loader.submit(read_adapter, self.catalog.adapters[name])
+
+    def _free_slot(self, keep: set[str]) -> int:
         used = set(self._loaded.values())
         free = next((s for s in range(self.max_loras) if s not in used), None)
-        if free is None:
-            victim = next((n for n, s in self._loaded.items() if s not in self._holders), None)
-            if victim is None:
-                raise NoFreeSlotError(f"all {self.max_loras} LoRA slots are held")
-            free = self._loaded.pop(victim)
-            logger.info("LoRA %s evicted from slot %d", victim, free)
-        self._write(free, self.catalog.adapters[name])
-        self._loaded[name] = free
-        return free
+        if free is not None:
+            return free
+        victim = next(
+            n for n, s in self._loaded.items() if s not in self._holders and n not in keep
+        )
+        logger.info("LoRA %s evicted", victim)
+        return self._loaded.pop(victim)
+
+    def step_attached(
+        self,
+        states: Sequence[HoldingT],
+        step: Callable[[Sequence[HoldingT]], list[StepOutput[NoStream]]],
+    ) -> list[StepOutput[NoStream]]:
+        """`step` over the states whose adapters are attached (pending holds attached first);
+        each other state waits, its output repeating its step index."""
+        self.attach()
+        ready = [state for state in states if state.lora is None or state.lora.attached]
+        if not ready:
+            self.wait(WAIT_SECONDS)
+        stepped = iter(step(ready) if ready else [])
+        chosen = {id(state) for state in ready}
+        return [
+            next(stepped) if id(state) in chosen else StepOutput(step_index=state.step_index)
+            for state in states
+        ]
 
     # -- loading ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _write(self, slot: int, adapter: AdapterFile) -> None:
+    def _write(self, slot: int, name: str, matrices: Matrices) -> None:
         """The adapter's matrices into `slot` of every stack (zeros where it targets nothing)."""
-        matrices = read_adapter(adapter)
-        for name, stacks in self.stacks.items():
+        for module, stacks in self.stacks.items():
             stacks.down[slot].zero_()
             stacks.up[slot].zero_()
-            pair = matrices.get(name)
+            pair = matrices.get(module)
             if pair is None:
                 continue
             down, up = pair
             rank = down.shape[0]
             stacks.down[slot, :rank] = down.to(self.device, self.dtype)
             stacks.up[slot, :, :rank] = up.to(self.device, self.dtype)
-        logger.info("LoRA %s loaded into slot %d", adapter.name, slot)
+        self._loaded[name] = slot
+        logger.info("LoRA %s loaded into slot %d", name, slot)
 
     # -- one forward -----------------------------------------------------------------------
 
@@ -198,7 +296,7 @@ class SlotBank:
             self.rows = bound
 
 
-def read_adapter(adapter: AdapterFile) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def read_adapter(adapter: AdapterFile) -> Matrices:
     """The adapter's (A, B * alpha / r) per target module, read through diffusers'
     `lora_state_dict` (which converts non-diffusers layouts), scaled as PEFT's LoraConfig
     from the file's metadata scales them (no metadata: alpha = rank, scale 1)."""
@@ -209,7 +307,7 @@ def read_adapter(adapter: AdapterFile) -> dict[str, tuple[torch.Tensor, torch.Te
     if config.get("use_dora") or any("lora_magnitude_vector" in k for k in state):
         raise ValueError(f"LoRA {adapter.name}: DoRA is not served")
     alpha_pattern: dict[str, float] = config.get("alpha_pattern") or {}
-    matrices: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    matrices: Matrices = {}
     for key, down in state.items():
         if DOWN not in key:
             continue

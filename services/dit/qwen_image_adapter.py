@@ -337,13 +337,13 @@ class DenoiseAdapter:
         )
         condition = torch.cat([packed for packed, _ in conditions], dim=1) if conditions else None
         threshold = self.step_cache.config.request_threshold(payload.step_cache_threshold)
-        adapters = self.lora_slots.acquire(payload.lora) if self.lora_slots else ()
+        lora = self.lora_slots.hold(payload.lora) if self.lora_slots else None
         return DenoiseState(
             plan=plan,
             work=_Work(latents, embeddings, scheduler, condition),
             request_id=request.request_id,
             cache=self.step_cache.new_row(threshold),
-            adapters=adapters,
+            lora=lora,
         )
 
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:
@@ -358,6 +358,11 @@ class DenoiseAdapter:
         so the engine may retry them one by one.
         """
         check_one_batch(states, _image_shapes, "image size")
+        if self.lora_slots is not None:  # states whose adapters are not attached yet wait
+            return self.lora_slots.step_attached(states, self._step)
+        return self._step(states)
+
+    def _step(self, states: Sequence[DenoiseState]) -> list[StepOutput[NoStream]]:
         return step_batch(states, self._predict, self._device)
 
     def finish(self, state: DenoiseState) -> DenoisedLatents:
@@ -370,8 +375,8 @@ class DenoiseAdapter:
         self.step_cache.free(state.cache)
         state.cache = None
         if self.lora_slots is not None:
-            self.lora_slots.release(state.adapters)
-        state.adapters = ()
+            self.lora_slots.release(state.lora)
+        state.lora = None
         state.work = None
 
     def batch_key(self, state: DenoiseState) -> Hashable:
@@ -528,7 +533,11 @@ def _row(state: DenoiseState, *, negative: bool) -> _Row:
         mask,
         plan.img_shapes,
         work.condition,
-        RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND, state.adapters),
+        RowMeta(
+            state.request_id,
+            Branch.UNCOND if negative else Branch.COND,
+            state.lora.slots or () if state.lora else (),
+        ),
     )
 
 

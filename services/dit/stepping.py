@@ -18,7 +18,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from stagemesh.services.dit.forward import SlotUse
+from stagemesh.services.dit.lora_slots import LoraHold
 from stagemesh.services.dit.step_cache import RowCache
 from stagemesh.shared.devices import synchronize
 from stagemesh.shared.engine.adapter import NoStream, StepOutput
@@ -56,7 +56,7 @@ class StepState(Generic[PlanT, WorkT]):
     step_index: int = 0  # denoise steps done
     request_id: str = ""
     cache: RowCache | None = None  # the row's step cache (None: off); freed on release
-    adapters: tuple[SlotUse, ...] = ()  # the LoRA slots it holds (and scales); freed on release
+    lora: LoraHold | None = None  # its LoRA adapters' slots (None: none); freed on release
 
     def live(self) -> WorkT:
         if self.work is None:

@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,8 +25,8 @@ from diffusers import QwenImagePipeline
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.registry import resolve_model
-from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse, inside
-from stagemesh.services.dit.lora_slots import NoFreeSlotError
+from stagemesh.services.dit import lora_slots
+from stagemesh.services.dit.lora import AdapterFile, LoraCatalog, LoraConfig, LoraUse, inside
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
 from stagemesh.shared.engine import EngineRequest, InvalidInputError
 from tests.lora_files import write_adapter
@@ -150,27 +151,47 @@ def test_mixed_batch_rows_equal_their_solo_runs(tiny_dir: Path, lora_dir: Path) 
         for name, latents in got.items():
             assert (latents - solo[name]).abs().max().item() <= TOLERANCE, name
         assert set(got) == set(payloads) - {cancel}
-    assert dit.lora_slots is not None and not any(
-        dit.lora_slots.held(s) for s in range(dit.lora_slots.max_loras)
-    )
+    bank = dit.lora_slots
+    assert bank is not None and not any(bank.held(s) for s in range(bank.max_loras))
 
 
-def test_held_slots_are_never_evicted(tiny_dir: Path, lora_dir: Path) -> None:
+def test_a_request_without_a_slot_waits_while_others_pass(
+    tiny_dir: Path, lora_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two slots: `a` holds both (ink, wax), so `b` (clay) waits, never stepped, while `a` and
+    `c` (no adapter) run; once `a` is released, `b` evicts the least recently used (ink) and
+    runs. Files are read on the loader thread; every result equals its solo run."""
+    readers: list[str] = []
+    read = lora_slots.read_adapter
+
+    def spied(adapter: AdapterFile) -> lora_slots.Matrices:
+        readers.append(threading.current_thread().name)
+        return read(adapter)
+
+    monkeypatch.setattr(lora_slots, "read_adapter", spied)
     dit = DenoiseAdapter(tiny_dir, lora=_config(lora_dir, max_loras=2, max_loras_per_request=2))
     dim = _dim(dit)
-    bank = dit.lora_slots
-    assert bank is not None
-    first = _start(dit, "a", _payload(1, dim, (LoraUse("ink"), LoraUse("wax"))))
-    with pytest.raises(NoFreeSlotError):
-        _start(dit, "b", _payload(2, dim, (LoraUse("clay"),)))
-    assert bank.resident() == ["ink", "wax"]
-    want = _solo(dit, _payload(3, dim, (LoraUse("wax", 0.5),)))  # shares the resident slot
-    dit.release(first)
-    clay = _solo(dit, _payload(2, dim, (LoraUse("clay"),)))  # evicts the LRU: ink
-    assert bank.resident() == ["wax", "clay"]
-    assert (_solo(dit, _payload(3, dim, (LoraUse("wax", 0.5),))) - want).abs().max() <= TOLERANCE
+    payloads = {
+        "a": _payload(1, dim, (LoraUse("ink"), LoraUse("wax", 0.5))),
+        "b": _payload(2, dim, (LoraUse("clay", 1.5),)),
+        "c": _payload(3, dim),
+    }
+    live = {name: _start(dit, name, payload) for name, payload in payloads.items()}
+    got: dict[str, torch.Tensor] = {}
+    while live:
+        names = list(live)
+        for name, out in zip(names, dit.step([live[n] for n in names]), strict=True):
+            assert out.error is None
+            if name == "b" and "a" in live:
+                assert out.step_index == 0, "b stepped while every slot was held"
+            if out.finished:
+                got[name] = dit.finish(live[name]).latents
+                dit.release(live.pop(name))
+    assert dit.lora_slots is not None and dit.lora_slots.resident() == ["wax", "clay"]
+    assert readers and all(name.startswith("lora-loader") for name in readers)
     fresh = DenoiseAdapter(tiny_dir, lora=_config(lora_dir))
-    assert (_solo(fresh, _payload(2, dim, (LoraUse("clay"),))) - clay).abs().max() <= TOLERANCE
+    for name, payload in payloads.items():
+        assert (got[name] - _solo(fresh, payload)).abs().max().item() <= TOLERANCE, name
 
 
 def test_requests_are_checked_naming_lora(tiny_dir: Path, lora_dir: Path) -> None:
