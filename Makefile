@@ -28,7 +28,10 @@ $(BIN)/stagemesh: pyproject.toml setup.py package-lock.json
 build/__editable__/stagemesh: | $(BIN)/stagemesh
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 
+# The playground's browser test drives Debian's Chromium: installed here when root and missing.
 install: $(BIN)/stagemesh build/__editable__/stagemesh
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 
 serve: install
 	$(BIN)/stagemesh serve
@@ -39,6 +42,7 @@ lint: install
 	$(BIN)/python tools/genproto.py --check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	tools/check_k8s.sh
 	node_modules/.bin/jscpd  # clones in gateway/ and services/: .jscpd.json, reasons in .jscpd.md
 

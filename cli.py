@@ -7,8 +7,8 @@ It parses and dispatches; each command lives in `stagemesh.commands`:
     stagemesh stage NAME --port P --model DIR   one stage (the Kubernetes entry point)
     stagemesh model prepare SPEC          a model's folder (a built-in one is built on first use)
     stagemesh bench NAME                  a benchmark (JSON + PNG); NAME: a module of bench/
-    stagemesh train tiny-shapes           retrain the shipped default image model
-    stagemesh eval tiny-shapes            measure it through a running mesh
+    stagemesh train tiny-shapes[-edit]    retrain a shipped default model (image, image edit)
+    stagemesh eval tiny-shapes[-edit]     measure it through a running mesh
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from stagemesh.bench.common import (
     write_json,
 )
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.image_params import parse_size
+from stagemesh.gateway.images.protocol import parse_size
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from stagemesh.shared import process
 
 log = logging.getLogger(__name__)
 
-STAGES = ("tokenizer", "dit", "vae", "talker", "codec", "thinker")
+STAGES = ("tokenizer", "dit", "vae", "talker", "codec", "thinker", "transcriber")
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,22 +22,42 @@ def _train_tiny_shapes(args: argparse.Namespace) -> None:
           config=config)
 
 
+def _train_tiny_shapes_edit(args: argparse.Namespace) -> None:
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES_EDIT
+    from stagemesh.models.tiny_shapes_edit.train import EditTrainConfig, train
+
+    base = (EditTrainConfig.smoke() if args.smoke else
+            EditTrainConfig.proxy() if args.proxy else EditTrainConfig())
+    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES_EDIT, seed=args.seed,
+          config=dataclasses.replace(base, threads=args.threads))
+
+
 def _eval_tiny_shapes(args: argparse.Namespace) -> None:
     from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
 
     eval_main(args)
 
 
+def _eval_tiny_shapes_edit(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes_edit.mesh_eval import main as eval_main
+
+    eval_main(args)
+
+
 #: Model name -> what `stagemesh train NAME` / `stagemesh eval NAME` runs.
-TRAINERS: dict[str, Callable[[argparse.Namespace], None]] = {"tiny-shapes": _train_tiny_shapes}
-EVALUATORS: dict[str, Callable[[argparse.Namespace], None]] = {"tiny-shapes": _eval_tiny_shapes}
+TRAINERS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "tiny-shapes": _train_tiny_shapes, "tiny-shapes-edit": _train_tiny_shapes_edit}
+EVALUATORS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "tiny-shapes": _eval_tiny_shapes, "tiny-shapes-edit": _eval_tiny_shapes_edit}
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", choices=sorted(TRAINERS))
     parser.add_argument("--out", default=None,
-                        help="output folder (default: the shipped assets/tiny-shapes)")
+                        help="output folder (default: the shipped assets/MODEL)")
     parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
+    parser.add_argument("--proxy", action="store_true",
+                        help="tiny-shapes-edit: the <= 10 minute config to iterate on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a busy 2-core machine)")
@@ -46,15 +66,24 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", choices=sorted(EVALUATORS))
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--out", default="eval-results/tiny-shapes")
-    parser.add_argument("--subset", type=int, default=0, help="0 = the whole grammar")
-    parser.add_argument("--model-name", default="tiny-shapes", help="recipe to ask for")
+    parser.add_argument("--out", default=None, help="default: eval-results/MODEL")
+    parser.add_argument("--subset", type=int, default=0,
+                        help="tiny-shapes: 0 = the whole grammar")
+    parser.add_argument("--per-kind", type=int, default=60,
+                        help="tiny-shapes-edit: held-out edits of each kind")
+    parser.add_argument("--model-name", default=None, help="recipe to ask for (default: MODEL)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _run_eval(args: argparse.Namespace) -> None:
+    args.out = args.out or f"eval-results/{args.model}"
+    args.model_name = args.model_name or args.model
+    EVALUATORS[args.model](args)
+
+
 TRAIN = Command("train", "train a model stagemesh ships", _add_train_arguments,
                 lambda args: TRAINERS[args.model](args))
 EVAL = Command("eval", "evaluate a shipped model through a running mesh", _add_eval_arguments,
-               lambda args: EVALUATORS[args.model](args))
+               _run_eval)

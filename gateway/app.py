@@ -1,4 +1,5 @@
-"""The gateway process: the REST app and the public gRPC API over one GatewayCore.
+"""The gateway process: the REST app (http/) and the public gRPC API (grpc/) over one
+GatewayCore.
 
 `open_gateway` is the application's lifespan: it opens one channel per stage address and
 starts watching them (the stage catalog), and closes both on the way out. REST and gRPC then
@@ -17,26 +18,21 @@ from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stagemesh.gateway.admission import Admission, AdmissionMiddleware
-from stagemesh.gateway.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, header
-from stagemesh.gateway.cancel import new_request_id
-from stagemesh.gateway.catalog import StageCatalog
 from stagemesh.gateway.core import GatewayCore
-from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.grpc_api import GatewayServicer
-from stagemesh.gateway.grpc_decode import DecodeErrorInterceptor
-from stagemesh.gateway.http_io import MAX_BODY_BYTES, REQUEST_ID_HEADER, error_response
-from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.metrics import RequestMetricsMiddleware
-from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.grpc.api import GatewayServicer
+from stagemesh.gateway.grpc.decode import DecodeErrorInterceptor
+from stagemesh.gateway.grpc.native import NativeApi
+from stagemesh.gateway.http.app import build_rest_app
+from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
 from stagemesh.gateway.recipes import Recipe
-from stagemesh.gateway.request_ids import check_request_id
-from stagemesh.gateway.routes import rest_routes
+from stagemesh.gateway.videos.jobs import video_jobs
+from stagemesh.gateway.wire.admission import Admission
+from stagemesh.gateway.wire.auth import ApiKeyInterceptor, ApiKeys
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES
 from stagemesh.shared.proto.v1 import gateway_service_pb2, gateway_service_pb2_grpc
 from stagemesh.shared.server import RunningServer, start_server
-from stagemesh.shared.tracing import GrpcServerSpans, TracingMiddleware
+from stagemesh.shared.tracing import GrpcServerSpans
 
 log = logging.getLogger(__name__)
 
@@ -50,39 +46,6 @@ TEXT_FIELDS_BYTES = 1024 * 1024
 MAX_GRPC_REQUEST_BYTES = MAX_BODY_BYTES * 3 // 4 + TEXT_FIELDS_BYTES
 
 
-class RequestIdMiddleware:
-    """Every response carries x-request-id: the client's own, or a new one when it sent none.
-    An x-request-id the client did send that breaks the rule (request_ids.py) is a 400
-    naming `x-request-id`: never replaced, so the client can cancel by its own id."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = header(scope, REQUEST_ID_HEADER.encode()) or ""
-        try:
-            request_id = check_request_id(given, REQUEST_ID_HEADER) or new_request_id()
-        except InvalidRequest as error:
-            await error_response(error)(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-        state["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                # a route may name the request itself (a video job's id) when the client
-                # gave no id
-                final = state.get("request_id", request_id)
-                message["headers"] = [*message.get("headers", []),
-                                      (REQUEST_ID_HEADER.encode(), str(final).encode())]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
 @contextlib.asynccontextmanager
 async def open_gateway(recipes: Mapping[str, Recipe]) -> AsyncIterator[GatewayCore]:
     """Channels and the stage catalog for `recipes`, open for the life of the block."""
@@ -91,28 +54,13 @@ async def open_gateway(recipes: Mapping[str, Recipe]) -> AsyncIterator[GatewayCo
     catalog = StageCatalog(mesh)
     catalog.start()
     core = GatewayCore(mesh, catalog)
+    video_jobs(core)  # from the start, a cancel by id reaches jobs other gateways run
     try:
         yield core
     finally:
-        await core.videos.close()  # jobs still running end as failed ("the gateway stopped")
+        await core.close()  # video jobs still running end as failed ("the gateway stopped")
         await catalog.close()
         await mesh.close()
-
-
-def build_rest_app(core: GatewayCore, keys: ApiKeys | None = None,
-                   admission: Admission | None = None) -> Starlette:
-    """The REST app over an open core (see routes.py for the routes). Outermost first: the
-    request id (every answer carries one), metrics (refusals are counted), API keys, then
-    admission (a refused caller takes no slot)."""
-    keys = ApiKeys() if keys is None else keys
-    admission = Admission(core) if admission is None else admission
-    app = Starlette(routes=rest_routes(core))
-    app.add_middleware(AdmissionMiddleware, admission=admission)
-    app.add_middleware(ApiKeyMiddleware, keys=keys)
-    app.add_middleware(RequestMetricsMiddleware)
-    app.add_middleware(TracingMiddleware)  # a server span per request, when traces are on
-    app.add_middleware(RequestIdMiddleware)
-    return app
 
 
 @dataclass

@@ -1,60 +1,51 @@
-"""The gateway's work, written once: every transport (OpenAI REST, native REST, gRPC) calls it.
+"""What every resource shares: the request scope, cancel by id, and the stages' infos.
 
-A request is prepared first (recipe chosen, stage facts read, every field checked: a bad field
-is refused before any stage runs and before a streamed response starts), then run inside its
-CancelScope, which turns every failure into a GatewayError.
+Each resource (images/, speech/, chat/, videos/) prepares a request (recipe chosen, stage facts
+read, every field checked: a bad field is refused before any stage runs and before a streamed
+response starts) and runs it inside `GatewayCore.request_scope`, the CancelScope that turns
+every failure into a GatewayError. Every transport (OpenAI REST, native REST, gRPC) calls them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import os
-from collections.abc import AsyncGenerator, AsyncIterator
+import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import grpc
 
-from stagemesh.gateway.cancel import (
+from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
+from stagemesh.gateway.mesh.calls import (
     CancelOutcome,
     CancelScope,
     DeadlineExceeded,
     RequestCancelled,
     ScopeRegistry,
+    StageCallError,
     new_request_id,
     stage_request_id,
 )
-from stagemesh.gateway.catalog import StageCatalog
-from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
-from stagemesh.gateway.events import Done, Emit, Output, StageEvent, stream_pipeline
-from stagemesh.gateway.image_params import ImageParams, ImageRequest, resolve_image_request
-from stagemesh.gateway.image_pipeline import GeneratedImage, generate_images
-from stagemesh.gateway.mesh import Mesh, StageCancel
-from stagemesh.gateway.recipes import VIDEO_TASKS, Recipe, Task
-from stagemesh.gateway.speech_params import SpeechParams, SpeechRequest, resolve_speech_request
-from stagemesh.gateway.speech_pipeline import AudioPiece, SpeechSummary, synthesize, synthesize_all
-from stagemesh.gateway.stage_client import StageCallError
-from stagemesh.gateway.video_jobs import VideoJobs
-from stagemesh.gateway.video_mux import Mp4Writer, check_encoder
-from stagemesh.gateway.video_params import VideoParams, VideoRequest, resolve_video_request
-from stagemesh.gateway.video_pipeline import FrameSink, Mp4Sink, OnProgress, VideoSummary
-from stagemesh.gateway.video_pipeline import make_video as run_video_pipeline
-from stagemesh.gateway.video_store import StoreLimits, VideoStore, default_root
+from stagemesh.gateway.mesh.stages import Mesh, StageCancel, StageCatalog
+from stagemesh.gateway.recipes import Recipe
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_service_pb2
 
 CANCEL_PENDING = control_service_pb2.CANCEL_STAGE_OUTCOME_PENDING
 CANCEL_STOPPED = control_service_pb2.CANCEL_STAGE_OUTCOME_STOPPED
 
+#: Picked seeds stay below 2**31, so they read the same in every client language.
+RANDOM_SEEDS = 2**31
 #: Every request gets a deadline: this one when the client gives none.
 DEFAULT_TIMEOUT_S = 600.0
 MAX_TIMEOUT_S = 3600.0
 
 
-ImageEvents = AsyncGenerator[
-    StageEvent | Output[GeneratedImage] | Done[list[GeneratedImage]], None]
-SpeechEvents = AsyncGenerator[StageEvent | Output[AudioPiece] | Done[SpeechSummary], None]
+def random_seed() -> int:
+    """The seed a request gets when its client gives none."""
+    return random.randrange(RANDOM_SEEDS)
 
 
 @dataclass(frozen=True)
@@ -80,141 +71,44 @@ class RequestContext:
 
 
 @dataclass(frozen=True)
-class ImageJob:
-    """A checked image request and the recipe that runs it."""
+class JobCancel:
+    """A cancel by id that found a live background job: `stopped` here, or only marked in a
+    shared store (the gateway running it stops it; the caller also fans the cancel out to the
+    stages)."""
 
-    recipe: Recipe
-    params: ImageParams
-
-
-@dataclass(frozen=True)
-class SpeechJob:
-    """A checked speech request and the recipe that runs it."""
-
-    recipe: Recipe
-    params: SpeechParams
+    outcome: CancelOutcome
+    stopped: bool
 
 
-@dataclass(frozen=True)
-class VideoSpec:
-    """A checked video request and the recipe that runs it."""
+class BackgroundJobs(Protocol):
+    """Work that outlives the request that started it (video jobs): a cancel by id reaches
+    it, and it stops when the core closes. A resource registers its jobs with `add_jobs`."""
 
-    recipe: Recipe
-    params: VideoParams
+    async def cancel(self, owner: str, job_id: str, reason: str) -> JobCancel | None: ...
+
+    async def close(self) -> None: ...
 
 
 class GatewayCore:
     """Prepare, run and cancel requests on a started Mesh and StageCatalog."""
 
-    def __init__(self, mesh: Mesh, catalog: StageCatalog,
-                 video_store: VideoStore | None = None) -> None:
+    def __init__(self, mesh: Mesh, catalog: StageCatalog) -> None:
         self.mesh = mesh
         self.catalog = catalog
         self.scopes = ScopeRegistry()
-        #: Video jobs, in STAGEMESH_VIDEO_STORE (nothing is read or written before a job).
-        self.videos = VideoJobs(self, video_store or VideoStore(
-            default_root(os.environ), StoreLimits.from_env(os.environ)))
+        self.jobs: list[BackgroundJobs] = []
 
     @property
     def recipes(self) -> dict[str, Recipe]:
         return self.mesh.recipes
 
-    # -- images --------------------------------------------------------------------------------
+    def add_jobs(self, jobs: BackgroundJobs) -> None:
+        self.jobs.append(jobs)
 
-    async def prepare_images(self, request: ImageRequest) -> ImageJob:
-        recipe = self.mesh.recipe(request.model, Task.TEXT_TO_IMAGE)
-        facts = await self.catalog.image_facts(recipe)
-        return ImageJob(recipe, resolve_image_request(request, recipe.image_defaults, facts))
-
-    async def generate_images(self, job: ImageJob, context: RequestContext,
-                              emit: Emit[GeneratedImage] | None = None) -> list[GeneratedImage]:
-        async with self.request_scope(job.recipe, context, parts=job.params.n) as scope:
-            return await generate_images(job.params, scope, self.mesh.image_stubs(job.recipe),
-                                         emit)
-
-    def image_events(self, job: ImageJob, context: RequestContext) -> ImageEvents:
-        """generate_images as a stream: stage progress, each image, then Done."""
-
-        async def run(emit: Emit[GeneratedImage]) -> list[GeneratedImage]:
-            return await self.generate_images(job, context, emit)
-
-        return stream_pipeline(run)
-
-    # -- speech --------------------------------------------------------------------------------
-
-    async def prepare_speech(self, request: SpeechRequest) -> SpeechJob:
-        recipe = self.mesh.recipe(request.model, Task.TEXT_TO_SPEECH)
-        facts = await self.catalog.speech_facts(recipe)
-        # Decoding a reference clip is CPU work: keep it off the event loop.
-        params = await asyncio.to_thread(resolve_speech_request, request, facts)
-        return SpeechJob(recipe, params)
-
-    async def synthesize(self, job: SpeechJob, context: RequestContext,
-                         emit: Emit[AudioPiece]) -> SpeechSummary:
-        async with self.request_scope(job.recipe, context) as scope:
-            return await synthesize(job.params, scope, self.mesh.speech_stubs(job.recipe), emit)
-
-    def speech_events(self, job: SpeechJob, context: RequestContext) -> SpeechEvents:
-        """synthesize as a stream: each audio chunk, then Done with the summary."""
-
-        async def run(emit: Emit[AudioPiece]) -> SpeechSummary:
-            return await self.synthesize(job, context, emit)
-
-        return stream_pipeline(run)
-
-    async def synthesize_all(self, job: SpeechJob, context: RequestContext) -> bytes:
-        async with self.request_scope(job.recipe, context) as scope:
-            audio, _ = await synthesize_all(job.params, scope,
-                                            self.mesh.speech_stubs(job.recipe))
-            return audio
-
-    async def voices(self, model: str | None) -> tuple[Recipe, list[str]]:
-        """The voices of a speech recipe, as its talker publishes them."""
-        recipe = self.mesh.recipe(model, Task.TEXT_TO_SPEECH)
-        talker = await self.catalog.read(self.catalog.talker, recipe)
-        return recipe, list(talker.voices)
-
-    # -- video ---------------------------------------------------------------------------------
-
-    async def prepare_video(self, request: VideoRequest) -> VideoSpec:
-        """The recipe (`model`, else the default text-to-video one, or image-to-video with an
-        input image) and the checked request; 503 before any stage runs when this gateway
-        cannot write MP4s."""
-        chosen = self.recipes.get(request.model)
-        if chosen is None or chosen.task not in VIDEO_TASKS:
-            chosen = self.mesh.recipe(request.model, Task.IMAGE_TO_VIDEO if request.image
-                                      is not None else Task.TEXT_TO_VIDEO)
-        recipe = chosen
-        facts = await self.catalog.video_facts(recipe)
-        # Decoding an input image is CPU work: keep it off the event loop.
-        params = await asyncio.to_thread(resolve_video_request, request, recipe.video_defaults,
-                                         facts)
-        await asyncio.to_thread(check_encoder)
-        return VideoSpec(recipe, params)
-
-    async def make_video(self, spec: VideoSpec, context: RequestContext, sink: FrameSink,
-                         on_progress: OnProgress) -> VideoSummary:
-        async with self.request_scope(spec.recipe, context) as scope:
-            return await run_video_pipeline(spec.params, scope, self.mesh.image_stubs(spec.recipe),
-                                            sink, on_progress)
-
-    async def video_bytes(self, spec: VideoSpec, context: RequestContext) -> bytes:
-        """The whole MP4 of a video nobody stores (POST /v1/videos/sync), muxed in memory."""
-        buffer = io.BytesIO()
-        params = spec.params
-        writer = await asyncio.to_thread(Mp4Writer, buffer, params.width, params.height,
-                                         params.fps)
-
-        async def ignore(stage: str, fraction: float) -> None:
-            return None
-
-        try:
-            await self.make_video(spec, context, Mp4Sink(writer), ignore)
-            await asyncio.to_thread(writer.close)
-        except BaseException:
-            await asyncio.to_thread(writer.abort)
-            raise
-        return buffer.getvalue()
+    async def close(self) -> None:
+        """Stop the background jobs (those still running end as failed)."""
+        for jobs in self.jobs:
+            await jobs.close()
 
     def job_context(self, job_id: str, owner: str, timeout: float) -> RequestContext:
         """A background job's context: its id is the job's, its owner the creator's."""
@@ -243,14 +137,14 @@ class GatewayCore:
         holding it keeps the cancel pending for a minute, so a request between two stages
         stops when it reaches the next one; the answer is then NOT_FOUND, as for an id no
         stage knows. A video job's id is its request id: one queued here never starts, and one
-        another gateway runs is also marked in the shared store (video_jobs.py), so it stops
+        another gateway runs is also marked in the shared store (videos/jobs.py), so it stops
         even while it waits between stages.
         """
         scope = self.scopes.get(request_id, owner)
         if scope is not None:
             return await scope.cancel(reason)
-        # a video job queued here, or live on another gateway sharing the store (video_jobs.py)
-        job = await self.videos.cancel(owner, request_id, reason)
+        # a job queued here, or live on another gateway sharing its store (videos/jobs.py)
+        job = await self._cancel_job(owner, request_id, reason)
         if job is not None and job.stopped:
             return job.outcome
         try:
@@ -259,6 +153,13 @@ class GatewayCore:
             if job is None:
                 raise
             return job.outcome  # marked: its gateway stops it before its next stage or step
+
+    async def _cancel_job(self, owner: str, job_id: str, reason: str) -> JobCancel | None:
+        for jobs in self.jobs:
+            found = await jobs.cancel(owner, job_id, reason)
+            if found is not None:
+                return found
+        return None
 
     async def cancel_remote(self, request_id: str, reason: str, owner: str) -> CancelOutcome:
         """Cancel a request another gateway runs: sent to every replica of every stage;

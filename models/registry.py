@@ -13,13 +13,16 @@ from typing import Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TINY_SHAPES = REPO_ROOT / "assets" / "tiny-shapes"
+SHIPPED_TINY_SHAPES_EDIT = REPO_ROOT / "assets" / "tiny-shapes-edit"
 
 
-def _tiny_shapes() -> Path:
-    if not (SHIPPED_TINY_SHAPES / "model_index.json").exists():
-        raise FileNotFoundError(f"{SHIPPED_TINY_SHAPES} is missing; run "
-                                "`stagemesh train tiny-shapes` to rebuild it")
-    return SHIPPED_TINY_SHAPES
+def _shipped(folder: Path, name: str) -> Callable[[], Path]:
+    def find() -> Path:
+        if not (folder / "model_index.json").exists():
+            raise FileNotFoundError(f"{folder} is missing; run `stagemesh train {name}` to "
+                                    "rebuild it")
+        return folder
+    return find
 
 
 def _qwen_image(preset: str) -> Callable[[], Path]:
@@ -62,8 +65,15 @@ def _smollm2() -> Path:
     return ensure_smollm2()
 
 
+def _whisper_tiny_en() -> Path:
+    from stagemesh.models.whisper import ensure_whisper_model
+
+    return ensure_whisper_model()
+
+
 BUILTIN: dict[str, Callable[[], Path]] = {
-    "tiny-shapes": _tiny_shapes,
+    "tiny-shapes": _shipped(SHIPPED_TINY_SHAPES, "tiny-shapes"),
+    "tiny-shapes-edit": _shipped(SHIPPED_TINY_SHAPES_EDIT, "tiny-shapes-edit"),
     "qwen-image-tiny": _qwen_image("tiny"),
     "qwen-image-bench": _qwen_image("bench"),
     "qwen-image-edit-tiny": _qwen_image_edit,
@@ -72,6 +82,7 @@ BUILTIN: dict[str, Callable[[], Path]] = {
     "csm-tiny": _speech,
     "piper-joe": _piper_joe,
     "smollm2-135m": _smollm2,
+    "whisper-tiny-en": _whisper_tiny_en,
 }
 
 

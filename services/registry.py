@@ -32,6 +32,7 @@ STAGE_BUILDERS: dict[str, dict[str | None, str]] = {
     "codec": {None: "stagemesh.services.codec.csm_servicer",
               PIPER_FAMILY: "stagemesh.services.codec.piper_servicer"},
     "thinker": {None: "stagemesh.services.thinker.servicer"},
+    "transcriber": {None: "stagemesh.services.transcriber.servicer"},
 }
 
 

@@ -22,10 +22,10 @@ import enum
 import logging
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 from prometheus_client import start_http_server
@@ -43,6 +43,8 @@ if TYPE_CHECKING:  # torch stays out of processes that only import the runtime's
 
 log = logging.getLogger(__name__)
 
+ServicerT = TypeVar("ServicerT")
+
 #: Running RPCs get this long to finish after a shutdown signal; then they are aborted.
 SHUTDOWN_GRACE_S = 5.0
 #: A draining stage lets admitted requests run this long unless its `drain_grace_s` says.
@@ -54,7 +56,7 @@ FLUSH_GRACE_S = 3.0
 #: streams whose handler just returned are written before it cancels what is left.
 STOP_GRACE_S = 0.5
 #: The server stops only once it has refused starts, and no stage stream has opened, for this
-#: long: a gateway that has not yet polled the NOT_SERVING health (gateway/balancer.py polls
+#: long: a gateway that has not yet polled the NOT_SERVING health (gateway/mesh/balancer.py polls
 #: each second) gets a clean refusal, which it retries elsewhere. A stream that reaches a server
 #: already stopping is cut by gRPC (CANCELLED, or UNAVAILABLE without the stage's reason).
 QUIET_S = 1.0
@@ -126,6 +128,26 @@ class StageBundle:
     #: Largest message a client may send; a stage whose largest legal input is small (the
     #: tokenizer) sets less, so gRPC refuses a bigger one before it is parsed.
     max_receive_bytes: int = MAX_STAGE_MESSAGE_BYTES
+
+
+def servicer_bundle(
+    name: str,
+    model_dir: Path,
+    engines: Sequence[StageEngine],
+    servicer: ServicerT,
+    add_servicer: Callable[[ServicerT, grpc.aio.Server], None],
+    service_name: str,
+    info: Mapping[str, str],
+    max_receive_bytes: int = MAX_STAGE_MESSAGE_BYTES,
+) -> StageBundle:
+    """The last step of every stage's build: its engines (the main one first), its servicer
+    with the generated `add_...Servicer_to_server`, and its facts for the logs: the model and
+    the main engine's capacity, then the stage's own `info`."""
+    return StageBundle(
+        name=name, engines=list(engines), service_names=[service_name],
+        register=lambda server: add_servicer(servicer, server),
+        info={"model": str(model_dir), "max_running": str(engines[0].max_running), **info},
+        max_receive_bytes=max_receive_bytes)
 
 
 async def start_stage(bundle: StageBundle, *, host: str = "127.0.0.1",

@@ -122,8 +122,13 @@ class TrainConfig:
 # Components
 
 
-def build_tokenizer(captions: list[str]) -> Qwen2Tokenizer:
-    """A byte-level BPE over the captions and the template, wrapped in the stock Qwen2Tokenizer."""
+def build_tokenizer(captions: list[str], template: str = PROMPT_TEMPLATE,
+                    prefix: str | None = None,
+                    prefix_tokens: int = TEMPLATE_PREFIX_TOKENS) -> Qwen2Tokenizer:
+    """A byte-level BPE over the captions and the template, wrapped in the stock Qwen2Tokenizer.
+
+    `prefix` (default: the template up to the caption) must come out as exactly `prefix_tokens`
+    tokens: the part of the template the pipeline drops."""
     bpe = Tokenizer(BPE(unk_token=None))
     bpe.pre_tokenizer = Qwen2Tokenizer().backend_tokenizer.pre_tokenizer
     trainer = BpeTrainer(
@@ -132,7 +137,9 @@ def build_tokenizer(captions: list[str]) -> Qwen2Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    template_text = PROMPT_TEMPLATE.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    template_text = template
+    for special in SPECIAL_TOKENS:  # learned as whole tokens, never merged into words
+        template_text = template_text.replace(special, "")
     corpus = [template_text.format(c) for c in sorted(set(captions))] + [template_text.format("")]
     bpe.train_from_iterator(corpus * 4, trainer=trainer)
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,10 +152,11 @@ def build_tokenizer(captions: list[str]) -> Qwen2Tokenizer:
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges,  # type: ignore[arg-type]
                                padding_side="right")
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
-    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    prefix = template.split("{}")[0] if prefix is None else prefix
     n_prefix = len(tokenizer(prefix).input_ids)
-    if n_prefix != TEMPLATE_PREFIX_TOKENS:
-        raise RuntimeError(f"template prefix is {n_prefix} tokens, the pipeline drops 34")
+    if n_prefix != prefix_tokens:
+        raise RuntimeError(f"template prefix is {n_prefix} tokens, the pipeline drops "
+                           f"{prefix_tokens}")
     return tokenizer
 
 

@@ -21,7 +21,7 @@ import grpc
 from stagemesh.shared.engine.adapter import EngineRequest, InputT, StepBudget, StreamT
 from stagemesh.shared.proto.v1 import codec_service_pb2 as pb
 from stagemesh.shared.proto.v1 import codec_service_pb2_grpc, common_pb2
-from stagemesh.shared.stage_runtime import StageBundle, StageEngine
+from stagemesh.shared.stage_runtime import StageBundle, StageEngine, servicer_bundle
 from stagemesh.shared.stage_stream import StageWire, StreamHandler
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CodecService"].full_name
@@ -126,8 +126,6 @@ def codec_bundle(model_dir: Path, engines: list[StageEngine], servicer: CodecSer
                  info: dict[str, str]) -> StageBundle:
     """The Codec stage of any family: its engines (the decoder's first), the servicer, and
     facts for the logs (`info`, after the model and the decoder's capacity)."""
-    return StageBundle(
-        name="codec", engines=engines, service_names=[SERVICE_NAME],
-        register=lambda server: codec_service_pb2_grpc.add_CodecServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), "max_running": str(engines[0].max_running), **info})
+    return servicer_bundle("codec", model_dir, engines, servicer,
+                        codec_service_pb2_grpc.add_CodecServiceServicer_to_server, SERVICE_NAME,
+                        info)

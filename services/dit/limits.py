@@ -55,6 +55,7 @@ def image_limits(
     factor: int,
     *,
     edit: bool = False,
+    condition_area: int = EDIT_IMAGE_AREA,
     min_steps: int,
     max_steps: int,
     max_pixels: int | None,
@@ -68,7 +69,7 @@ def image_limits(
     if side < factor:
         raise ValueError(f"option max_side={max_side} is below the model's size multiple {factor}")
     if max_pixels is None:
-        default = edit_pixels_bound(side) if edit else DEFAULT_MAX_PIXELS
+        default = edit_pixels_bound(side, condition_area) if edit else DEFAULT_MAX_PIXELS
         max_pixels = min(default, side * side)
     return DitLimits(
         size_multiple=factor,
@@ -85,12 +86,12 @@ def image_limits(
     )
 
 
-def edit_pixels_bound(max_side: int) -> int:
+def edit_pixels_bound(max_side: int, condition_area: int = EDIT_IMAGE_AREA) -> int:
     """The most pixels of a size the edit pipeline's default-size rule makes with no side above
-    `max_side`: `edit_image_size` (`calculate_dimensions(EDIT_IMAGE_AREA, ratio)`) rounds each
+    `max_side`: `edit_image_size` (`calculate_dimensions(condition_area, ratio)`) rounds each
     side of a W0 x H0 = area rectangle to a multiple of 32, so W x H <= area + 16 (W0 + H0) +
     256, and W <= max_side means W0 < max_side + 16 (likewise H0), which bounds W0 + H0. Both
     the condition image (the pipeline resizes the input to that size) and, by default, the
     output have that size, so an edit model's default `max_pixels` admits every one of them."""
-    area, longest = EDIT_IMAGE_AREA, max_side + 16
+    area, longest = condition_area, max_side + 16
     return area + 16 * (longest + -(-area // longest)) + 256

@@ -52,9 +52,11 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 )
 
 from stagemesh.models.families.qwen_image import (
+    EDIT_IMAGE_AREA,
     MAX_IMAGE_SIDE,
     PROMPT_MAX_TOKENS,
     PromptEmbeddings,
+    condition_area,
     latent_factor,
 )
 from stagemesh.services.dit import checks
@@ -197,9 +199,11 @@ class DenoiseAdapter:
             model_dir, subfolder="scheduler", local_files_only=True
         )
         factor = latent_factor(model_dir)
+        edit = is_edit_folder(model_dir)
         limits = image_limits(
             factor,
-            edit=is_edit_folder(model_dir),
+            edit=edit,
+            condition_area=condition_area(model_dir) if edit else EDIT_IMAGE_AREA,
             min_steps=scheduler_min_steps(scheduler),
             max_steps=max_steps,
             max_pixels=max_pixels,

@@ -61,7 +61,7 @@ from stagemesh.shared.engine.scheduler import (
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
-from stagemesh.shared.stage_runtime import StageBundle, stage_description
+from stagemesh.shared.stage_runtime import StageBundle, servicer_bundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
 
@@ -391,10 +391,8 @@ def _bundle(
     servicer = DitServicer(engine, wire, _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
         cache, loras))
-    return StageBundle(
-        name="dit", engines=[engine], service_names=[SERVICE_NAME],
-        register=lambda server: dit_service_pb2_grpc.add_DitServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), **placement.facts(), "mode": mode.value,
-              "max_running": str(engine.max_running), "max_batch": str(engine.max_batch),
-              "step_cache": cache.config.method.value})
+    return servicer_bundle("dit", model_dir, [engine], servicer,
+                           dit_service_pb2_grpc.add_DitServiceServicer_to_server, SERVICE_NAME,
+                           {**placement.facts(), "mode": mode.value,
+                            "max_batch": str(engine.max_batch),
+                            "step_cache": cache.config.method.value})

@@ -15,7 +15,7 @@ import grpc
 
 from stagemesh.shared.proto.v1 import talker_service_pb2 as pb
 from stagemesh.shared.proto.v1 import talker_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle, StageEngine
+from stagemesh.shared.stage_runtime import StageBundle, StageEngine, servicer_bundle
 from stagemesh.shared.stage_stream import StreamHandler
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TalkerService"].full_name
@@ -52,8 +52,6 @@ def talker_bundle(model_dir: Path, engine: StageEngine, generate: GenerateFrames
     """The Talker stage of any family: its one engine, the servicer, and facts for the logs
     (`info`, after the model and the engine's capacity)."""
     servicer = TalkerServicer(generate, description)
-    return StageBundle(
-        name="talker", engines=[engine], service_names=[SERVICE_NAME],
-        register=lambda server: talker_service_pb2_grpc.add_TalkerServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), "max_running": str(engine.max_running), **info})
+    return servicer_bundle("talker", model_dir, [engine], servicer,
+                        talker_service_pb2_grpc.add_TalkerServiceServicer_to_server,
+                        SERVICE_NAME, info)

@@ -31,7 +31,7 @@ from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import thinker_service_pb2 as pb
 from stagemesh.shared.proto.v1 import thinker_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle, stage_description
+from stagemesh.shared.stage_runtime import StageBundle, servicer_bundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ThinkerService"].full_name
@@ -131,9 +131,6 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     engine = StepEngine(adapter,
                         max_running=engine_options.get("max_running", DEFAULT_MAX_RUNNING))
     servicer = ThinkerServicer(engine, _describe(model_dir, engine, adapter.limits, placement))
-    return StageBundle(
-        name="thinker", engines=[engine], service_names=[SERVICE_NAME],
-        register=lambda server: thinker_service_pb2_grpc.add_ThinkerServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), **placement.facts(),
-              "max_running": str(engine.max_running)})
+    return servicer_bundle("thinker", model_dir, [engine], servicer,
+                        thinker_service_pb2_grpc.add_ThinkerServiceServicer_to_server,
+                        SERVICE_NAME, placement.facts())

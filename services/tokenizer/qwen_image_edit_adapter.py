@@ -31,6 +31,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditP
 from stagemesh.models.families.qwen_image import (
     PROMPT_MAX_TOKENS,
     PromptEmbeddings,
+    condition_area,
     resize_edit_image,
 )
 from stagemesh.models.families.qwen_vl_processor import load_vl_processor
@@ -72,6 +73,7 @@ class EditPromptAdapter(PromptAdapterBase):
             max_images=EDIT_IMAGES, max_image_pixels=max_image_pixels,
         )
         processor = load_vl_processor(model_dir)
+        self._condition_area = condition_area(model_dir)
         self.placement = placement
         self._device = placement.device
         # The stock pipeline with only its text side: its own encode_prompt (processor call,
@@ -104,8 +106,9 @@ class EditPromptAdapter(PromptAdapterBase):
 
     def _condition_images(self, payload: PromptInput) -> tuple[PIL.Image.Image, ...]:
         """Each image resized as `QwenImageEditPipeline.__call__` resizes its `prompt_image`
-        (the family's rule, which the VAE stage's encoder follows too)."""
-        return tuple(resize_edit_image(PIL.Image.fromarray(image))
+        (the family's rule at the folder's condition area, which the VAE stage's encoder
+        follows too)."""
+        return tuple(resize_edit_image(PIL.Image.fromarray(image), self._condition_area)
                      for image in payload.images)
 
     @torch.inference_mode()

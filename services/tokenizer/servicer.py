@@ -27,7 +27,7 @@ from stagemesh.shared.engine.scheduler import BURST_ADMISSION_WINDOW_SECONDS
 from stagemesh.shared.options import parse_options
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2 as pb
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle, stage_description
+from stagemesh.shared.stage_runtime import StageBundle, servicer_bundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.tensors import TensorDecodeError, array_from_proto
 from stagemesh.shared.torch_tensors import optional_to_proto
@@ -136,12 +136,10 @@ def stage_bundle(adapter: PromptAdapterBase, model_dir: Path) -> StageBundle:
         max_prompt_chars=limits.max_prompt_chars, max_sequence_length=limits.max_sequence_length,
         max_images=limits.max_images, max_image_pixels=limits.max_image_pixels)
     servicer = TokenizerServicer(engine, description)
-    return StageBundle(
-        name="tokenizer", engines=[engine], service_names=[SERVICE_NAME],
-        register=lambda server: tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), "family": family_of(model_dir).value, **placement.facts(),
-              **_limit_facts(limits)},
+    return servicer_bundle(
+        "tokenizer", model_dir, [engine], servicer,
+        tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server, SERVICE_NAME,
+        {"family": family_of(model_dir).value, **placement.facts(), **_limit_facts(limits)},
         max_receive_bytes=max_request_bytes(limits.max_prompt_chars, limits.max_images,
                                             limits.max_image_pixels))
 

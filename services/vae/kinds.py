@@ -26,6 +26,7 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKL
 from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 from diffusers.video_processor import VideoProcessor
 
+from stagemesh.models.families.qwen_image import EDIT_IMAGE_AREA, edit_image_size
 from stagemesh.models.families.wan import WanGeometry
 from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import Placement
@@ -97,12 +98,18 @@ class QwenEditEncoding:
     processor: VaeImageProcessor  # VaeImageProcessor(vae_scale_factor=latent factor)
     mean: torch.Tensor
     std: torch.Tensor
+    area: int = EDIT_IMAGE_AREA  # the folder's condition area (`condition_area`)
 
     @classmethod
-    def of(cls, vae: AutoencoderKLQwenImage, latent_factor: int) -> QwenEditEncoding:
-        return cls(VaeImageProcessor(vae_scale_factor=latent_factor), *latent_stats(vae))
+    def of(cls, vae: AutoencoderKLQwenImage, latent_factor: int,
+           area: int = EDIT_IMAGE_AREA) -> QwenEditEncoding:
+        return cls(VaeImageProcessor(vae_scale_factor=latent_factor), *latent_stats(vae), area)
 
     def preprocess(self, image: PIL.Image.Image, height: int, width: int) -> torch.Tensor:
+        if self.area != EDIT_IMAGE_AREA:
+            # A folder that conditions at its own area: the size asked for follows the stock
+            # ~1 Mpx rule (the gateway's), the model was trained at this one.
+            width, height = edit_image_size(image.width, image.height, self.area)
         resized = self.processor.resize(image, height, width)
         pixels: torch.Tensor = self.processor.preprocess(resized, height, width)
         return pixels

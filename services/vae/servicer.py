@@ -27,6 +27,7 @@ from typing import TypeAlias
 import grpc
 import torch
 
+from stagemesh.models.families.qwen_image import condition_area
 from stagemesh.models.families.wan import WanGeometry
 from stagemesh.services.vae.encode import MAX_SOURCE_PIXELS, EncodeInput, ImageEncoderAdapter
 from stagemesh.services.vae.kinds import (
@@ -64,7 +65,12 @@ from stagemesh.shared.engine.scheduler import BURST_ADMISSION_WINDOW_SECONDS
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import vae_service_pb2 as pb
 from stagemesh.shared.proto.v1 import vae_service_pb2_grpc
-from stagemesh.shared.stage_runtime import StageBundle, StageEngine, stage_description
+from stagemesh.shared.stage_runtime import (
+    StageBundle,
+    StageEngine,
+    servicer_bundle,
+    stage_description,
+)
 from stagemesh.shared.stage_stream import StageRoute, StageWire, StreamHandler
 from stagemesh.shared.torch_tensors import from_proto, to_proto
 
@@ -216,7 +222,7 @@ def _build_qwen_image(model_dir: Path, options: Mapping[str, object]) -> StageBu
     decoder = LatentDecoderAdapter(model_dir, placement=placement)
     engine = StepEngine(decoder, max_running=DEFAULT_MAX_RUNNING,
                         admission_window=BURST_ADMISSION_WINDOW_SECONDS)
-    encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor)
+    encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor, condition_area(model_dir))
     encoder = ImageEncoderAdapter(decoder.vae, encoding, decoder.limits, placement)
     return _bundle(model_dir, placement, decoder.limits, engine, StageRoute(engine, WIRE), encoder)
 
@@ -251,9 +257,6 @@ def _bundle(
         size_multiple=limits.size_multiple, max_side=limits.max_side, can_encode=True,
         max_frames=limits.max_frames)
     servicer = VaeServicer(decode, StageRoute(encode_engine, encode_wire(encoder)), description)
-    return StageBundle(
-        name="vae", engines=[decode_engine, encode_engine], service_names=[SERVICE_NAME],
-        register=lambda server: vae_service_pb2_grpc.add_VaeServiceServicer_to_server(
-            servicer, server),
-        info={"model": str(model_dir), **placement.facts(),
-              "max_frames": str(limits.max_frames)})
+    return servicer_bundle("vae", model_dir, [decode_engine, encode_engine], servicer,
+                        vae_service_pb2_grpc.add_VaeServiceServicer_to_server, SERVICE_NAME,
+                        {**placement.facts(), "max_frames": str(limits.max_frames)})

@@ -25,9 +25,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 
-from stagemesh.gateway.admission import Admission
-from stagemesh.gateway.app import build_rest_app, open_gateway
+from stagemesh.gateway.app import open_gateway
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
+from stagemesh.gateway.wire.admission import Admission
 from stagemesh.models.qwen_image import ensure_model
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.serve import HEALTH_CHECK_METHOD, free_port

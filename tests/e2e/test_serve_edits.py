@@ -1,4 +1,4 @@
-"""End to end: the default mesh (`stagemesh serve`) edits images with its `qwen-image-edit-tiny`
+"""End to end: the default mesh (`stagemesh serve`) edits images with its `tiny-shapes-edit`
 recipe, through the unmodified openai SDK; an edit cancelled by id mid-denoise stops at the DiT
 and the VAE never decodes it (read off the stages' own /metrics)."""
 
@@ -18,7 +18,7 @@ from PIL import Image
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 WaitUntil = Callable[..., None]
-RECIPE = "qwen-image-edit-tiny"
+RECIPE = "tiny-shapes-edit"
 
 
 def png(width: int, height: int) -> bytes:

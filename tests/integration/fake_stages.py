@@ -3,8 +3,8 @@ that publish chosen facts through their Describe RPCs and answer the stage strea
 canned tensors (no model), and the helpers to serve them on loopback.
 
 Imported by tests/integration/test_{gateway_fake_stages,gateway_security,edit_gateway,
-video_gateway}.py; a fake whose behaviour only one suite needs (a DiT that fails at a step, a
-video VAE that streams frames) stays in that suite, built on the helpers here.
+video_gateway,gateway_paths}.py; a fake whose behaviour only one suite needs (a video VAE that
+streams frames) stays in that suite, built on the helpers here.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import grpc
 import numpy as np
 
 from stagemesh.gateway.core import GatewayCore
-from stagemesh.gateway.grpc_api import GatewayServicer
-from stagemesh.gateway.native import NativeApi
+from stagemesh.gateway.grpc.api import GatewayServicer
+from stagemesh.gateway.grpc.native import NativeApi
+from stagemesh.shared.errors import abort_with
 from stagemesh.shared.proto.v1 import (
     codec_service_pb2,
     codec_service_pb2_grpc,
     common_pb2,
+    dit_service_pb2,
     dit_service_pb2_grpc,
     gateway_service_pb2_grpc,
     talker_service_pb2,
@@ -104,6 +106,54 @@ class FakeTokenizer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
     async def EncodePrompt(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         self.starts.append(await start_message(requests))
         yield prompt_embeds()
+
+
+@dataclass
+class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
+    max_steps: int = 10
+    fail_at_step: int | None = None  # INVALID_ARGUMENT naming `seed` after this step
+    fail_seed: int | None = None  # fail only the request of this seed (None: every request)
+    preempt_at_step: int | None = None  # a `preempted` event after this step
+    step_seconds: dict[int, float] = field(default_factory=dict)  # per seed; default 0
+    describes: int = 0
+    starts: list[Any] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0  # requests denoising at once, at most
+    cancelled: list[str] = field(default_factory=list)  # request ids whose RPC was cancelled
+
+    async def DescribeDit(self, request: Any, context: Any) -> Any:
+        self.describes += 1
+        return dit_service_pb2.DescribeDitResponse(
+            stage=common_pb2.StageDescription(stage="dit"), size_multiple=8, max_side=64,
+            max_pixels=64 * 64, max_steps=self.max_steps, max_true_cfg_scale=5.0,
+            max_images_per_request=2,
+            execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST])
+
+    async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+        start = await start_message(requests)
+        self.starts.append(start)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
+            for step in range(1, start.num_inference_steps + 1):
+                await asyncio.sleep(self.step_seconds.get(start.seed, 0.0))
+                yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
+                    step_index=step, total_steps=start.num_inference_steps))
+                if step == self.preempt_at_step:
+                    yield dit_service_pb2.DenoiseResponse(
+                        preempted=common_pb2.Preempted(step_index=step))
+                if step == self.fail_at_step and self.fail_seed in (None, start.seed):
+                    await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "bad seed",
+                                     reason="INVALID_ARGUMENT", field_name="seed")
+            yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
+                latents=array_to_proto(np.full((1, 1), start.seed, np.float32)),
+                height=start.height, width=start.width, steps=start.num_inference_steps))
+        except asyncio.CancelledError:
+            self.cancelled.append(start.request_id)
+            raise
+        finally:
+            self.in_flight -= 1
 
 
 @dataclass

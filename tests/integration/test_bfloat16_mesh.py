@@ -23,12 +23,14 @@ from PIL import Image
 
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.events import Output, StageEvent
-from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.gateway.images.pipeline import generate_images, prepare_images
+from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.mesh.events import Output, StageEvent
+from stagemesh.gateway.mesh.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
-from stagemesh.gateway.speech_params import SpeechRequest
-from stagemesh.gateway.speech_pipeline import AudioPiece
-from stagemesh.gateway.stubs import codec_stub, dit_stub, talker_stub, tokenizer_stub, vae_stub
+from stagemesh.gateway.speech import pipeline as speech_serving
+from stagemesh.gateway.speech.pipeline import AudioPiece, prepare_speech
+from stagemesh.gateway.speech.protocol import SpeechRequest
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.services.registry import build_stage
@@ -106,10 +108,10 @@ def pipe() -> QwenImagePipeline:
 
 async def mesh_pixels(mesh: Mesh, prompt: str, negative: str | None, scale: float,
                       seed: int) -> np.ndarray:
-    job = await mesh.core.prepare_images(ImageRequest(
+    job = await prepare_images(mesh.core, ImageRequest(
         prompt=prompt, negative_prompt=negative, width=SIZE, height=SIZE,
         num_inference_steps=STEPS, true_cfg_scale=scale, seed=seed))
-    (image,) = await mesh.core.generate_images(job, RequestContext.create(None, 60))
+    (image,) = await generate_images(mesh.core, job, RequestContext.create(None, 60))
     return np.asarray(Image.open(io.BytesIO(image.png)).convert("RGB")).astype(np.int16)
 
 
@@ -151,7 +153,7 @@ async def test_the_image_stages_publish_cpu_and_bfloat16(image_mesh: Mesh) -> No
 
 
 async def synthesize(mesh: Mesh, seed: int) -> np.ndarray:
-    job = await mesh.core.prepare_speech(SpeechRequest(input="Hello there.", voice="vivian",
+    job = await prepare_speech(mesh.core, SpeechRequest(input="Hello there.", voice="vivian",
                                                        seed=seed, max_new_tokens=20))
     pieces: list[AudioPiece] = []
 
@@ -159,7 +161,7 @@ async def synthesize(mesh: Mesh, seed: int) -> np.ndarray:
         if isinstance(item, Output):
             pieces.append(item.value)
 
-    await mesh.core.synthesize(job, RequestContext.create(None, 60), emit)
+    await speech_serving.synthesize(mesh.core, job, RequestContext.create(None, 60), emit)
     assert pieces and all(piece.pcm.dtype == np.float32 for piece in pieces)
     return np.concatenate([piece.pcm for piece in pieces])
 

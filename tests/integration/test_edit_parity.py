@@ -8,8 +8,11 @@ size, the DiT denoises conditioned on those latents, the VAE decodes). For the s
 prompts, guidance, steps and seed, the DiT's latents equal the stock pipeline's within 1e-5 and
 the decoded pixels are within 1 of the stock pipeline's PIL image.
 
-One guided case only: every edit encodes its input at ~1 MP (stock semantics), the dominant cost
-on CPU, and the guided case runs every part the unguided one does.
+One guided case per folder: every edit of the seeded folder encodes its input at ~1 MP (stock
+semantics), the dominant cost on CPU, and the guided case runs every part the unguided one does.
+The trained `builtin:tiny-shapes-edit` conditions at its own area (its condition.json): there the
+stock pipeline runs with its resize patched to that area (`stock_condition_area`), the one
+change the folder asks of it.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
 from PIL import Image
 
-from stagemesh.gateway.cancel import CancelScope
-from stagemesh.gateway.stage_client import call_stage
-from stagemesh.models.families.qwen_image import edit_image_size
+from stagemesh.gateway.mesh.calls import CancelScope, call_stage
+from stagemesh.models.families.qwen_image import (
+    condition_area,
+    edit_image_size,
+    stock_condition_area,
+)
 from stagemesh.models.families.qwen_vl_processor import install_processor_support
 from stagemesh.models.registry import resolve_model
 from stagemesh.services.registry import build_stage
@@ -61,9 +67,9 @@ def input_image() -> np.ndarray:
     return rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
 
 
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return resolve_model("builtin:qwen-image-edit-tiny")
+@pytest.fixture(scope="module", params=["qwen-image-edit-tiny", "tiny-shapes-edit"])
+def folder(request: pytest.FixtureRequest) -> Path:
+    return resolve_model(f"builtin:{request.param}")
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +84,12 @@ def stock(folder: Path) -> tuple[torch.Tensor, np.ndarray]:
         captured["latents"] = kwargs["latents"].clone()
         return {}
 
-    images = pipe(image=Image.fromarray(input_image()), prompt=PROMPT, negative_prompt=NEGATIVE,
-                  true_cfg_scale=TRUE_CFG, height=OUT_HEIGHT, width=OUT_WIDTH,
-                  num_inference_steps=STEPS, generator=torch.Generator().manual_seed(SEED),
-                  callback_on_step_end=keep_latents, output_type="pil").images
+    with stock_condition_area(condition_area(folder)):
+        images = pipe(image=Image.fromarray(input_image()), prompt=PROMPT,
+                      negative_prompt=NEGATIVE, true_cfg_scale=TRUE_CFG, height=OUT_HEIGHT,
+                      width=OUT_WIDTH, num_inference_steps=STEPS,
+                      generator=torch.Generator().manual_seed(SEED),
+                      callback_on_step_end=keep_latents, output_type="pil").images
     return captured["latents"], np.asarray(images[0])
 
 
@@ -101,11 +109,11 @@ async def stages(folder: Path) -> AsyncIterator[dict[str, str]]:
 
 @on_module_loop
 async def test_the_mesh_edits_as_the_stock_pipeline(
-    stages: dict[str, str], stock: tuple[torch.Tensor, np.ndarray]
+    folder: Path, stages: dict[str, str], stock: tuple[torch.Tensor, np.ndarray]
 ) -> None:
     expected_latents, expected_pixels = stock
     image = array_to_proto(input_image())
-    condition_width, condition_height = edit_image_size(64, 48)
+    condition_width, condition_height = edit_image_size(64, 48, condition_area(folder))
     scope = CancelScope("edit-parity", timeout=120)
     channels = [open_channel(stages[name]) for name in ("tokenizer", "dit", "vae")]
     try:

@@ -23,7 +23,7 @@ from PIL import Image
 from prometheus_client import REGISTRY
 
 from stagemesh.gateway.app import GatewayConfig, run_gateway
-from stagemesh.gateway.edit_params import condition_size
+from stagemesh.gateway.images.edit_protocol import condition_size
 from stagemesh.gateway.recipes import EDIT_DEFAULTS, Recipe, StageEndpoint, Task
 from stagemesh.models.families.qwen_image import edit_image_size
 from stagemesh.models.qwen_image_edit import ensure_edit_model

@@ -26,8 +26,8 @@ from schemathesis import Case, GenerationMode
 from schemathesis.core.result import Ok
 
 from stagemesh.gateway.app import GatewayConfig, run_gateway
+from stagemesh.gateway.grpc.transcoding import http_bindings
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
-from stagemesh.gateway.transcoding import http_bindings
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.serve import free_port
 

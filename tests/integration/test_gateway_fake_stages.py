@@ -8,12 +8,11 @@ REST error (OpenAI routes, native routes, SSE events, NDJSON lines) has one body
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,79 +21,28 @@ import numpy as np
 import pytest
 import soundfile
 
-from stagemesh.gateway.app import build_rest_app, open_gateway
+from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.serve import free_port
-from stagemesh.shared.errors import abort_with, parse_rpc_error
+from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import (
-    common_pb2,
-    dit_service_pb2,
-    dit_service_pb2_grpc,
     gateway_service_pb2,
 )
-from stagemesh.shared.tensors import array_to_proto
 from tests.integration.fake_stages import (
     SAMPLE_RATE,
     SAMPLES_PER_FRAME,
     FakeCodec,
+    FakeDit,
     FakeTalker,
     FakeTokenizer,
     FakeVae,
     gateway_stub,
     serve_fake,
-    start_message,
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-@dataclass
-class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
-    max_steps: int = 10
-    fail_at_step: int | None = None  # INVALID_ARGUMENT naming `seed` after this step
-    fail_seed: int | None = None  # fail only the request of this seed (None: every request)
-    preempt_at_step: int | None = None  # a `preempted` event after this step
-    step_seconds: dict[int, float] = field(default_factory=dict)  # per seed; default 0
-    describes: int = 0
-    starts: list[Any] = field(default_factory=list)
-    in_flight: int = 0
-    most_in_flight: int = 0  # requests denoising at once, at most
-    cancelled: list[str] = field(default_factory=list)  # request ids whose RPC was cancelled
-
-    async def DescribeDit(self, request: Any, context: Any) -> Any:
-        self.describes += 1
-        return dit_service_pb2.DescribeDitResponse(
-            stage=common_pb2.StageDescription(stage="dit"), size_multiple=8, max_side=64,
-            max_pixels=64 * 64, max_steps=self.max_steps, max_true_cfg_scale=5.0,
-            max_images_per_request=2,
-            execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST])
-
-    async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
-        start = await start_message(requests)
-        self.starts.append(start)
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            yield dit_service_pb2.DenoiseResponse(queued=common_pb2.Queued(position=0))
-            for step in range(1, start.num_inference_steps + 1):
-                await asyncio.sleep(self.step_seconds.get(start.seed, 0.0))
-                yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
-                    step_index=step, total_steps=start.num_inference_steps))
-                if step == self.preempt_at_step:
-                    yield dit_service_pb2.DenoiseResponse(
-                        preempted=common_pb2.Preempted(step_index=step))
-                if step == self.fail_at_step and self.fail_seed in (None, start.seed):
-                    await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "bad seed",
-                                     reason="INVALID_ARGUMENT", field_name="seed")
-            yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
-                latents=array_to_proto(np.full((1, 1), start.seed, np.float32)),
-                height=start.height, width=start.width, steps=start.num_inference_steps))
-        except asyncio.CancelledError:
-            self.cancelled.append(start.request_id)
-            raise
-        finally:
-            self.in_flight -= 1
-
 
 @dataclass
 class Mesh:

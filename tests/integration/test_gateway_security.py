@@ -29,13 +29,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stagemesh.gateway.app import (
     MAX_GRPC_REQUEST_BYTES,
     GatewayConfig,
-    build_rest_app,
     open_gateway,
     run_gateway,
 )
-from stagemesh.gateway.auth import ApiKeys, owner_id
-from stagemesh.gateway.http_io import MAX_BODY_BYTES
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
+from stagemesh.gateway.wire.auth import ApiKeys, owner_id
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES
 from stagemesh.serve import free_port
 from stagemesh.shared.errors import abort_with, parse_rpc_error
 from stagemesh.shared.proto.v1 import (
@@ -62,7 +62,7 @@ pytestmark = pytest.mark.timeout(60)
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
 AUTH_A = {"authorization": f"Bearer {KEY_A}"}
 AUTH_B = {"authorization": f"Bearer {KEY_B}"}
-#: The id the stages know a request by, per key: qualified by its owner (gateway/cancel.py).
+#: The id the stages know a request by, per key: qualified by its owner (gateway/mesh/calls.py).
 AT_STAGE_A, AT_STAGE_B = f":{owner_id(KEY_A)}", f":{owner_id(KEY_B)}"
 
 

@@ -21,9 +21,10 @@ from PIL import Image
 from prometheus_client import REGISTRY
 
 from stagemesh.gateway.app import open_gateway
-from stagemesh.gateway.core import GatewayCore, ImageJob, RequestContext
+from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.gateway.images.pipeline import ImageJob, generate_images, prepare_images
+from stagemesh.gateway.images.protocol import ImageRequest
 from stagemesh.models.families.qwen_image import latent_factor
 from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage
@@ -49,8 +50,8 @@ def finished(stage: str, status: str) -> float:
 
 
 async def generate(core: GatewayCore, **fields: Any) -> list[bytes]:
-    job = await core.prepare_images(ImageRequest(**{"prompt": "a red circle", **fields}))
-    images = await core.generate_images(job, RequestContext.create(None, 30))
+    job = await prepare_images(core, ImageRequest(**{"prompt": "a red circle", **fields}))
+    images = await generate_images(core, job, RequestContext.create(None, 30))
     return [image.png for image in images]
 
 
@@ -302,9 +303,9 @@ def dit_engine(image_stages: dict[str, Any]) -> Any:
 async def start_trio(core: GatewayCore, request_id: str, timeout: float,
                      engine: Any, wait_until: Any) -> asyncio.Task[Any]:
     """A 3-image request long enough to be stopped, once the DiT runs its three images."""
-    job: ImageJob = await core.prepare_images(ImageRequest(
+    job: ImageJob = await prepare_images(core, ImageRequest(
         prompt="a red circle", n=3, num_inference_steps=1000, width=32, height=32))
-    running = asyncio.create_task(core.generate_images(
+    running = asyncio.create_task(generate_images(core,
         job, RequestContext.create(request_id, timeout)))
     await wait_until(lambda: engine.num_running == 3 or running.done(), timeout=30,
                      what="the DiT running the three images together")

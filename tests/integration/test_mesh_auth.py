@@ -22,7 +22,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from stagemesh.cli import build_parser
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import RequestContext
-from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.gateway.images.pipeline import generate_images, prepare_images
+from stagemesh.gateway.images.protocol import ImageRequest
 from stagemesh.serve import HEALTH_CHECK_METHOD
 from stagemesh.services.registry import build_stage
 from stagemesh.shared import mesh_auth
@@ -173,9 +174,9 @@ async def test_the_gateway_reaches_stages_that_require_the_token(
         recipe = make_image_recipe({n: f"127.0.0.1:{s.port}" for n, s in servers.items()},
                                    tiny_model_dir)
         async with open_gateway({"tiny": recipe}) as core:
-            job = await core.prepare_images(ImageRequest(prompt="a red circle",
+            job = await prepare_images(core, ImageRequest(prompt="a red circle",
                                                          num_inference_steps=2))
-            images = await core.generate_images(job, RequestContext.create(None, 30))
+            images = await generate_images(core, job, RequestContext.create(None, 30))
         assert images[0].png.startswith(b"\x89PNG")
     finally:
         for name, bundle in bundles.items():

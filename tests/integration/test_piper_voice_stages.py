@@ -18,10 +18,11 @@ import pytest
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.events import Output, StageEvent
+from stagemesh.gateway.mesh.events import Output, StageEvent
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.gateway.speech_params import SpeechRequest
-from stagemesh.gateway.speech_pipeline import AudioPiece
+from stagemesh.gateway.speech.pipeline import AudioPiece, prepare_speech, synthesize
+from stagemesh.gateway.speech.pipeline import voices as speech_voices
+from stagemesh.gateway.speech.protocol import SpeechRequest
 from stagemesh.models.piper import ensure_piper_model
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.stage_runtime import StageBundle, start_stage, stop_stage
@@ -64,7 +65,7 @@ async def voice(piper_dir: Path) -> AsyncIterator[Voice]:
 
 async def speak(mesh: Voice, started: asyncio.Event | None = None,
                 request_id: str | None = None, **fields: Any) -> list[AudioPiece]:
-    job = await mesh.core.prepare_speech(
+    job = await prepare_speech(mesh.core,
         SpeechRequest(**{"input": TWO_SENTENCES, "seed": 5, **fields}))
     pieces: list[AudioPiece] = []
 
@@ -74,7 +75,7 @@ async def speak(mesh: Voice, started: asyncio.Event | None = None,
             if started is not None:
                 started.set()
 
-    await mesh.core.synthesize(job, RequestContext.create(request_id, 60), emit)
+    await synthesize(mesh.core, job, RequestContext.create(request_id, 60), emit)
     return pieces
 
 
@@ -94,7 +95,7 @@ async def test_the_voice_streams_in_chunks_and_a_seed_reproduces_it(voice: Voice
 
 
 async def test_voices_are_what_the_model_has_and_default_selects_it(voice: Voice) -> None:
-    recipe, voices = await voice.core.voices("voice")
+    recipe, voices = await speech_voices(voice.core, "voice")
     assert voices == ["joe"]
     facts = await voice.core.catalog.speech_facts(recipe)
     assert facts.default_voice == "joe" and not facts.supports_voice_clone
@@ -102,12 +103,12 @@ async def test_voices_are_what_the_model_has_and_default_selects_it(voice: Voice
     np.testing.assert_array_equal(audio(await speak(voice, voice="default",
                                                     input="Good morning.")), by_name)
     with pytest.raises(InvalidRequest, match="unknown voice 'vivian'"):
-        await voice.core.prepare_speech(SpeechRequest(input="Hi.", voice="vivian"))
+        await prepare_speech(voice.core, SpeechRequest(input="Hi.", voice="vivian"))
 
 
 async def test_a_voice_clone_is_refused_saying_the_model_cannot_clone(voice: Voice) -> None:
     with pytest.raises(InvalidRequest, match="cannot clone") as raised:
-        await voice.core.prepare_speech(SpeechRequest(
+        await prepare_speech(voice.core, SpeechRequest(
             input="Hi.", task_type="Base", voice="clone", ref_audio=b"RIFF"))
     assert raised.value.field_name == "task_type"
 

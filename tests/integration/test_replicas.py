@@ -15,20 +15,19 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from stagemesh.gateway.app import open_gateway
-from stagemesh.gateway.balancer import (
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.errors import GatewayError
+from stagemesh.gateway.images.pipeline import GeneratedImage, generate_images, prepare_images
+from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.mesh.balancer import (
     HEALTH_CHECK,
     Replica,
     ReplicaSet,
     ReplicaState,
     RoutedStreamStream,
 )
-from stagemesh.gateway.cancel import CancelScope
-from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.image_params import ImageRequest
-from stagemesh.gateway.image_pipeline import GeneratedImage
+from stagemesh.gateway.mesh.calls import CancelScope, StageCallError, call_stage
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task, parse_target
-from stagemesh.gateway.stage_client import StageCallError, call_stage
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.errors import StageError, parse_rpc_error
@@ -91,9 +90,9 @@ def _dit(stage: RunningStage) -> StepEngine[Any, Any, Any, Any, Any]:
 
 async def _image(core: GatewayCore, request_id: str | None = None, steps: int = 4,
                  seed: int = 0, owner: str = "") -> list[GeneratedImage]:
-    job = await core.prepare_images(ImageRequest(prompt="a red circle", seed=seed,
+    job = await prepare_images(core, ImageRequest(prompt="a red circle", seed=seed,
                                                  num_inference_steps=steps))
-    return await core.generate_images(job, RequestContext.create(request_id, 120, owner))
+    return await generate_images(core, job, RequestContext.create(request_id, 120, owner))
 
 
 def _steps(stage: RunningStage) -> Callable[[], bool]:

@@ -19,10 +19,11 @@ from prometheus_client import REGISTRY
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.events import Output, StageEvent
+from stagemesh.gateway.mesh.events import Output, StageEvent
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.gateway.speech_params import SpeechRequest
-from stagemesh.gateway.speech_pipeline import AudioPiece
+from stagemesh.gateway.speech.pipeline import AudioPiece, prepare_speech, synthesize
+from stagemesh.gateway.speech.pipeline import voices as speech_voices
+from stagemesh.gateway.speech.protocol import SpeechRequest
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.errors import parse_rpc_error
@@ -82,7 +83,7 @@ def request(**fields: Any) -> SpeechRequest:
 
 async def run(speech: Speech, on_piece: OnPiece | None = None, request_id: str | None = None,
               **fields: Any) -> list[AudioPiece]:
-    job = await speech.core.prepare_speech(request(**fields))
+    job = await prepare_speech(speech.core, request(**fields))
     pieces: list[AudioPiece] = []
 
     async def emit(item: StageEvent | Output[AudioPiece]) -> None:
@@ -91,7 +92,7 @@ async def run(speech: Speech, on_piece: OnPiece | None = None, request_id: str |
             if on_piece is not None:
                 await on_piece(item.value)
 
-    await speech.core.synthesize(job, RequestContext.create(request_id, 60), emit)
+    await synthesize(speech.core, job, RequestContext.create(request_id, 60), emit)
     return pieces
 
 
@@ -127,7 +128,7 @@ async def test_the_audio_follows_the_talkers_frames(speech: Speech) -> None:
 
 
 async def test_the_gateway_reads_voices_and_limits_from_the_stages(speech: Speech) -> None:
-    recipe, voices = await speech.core.voices("speech")
+    recipe, voices = await speech_voices(speech.core, "speech")
     assert recipe.name == "speech" and {"vivian", "ryan"} <= set(voices)
     facts = await speech.core.catalog.speech_facts(recipe)
     assert facts.voices == tuple(voices) and facts.supports_voice_clone
@@ -138,13 +139,13 @@ async def test_the_gateway_reads_voices_and_limits_from_the_stages(speech: Speec
                           ({"max_new_tokens": facts.max_new_frames + 1}, "max_new_tokens"),
                           ({"input": "x" * (facts.max_input_chars + 1)}, "input")):
         with pytest.raises(InvalidRequest) as refused:
-            await speech.core.prepare_speech(request(**fields))
+            await prepare_speech(speech.core, request(**fields))
         assert refused.value.field_name == field
     assert sample("stagemesh_steps_total", "talker") == steps  # refused before the talker
 
 
 async def test_without_max_new_tokens_the_talker_default_applies(speech: Speech) -> None:
-    job = await speech.core.prepare_speech(request())
+    job = await prepare_speech(speech.core, request())
     assert job.params.max_new_frames == 0  # 0 on the wire = the talker's default
 
 
@@ -228,14 +229,14 @@ async def test_a_stage_side_bad_field_is_invalid_argument_naming_it(speech: Spee
     # The gateway refuses unknown voices itself (from the talker's Describe). A request that
     # gets past it (say, facts read before the talker restarted with fewer voices) is still
     # refused by the talker, naming the field.
-    job = await speech.core.prepare_speech(request())
+    job = await prepare_speech(speech.core, request())
     stale = replace(job, params=replace(job.params, voice="nobody"))
 
     async def ignore(item: StageEvent | Output[AudioPiece]) -> None:
         pass
 
     with pytest.raises(GatewayError) as raised:
-        await speech.core.synthesize(stale, RequestContext.create(None, 60), ignore)
+        await synthesize(speech.core, stale, RequestContext.create(None, 60), ignore)
     assert raised.value.code.name == "INVALID_ARGUMENT" and raised.value.field_name == "voice"
 
 

@@ -19,7 +19,8 @@ from PIL import Image
 
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import RequestContext
-from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.gateway.images.pipeline import generate_images, prepare_images
+from stagemesh.gateway.images.protocol import ImageRequest
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.registry import build_stage
@@ -83,10 +84,10 @@ async def test_the_mesh_over_grpc_returns_the_pipelines_pixels(
     try:
         async with open_gateway({recipe.name: recipe}) as core:
             for prompt, negative, scale, seed in CASES:
-                job = await core.prepare_images(ImageRequest(
+                job = await prepare_images(core, ImageRequest(
                     prompt=prompt, negative_prompt=negative, width=SIZE, height=SIZE,
                     num_inference_steps=STEPS, true_cfg_scale=scale, seed=seed))
-                (image,) = await core.generate_images(job, RequestContext.create(None, 60))
+                (image,) = await generate_images(core, job, RequestContext.create(None, 60))
                 pixels = np.asarray(Image.open(io.BytesIO(image.png)).convert("RGB"))
                 expected = np.asarray(reference(pipe, prompt, negative, scale, seed, "pil")[0])
                 np.testing.assert_array_equal(pixels, expected)

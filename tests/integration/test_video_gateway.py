@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import av
 import grpc
@@ -28,11 +29,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stagemesh.gateway.app import build_rest_app, open_gateway
-from stagemesh.gateway.auth import ApiKeys
+from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task, VideoDefaults
-from stagemesh.gateway.video_store import STORE_ENV
+from stagemesh.gateway.videos.store import STORE_ENV
+from stagemesh.gateway.wire.auth import ApiKeys
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,
@@ -231,6 +233,19 @@ async def test_sync_returns_an_mp4_of_the_requested_frames_and_size(mesh: VideoM
     start = mesh.dit.starts[-1]
     assert (start.num_frames, start.width, start.height, start.seed) == (9, 48, 32, 7)
     assert not list(mesh.store.glob("*/*.json"))  # the sync route stores nothing
+
+
+async def test_an_urlencoded_form_works_as_curl_d_sends_it(mesh: VideoMesh) -> None:
+    response = await mesh.client.post("/v1/videos/sync", data=FORM)  # no file: urlencoded
+    assert response.status_code == 200, response.text
+    assert len(mp4_frames(response.content)) == 9
+    start = mesh.dit.starts[-1]
+    assert (start.num_frames, start.width, start.height, start.seed) == (9, 48, 32, 7)
+    created = await mesh.client.post("/v1/videos", content=urlencode(FORM), headers={
+        "content-type": "application/x-www-form-urlencoded; charset=utf-8"})
+    assert created.status_code == 200 and created.json()["status"] == "queued", created.text
+    unknown = await mesh.client.post("/v1/videos/sync", data={**FORM, "colour": "red"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "colour"
 
 
 async def test_sync_passes_the_sampling_params_through(mesh: VideoMesh) -> None:

@@ -24,8 +24,7 @@ from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 from diffusers.pipelines.wan.pipeline_wan_i2v import WanImageToVideoPipeline
 from PIL import Image
 
-from stagemesh.gateway.cancel import CancelScope
-from stagemesh.gateway.stage_client import call_stage
+from stagemesh.gateway.mesh.calls import CancelScope, call_stage
 from stagemesh.models.registry import resolve_model
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.proto.v1 import (

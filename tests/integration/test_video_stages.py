@@ -21,9 +21,10 @@ import pytest
 from PIL import Image
 from prometheus_client import REGISTRY
 
-from stagemesh.gateway.app import GatewayConfig, build_rest_app, open_gateway, run_gateway
+from stagemesh.gateway.app import GatewayConfig, open_gateway, run_gateway
+from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task, VideoDefaults
-from stagemesh.gateway.video_store import STORE_ENV
+from stagemesh.gateway.videos.store import STORE_ENV
 from stagemesh.models.wan import WanVariant, ensure_wan_model
 from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage

@@ -38,6 +38,32 @@ print("\\n".join(names))
 """
 
 
+#: Serves `/`, every asset the page names and every module those import, from the installed
+#: package (never the working tree), and prints their paths.
+SERVE_THE_PLAYGROUND = """
+import pathlib, re, sys
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+from stagemesh.gateway import playground
+install = pathlib.Path(sys.argv[1]).resolve()
+assert install in pathlib.Path(playground.__file__).resolve().parents, playground.__file__
+client = TestClient(Starlette(routes=playground.playground_routes()))
+page = client.get("/")
+assert page.status_code == 200 and page.headers["content-security-policy"] == playground.CSP
+todo = re.findall(r'(?:src|href)="(/playground/static/[^"]+)"', page.text)
+seen = set()
+while todo:  # the page's assets, then every module they import, transitively
+    path = todo.pop()
+    if path not in seen:
+        seen.add(path)
+        asset = client.get(path)
+        assert asset.status_code == 200, path
+        imported = re.findall(r'from "\\./([^"]+)"', asset.text)
+        todo += [f"/playground/static/{name}" for name in imported]
+print("\\n".join(sorted(seen)))
+"""
+
+
 def _committed_files() -> list[str]:
     if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
         pytest.skip("needs a git checkout to know which files a clone holds")
@@ -89,6 +115,8 @@ def test_the_wheel_holds_exactly_the_runtime_modules_and_their_data(
     assert shipped_assets and stubs
     assert shipped_assets | stubs <= names
     assert {"stagemesh/py.typed", "stagemesh/gateway/recipes/default.yaml"} <= names
+    page = {f"stagemesh/{n}" for n in files if n.startswith("gateway/playground/static/")}
+    assert "stagemesh/gateway/playground/static/index.html" in page and page <= names
 
 
 def test_bench_and_training_dependencies_are_extras(built: tuple[Path, list[str]]) -> None:
@@ -103,10 +131,12 @@ def test_bench_and_training_dependencies_are_extras(built: tuple[Path, list[str]
     assert {"bench", "train", "dev"} <= set(metadata.get_all("Provides-Extra") or [])
 
 
-def test_every_module_imports_from_the_installed_wheel(built: tuple[Path, list[str]],
-                                                       tmp_path: Path) -> None:
-    wheel, files = built
-    install = tmp_path / "site"
+@pytest.fixture(scope="module")
+def installed(built: tuple[Path, list[str]], tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[Path, dict[str, str]]:
+    """(the folder the wheel is installed into, the environment that imports only from it)."""
+    wheel, _ = built
+    install = tmp_path_factory.mktemp("installed") / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     "--target", str(install), str(wheel)], check=True, timeout=120)
     # -S: no site-packages and so no .pth files (the editable install is one); the environment's
@@ -115,6 +145,14 @@ def test_every_module_imports_from_the_installed_wheel(built: tuple[Path, list[s
                            sysconfig.get_path("platlib")])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
+    return install, env
+
+
+def test_every_module_imports_from_the_installed_wheel(
+        built: tuple[Path, list[str]], installed: tuple[Path, dict[str, str]],
+        tmp_path: Path) -> None:
+    _, files = built
+    install, env = installed
     imported = subprocess.run([sys.executable, "-S", "-c", IMPORT_EVERY_MODULE, str(install)],
                               env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert imported.returncode == 0, imported.stderr
@@ -126,3 +164,13 @@ def test_every_module_imports_from_the_installed_wheel(built: tuple[Path, list[s
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
     assert "{serve,gateway,stage,model,bench,train,eval}" in cli.stdout
+
+
+def test_the_installed_wheel_serves_the_playground(installed: tuple[Path, dict[str, str]],
+                                                   tmp_path: Path) -> None:
+    install, env = installed
+    served = subprocess.run([sys.executable, "-S", "-c", SERVE_THE_PLAYGROUND, str(install)],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert served.returncode == 0, served.stderr
+    assert {"/playground/static/app.js", "/playground/static/audio.js",
+            "/playground/static/style.css"} <= set(served.stdout.split())

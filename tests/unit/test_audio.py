@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import soundfile
 
-from stagemesh.gateway.audio import (
+from stagemesh.gateway.speech.audio import (
     WAV_HEADER_BYTES,
     WAV_UNKNOWN_SIZE,
     AudioFormat,

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from stagemesh.gateway import balancer
-from stagemesh.gateway.balancer import Replica, ReplicaSet
+from stagemesh.gateway.mesh import balancer
+from stagemesh.gateway.mesh.balancer import Replica, ReplicaSet
 from stagemesh.gateway.recipes import parse_target
 from stagemesh.shared.proto.v1 import control_service_pb2
 from stagemesh.shared.server import open_channel
@@ -27,7 +27,7 @@ def _replicas(*in_flight: int) -> ReplicaSet:
 
 async def _burst(replicas: ReplicaSet, calls: int) -> Counter[str]:
     """`calls` stage calls at once, each picking its replica and then waiting for a connection
-    (as `stage_client.call_stage` does); how many went to each replica."""
+    (as `mesh.calls.call_stage` does); how many went to each replica."""
 
     async def call() -> str:
         replica = replicas.take()

@@ -7,8 +7,7 @@ import asyncio
 
 import pytest
 
-from stagemesh.gateway.auth import owner_id
-from stagemesh.gateway.cancel import (
+from stagemesh.gateway.mesh.calls import (
     CancelScope,
     DeadlineExceeded,
     RequestCancelled,
@@ -18,6 +17,7 @@ from stagemesh.gateway.cancel import (
     stage_request_id,
     sub_request_ids,
 )
+from stagemesh.gateway.wire.auth import owner_id
 from stagemesh.shared.limits import (
     MAX_REQUEST_ID_CHARS,
     MAX_STAGE_REQUEST_ID_CHARS,

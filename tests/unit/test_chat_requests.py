@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stagemesh.gateway.chat_pipeline import AudioOutput, ChatTurn, SentenceSplitter
+from stagemesh.gateway.chat.pipeline import AudioOutput, ChatTurn, SentenceSplitter
+from stagemesh.gateway.chat.routes import chat_request
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.openai_chat import chat_request
 
 
 def split(text: str, piece: int = 1, max_chars: int = 300) -> list[str]:

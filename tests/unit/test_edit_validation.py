@@ -15,23 +15,29 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stagemesh.gateway.catalog import DescribeCache, EditFacts, ImageFacts, StageCatalog, VideoFacts
-from stagemesh.gateway.edit_forms import edit_request
-from stagemesh.gateway.edit_params import (
+from stagemesh.gateway.chat.routes import chat_edit_request
+from stagemesh.gateway.errors import InvalidRequest, StageUnavailable
+from stagemesh.gateway.images.edit_forms import edit_request
+from stagemesh.gateway.images.edit_protocol import (
     EditParams,
     EditRequest,
     condition_size,
     decode_image,
     default_output_size,
-    image_data_url,
     resolve_edit_request,
 )
-from stagemesh.gateway.errors import InvalidRequest, StageUnavailable
-from stagemesh.gateway.http_io import Form, FormFile
-from stagemesh.gateway.image_params import ImageRequest
-from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.openai_chat import chat_edit_request
+from stagemesh.gateway.images.protocol import ImageRequest
+from stagemesh.gateway.mesh.stages import (
+    DescribeCache,
+    EditFacts,
+    ImageFacts,
+    Mesh,
+    StageCatalog,
+    VideoFacts,
+)
 from stagemesh.gateway.recipes import EDIT_DEFAULTS, Recipe, StageEndpoint, Task
+from stagemesh.gateway.wire.forms import Form, FormFile
+from stagemesh.gateway.wire.requests import image_data_url
 from stagemesh.shared.proto.v1 import (
     common_pb2,
     dit_service_pb2,

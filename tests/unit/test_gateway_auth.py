@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.gateway.admission import FALLBACK_LIMIT, Admission
-from stagemesh.gateway.auth import ANONYMOUS, ApiKeys, bearer_token, owner_id, parse_keys
 from stagemesh.gateway.errors import InvalidRequest, Overloaded, Unauthenticated
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.gateway.request_ids import check_request_id
+from stagemesh.gateway.wire.admission import FALLBACK_LIMIT, Admission
+from stagemesh.gateway.wire.auth import ANONYMOUS, ApiKeys, bearer_token, owner_id, parse_keys
 from stagemesh.shared.proto.v1 import common_pb2
 
 

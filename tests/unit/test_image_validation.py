@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from stagemesh.gateway.catalog import ImageFacts
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.image_params import (
+from stagemesh.gateway.images.protocol import (
     ImageParams,
     ImageRequest,
     parse_size,
     resolve_image_request,
 )
+from stagemesh.gateway.mesh.stages import ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import (

@@ -40,11 +40,14 @@ pytestmark = pytest.mark.skipif(KUBECTL is None,
 #: Stage Deployments, named <recipe>-<role>: each recipe's stages run its own model, so two
 #: recipes with a talker have two talker Deployments.
 IMAGE_AND_VIDEO_STAGES = tuple(
-    f"{recipe}-{role}" for recipe in ("tiny-shapes", "qwen-image-edit-tiny", "wan-t2v-tiny",
+    f"{recipe}-{role}" for recipe in ("tiny-shapes", "tiny-shapes-edit", "wan-t2v-tiny",
                                       "wan-i2v-tiny")
     for role in ("tokenizer", "dit", "vae"))
 STAGES = (*IMAGE_AND_VIDEO_STAGES, "piper-joe-talker", "piper-joe-codec", "csm-tiny-talker",
           "csm-tiny-codec", "smollm2-thinker")
+#: Stage Deployments no recipe routes to yet (the transcription and realtime routes will).
+LISTENING_STAGES = ("whisper-tiny-en-transcriber",)
+ALL_STAGES = (*STAGES, *LISTENING_STAGES)
 #: The stages that compute on a GPU in the gpu overlay (the real Qwen-Image and Wan text
 #: encoders are billions of parameters, so the tokenizers need one too; the codecs stay on CPU).
 GPU_STAGES = {*IMAGE_AND_VIDEO_STAGES, "csm-tiny-talker", "smollm2-thinker"}
@@ -58,7 +61,7 @@ QUEUE_METRICS = {"stagemesh_requests_waiting", "stagemesh_requests_running"}
 #: two: decode, and encode for conditioning images or voice-clone references).
 ENGINE_LABELS = {"tokenizer": {"tokenizer"}, "dit": {"dit"}, "vae": {"vae", "vae-encode"},
                  "talker": {"talker"}, "codec": {"codec", "codec-encode"},
-                 "thinker": {"thinker"}}
+                 "thinker": {"thinker"}, "transcriber": {"transcriber"}}
 #: The engines of a Piper codec (it decodes only: a Piper voice cannot clone).
 PIPER_CODEC_LABELS = {"codec"}
 #: The gateway's own shutdown: up to 10 s for HTTP requests, then 5 s for gRPC (gateway/app.py).
@@ -176,11 +179,11 @@ def test_the_crd_check_refuses_what_the_api_server_would() -> None:
 
 
 def test_every_stage_has_a_deployment_and_a_headless_service(overlay: str) -> None:
-    assert set(of_kind(overlay, "Deployment")) == {*STAGES, "gateway"}
+    assert set(of_kind(overlay, "Deployment")) == {*ALL_STAGES, "gateway"}
     services = of_kind(overlay, "Service")
-    assert set(services) == {*(f"stagemesh-{s}" for s in STAGES), "gateway"}
+    assert set(services) == {*(f"stagemesh-{s}" for s in ALL_STAGES), "gateway"}
     deployments = of_kind(overlay, "Deployment")
-    for stage in STAGES:
+    for stage in ALL_STAGES:
         spec = services[f"stagemesh-{stage}"]["spec"]
         # Headless: DNS answers with every ready pod, so the gateway can pick among them.
         assert spec["clusterIP"] == "None", stage
@@ -377,7 +380,7 @@ def test_no_autoscaler_needs_a_metric_nothing_serves(overlay: str) -> None:
 
 def test_every_stage_scales_on_its_own_queue(overlay: str) -> None:
     scaled = of_kind(overlay, "ScaledObject")
-    assert set(scaled) == set(STAGES)
+    assert set(scaled) == set(ALL_STAGES)
     deployments = stage_deployments(overlay)
     exported = _exported_metric_names()
     for stage, scaled_object in scaled.items():

@@ -7,17 +7,11 @@ import base64
 
 import pytest
 
+from stagemesh.gateway.chat.protocol import chat_image_request, last_user_text
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.image_params import ImageRequest
-from stagemesh.gateway.openai_requests import (
-    chat_image_request,
-    image_request,
-    last_user_text,
-    openai_body,
-    ref_audio_bytes,
-    speech_request,
-)
-from stagemesh.gateway.speech_params import SpeechRequest
+from stagemesh.gateway.images.protocol import ImageRequest, image_request
+from stagemesh.gateway.speech.protocol import SpeechRequest, speech_request
+from stagemesh.gateway.wire.requests import openai_body, ref_audio_bytes
 from stagemesh.shared.proto.v1 import common_pb2
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh import Mesh
+from stagemesh.gateway.mesh.stages import Mesh
 from stagemesh.gateway.recipes import (
     DEFAULT_RECIPES,
     TASK_STAGES,
@@ -73,11 +73,12 @@ def test_the_default_mesh_keeps_its_limits_as_stage_options() -> None:
 
 def test_the_default_edit_recipe_answers_a_small_image_when_no_size_is_named() -> None:
     """Without these defaults an edit takes the stock derived size (~1 Mpx, ~8 s an image on a
-    CPU): `make serve` answers a first edit quickly at 64 x 64."""
-    edit = load_recipes(DEFAULT_RECIPES)["qwen-image-edit-tiny"]
+    CPU): `make serve` answers a first edit quickly at the size tiny-shapes-edit was trained
+    at, with the steps and guidance it was evaluated with."""
+    edit = load_recipes(DEFAULT_RECIPES)["tiny-shapes-edit"]
     assert edit.task is Task.IMAGE_EDIT
-    assert edit.image_defaults == ImageDefaults(width=64, height=64, num_inference_steps=4,
-                                                true_cfg_scale=4.0, negative_prompt=" ")
+    assert edit.image_defaults == ImageDefaults(width=32, height=32, num_inference_steps=16,
+                                                true_cfg_scale=4.0, negative_prompt="")
 
 
 def test_fields_are_read(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stagemesh.gateway.balancer import Replica, ReplicaSet, ReplicaState
+from stagemesh.gateway.mesh.balancer import Replica, ReplicaSet, ReplicaState
 from stagemesh.gateway.recipes import (
     Recipe,
     RecipeError,

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import soundfile
 
-from stagemesh.gateway.audio import AudioFormat
-from stagemesh.gateway.catalog import SpeechFacts
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.speech_params import (
+from stagemesh.gateway.mesh.stages import SpeechFacts
+from stagemesh.gateway.speech.audio import AudioFormat
+from stagemesh.gateway.speech.protocol import (
     SpeechParams,
     SpeechRequest,
     SpeechTask,

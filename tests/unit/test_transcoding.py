@@ -11,19 +11,18 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
-from stagemesh.gateway.app import RequestIdMiddleware
-from stagemesh.gateway.catalog import StageCatalog
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
-from stagemesh.gateway.mesh import Mesh
-from stagemesh.gateway.native import NativeApi, image_request
-from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.gateway.transcoding import (
+from stagemesh.gateway.grpc.native import NativeApi, image_request
+from stagemesh.gateway.grpc.transcoding import (
     HttpBinding,
     annotated_routes,
     http_bindings,
     parse_error_field,
 )
+from stagemesh.gateway.http.app import EXCEPTION_HANDLERS, RequestIdMiddleware
+from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
+from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
@@ -62,7 +61,7 @@ def api() -> ScriptedApi:
 
 
 async def client_for(api: NativeApi) -> AsyncIterator[httpx.AsyncClient]:
-    app = Starlette(routes=annotated_routes(api))
+    app = Starlette(routes=annotated_routes(api), exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(RequestIdMiddleware)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://gateway") as client:

@@ -19,8 +19,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stagemesh.gateway.errors import GatewayError
-from stagemesh.gateway.http_io import MAX_BODY_BYTES, error_response, read_form
-from stagemesh.gateway.video_mux import EncoderMissing, Mp4Writer, check_encoder, h264_encoder
+from stagemesh.gateway.videos.mux import EncoderMissing, Mp4Writer, check_encoder, h264_encoder
+from stagemesh.gateway.wire.forms import read_form
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, error_response
 
 find_spec = importlib.util.find_spec
 

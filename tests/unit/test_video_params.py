@@ -13,18 +13,20 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stagemesh.gateway.catalog import ImageFacts, VideoFacts
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.http_io import Form, FormFile
-from stagemesh.gateway.openai_videos import form_from_json, video_object, video_request
+from stagemesh.gateway.mesh.stages import ImageFacts, VideoFacts
 from stagemesh.gateway.recipes import VideoDefaults
-from stagemesh.gateway.video_params import (
+from stagemesh.gateway.videos.protocol import (
     VideoRequest,
+    form_from_json,
     image_from_reference,
     resolve_video_request,
     round_up_frames,
+    video_request,
 )
-from stagemesh.gateway.video_store import JobRecord, JobStatus, Runner
+from stagemesh.gateway.videos.routes import video_object
+from stagemesh.gateway.videos.store import JobRecord, JobStatus, Runner
+from stagemesh.gateway.wire.forms import Form, FormFile
 from stagemesh.shared.proto.v1 import common_pb2
 
 IMAGE = ImageFacts(max_prompt_chars=100, size_multiple=16, max_side=128, max_pixels=128 * 128,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.gateway.video_store import (
+from stagemesh.gateway.videos.store import (
     LOST_ERROR,
     PROCESS_STARTED,
     JobLimit,

@@ -1,0 +1,386 @@
+"""Chat: Thinker -> (sentence by sentence) Talker -> Codec, streaming text and speech together.
+
+The thinker writes the answer token by token; each `delta` is emitted at once as text. With
+audio output, a SentenceSplitter cuts the text into sentences as it arrives, and each finished
+sentence is spoken through the speech recipe's own pipeline (`speech.pipeline.speak`)
+while the thinker keeps writing: the first sentence's audio leaves long before the answer
+ends. Sentences are spoken one after another, in order, so the audio is one continuous stream.
+
+Every stage call (the thinker's and each sentence's talker and codec) runs under the request's
+one CancelScope: a cancel by id, a passed deadline or a client that goes away stops all of them
+at their next step, and the first failure of either side cancels the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from stagemesh.gateway.chat.protocol import AUDIO_FORMATS, ROLES, AudioOutput, ChatRequest, ChatTurn
+from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.mesh.calls import CancelScope, call_stage, side_by_side
+from stagemesh.gateway.mesh.events import Done, Emit, Output, StageEvent, stream_pipeline
+from stagemesh.gateway.recipes import Recipe, Task
+from stagemesh.gateway.speech.audio import AudioFormat, Samples, StreamEncoder
+from stagemesh.gateway.speech.pipeline import AudioPiece, SpeechJob, prepare_speech, speak
+from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.shared.limits import MAX_SEED
+from stagemesh.shared.proto.v1 import gateway_service_pb2 as gateway_pb
+from stagemesh.shared.proto.v1 import thinker_service_pb2 as pb
+from stagemesh.shared.proto.v1 import thinker_service_pb2_grpc
+
+if TYPE_CHECKING:  # the async stub class exists only in the generated .pyi file
+    from stagemesh.shared.proto.v1.thinker_service_pb2_grpc import ThinkerServiceAsyncStub
+
+#: A sentence longer than this is cut at a space: the talker starts sooner, and stays bounded.
+MAX_SENTENCE_CHARS = 300
+#: Text that stands in for the sentences while the speech request is checked before any stage.
+_PROBE_TEXT = "Hello."
+
+ChatEvents = AsyncGenerator["StageEvent | Output[ChatPiece] | Done[ChatSummary]", None]
+
+
+# -- the request ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """A checked chat request: the recipe, the thinker's start fields, and the speech job
+    (its params are each sentence's, with the sentence as input) when audio is asked for."""
+
+    recipe: Recipe
+    messages: tuple[ChatTurn, ...]
+    sampling: pb.TokenSamplingParams
+    priority: int
+    speech: SpeechJob | None
+
+
+def chat_recipe(core: GatewayCore, model: str) -> Recipe | None:
+    """The chat recipe `model` names; None when it names another task's recipe (chat
+    completions then draw images, as before) or is empty while an image recipe is served."""
+    named = core.recipes.get(model) if model else None
+    if named is not None:
+        return named if named.task is Task.CHAT else None
+    if model:
+        return core.mesh.recipe(model, Task.CHAT)  # unknown: the mesh's 400 names the choices
+    serves_images = any(r.task is Task.TEXT_TO_IMAGE for r in core.recipes.values())
+    return None if serves_images else core.mesh.recipe("", Task.CHAT)
+
+
+async def prepare_chat(core: GatewayCore, recipe: Recipe, request: ChatRequest) -> ChatJob:
+    """Check every field against what the thinker (and the speech stages) publish."""
+    facts = await core.catalog.read(core.catalog.thinker, recipe)
+    _check_messages(request.messages, facts)
+    sampling = _sampling(request, facts)
+    speech = None
+    if request.audio is not None:
+        speech = await _speech_job(core, recipe, request.audio, request.seed)
+    return ChatJob(recipe, request.messages, sampling, request.priority, speech)
+
+
+def _check_messages(messages: tuple[ChatTurn, ...],
+                    facts: pb.DescribeThinkerResponse) -> None:
+    if not messages:
+        raise InvalidRequest("messages", "messages must be a non-empty list")
+    if len(messages) > facts.max_messages:
+        raise InvalidRequest("messages", f"{len(messages)} messages, the limit is "
+                             f"{facts.max_messages}")
+    chars = sum(len(turn.content) for turn in messages)
+    if chars > facts.max_input_chars:
+        raise InvalidRequest("messages", f"messages have {chars} characters, the limit is "
+                             f"{facts.max_input_chars}")
+
+
+def _sampling(request: ChatRequest, facts: pb.DescribeThinkerResponse) -> pb.TokenSamplingParams:
+    sampling = pb.TokenSamplingParams(max_tokens=request.max_tokens or 0)
+    if request.max_tokens is not None and not 1 <= request.max_tokens <= facts.max_tokens:
+        raise InvalidRequest("max_tokens", f"max_tokens must be in [1, {facts.max_tokens}], "
+                             f"got {request.max_tokens}")
+    if request.temperature is not None:
+        if not 0 <= request.temperature <= facts.max_temperature:
+            raise InvalidRequest("temperature", f"temperature must be in "
+                                 f"[0, {facts.max_temperature:g}], got {request.temperature}")
+        sampling.temperature = request.temperature
+    if request.top_p is not None:
+        if not 0 < request.top_p <= 1:
+            raise InvalidRequest("top_p", f"top_p must be in (0, 1], got {request.top_p}")
+        sampling.top_p = request.top_p
+    if request.seed is not None:
+        if not 0 <= request.seed <= MAX_SEED:
+            raise InvalidRequest("seed", f"seed must be in [0, {MAX_SEED}], got {request.seed}")
+        sampling.seed = request.seed
+    return sampling
+
+
+async def _speech_job(core: GatewayCore, recipe: Recipe, audio: AudioOutput,
+                      seed: int | None) -> SpeechJob:
+    """The speech recipe's checked request (voice, format), with a stand-in text."""
+    if audio.format is not None and audio.format not in AUDIO_FORMATS:
+        raise InvalidRequest("audio.format", f"audio.format must be one of "
+                             f"{sorted(AUDIO_FORMATS)}, got {audio.format!r}")
+    fmt = AUDIO_FORMATS[audio.format or "wav"]
+    speech_model = recipe.speech or (core.mesh.recipe("", Task.TEXT_TO_SPEECH).name)
+    try:
+        return await prepare_speech(core, SpeechRequest(
+            input=_PROBE_TEXT, model=speech_model, voice=audio.voice,
+            response_format=fmt.value, seed=seed))
+    except InvalidRequest as error:
+        field = f"audio.{error.field_name}" if error.field_name == "voice" else error.field_name
+        raise InvalidRequest(field, error.message) from None
+
+
+# -- sentences ------------------------------------------------------------------------------
+
+#: The end of a sentence: . ! ? (closing quotes or brackets may follow) before a space, or a
+#: line break. A number's point ("3.5") and a list's "1. " are no ends (see `_is_end`).
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s)|\n+")
+
+
+class SentenceSplitter:
+    """Text in pieces -> whole sentences, each as soon as its end has been written."""
+
+    def __init__(self, max_chars: int = MAX_SENTENCE_CHARS) -> None:
+        self.max_chars = max_chars
+        self._text = ""
+
+    def push(self, piece: str) -> list[str]:
+        """Add written text; return the sentences it completed, in order."""
+        self._text += piece
+        sentences: list[str] = []
+        while (cut := self._next_cut()) is not None:
+            sentence, self._text = self._text[:cut].strip(), self._text[cut:]
+            if _speakable(sentence):
+                sentences.append(sentence)
+            else:  # "1." or a stray mark: keep it with what follows
+                self._text = sentence + " " + self._text.lstrip()
+                break
+        return sentences
+
+    def flush(self) -> list[str]:
+        """The rest of the text, once the answer has ended."""
+        rest, self._text = self._text.strip(), ""
+        return [rest] if _speakable(rest) else []
+
+    def _next_cut(self) -> int | None:
+        for match in _SENTENCE_END.finditer(self._text):
+            if _is_end(self._text, match.start()):
+                return match.end()
+        if len(self._text) > self.max_chars:
+            space = self._text.rfind(" ", 0, self.max_chars)
+            return space if space > 0 else self.max_chars
+        return None
+
+
+def _is_end(text: str, at: int) -> bool:
+    """Whether the mark at `at` ends a sentence: not the point of a list number ("1. ")."""
+    if text[at] != ".":
+        return True
+    words = text[:at].split()
+    return not (words and words[-1].isdigit())
+
+
+def _speakable(sentence: str) -> bool:
+    return any(c.isalnum() for c in sentence) and not sentence.rstrip(".").isdigit()
+
+
+# -- running it -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    """Text the thinker wrote since the previous piece."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class SpokenPiece:
+    """Audio of the answer, in order; `transcript` is set on a sentence's first piece."""
+
+    pcm: Samples
+    sample_rate: int
+    transcript: str = ""
+
+
+ChatPiece = TextPiece | SpokenPiece
+
+
+@dataclass(frozen=True)
+class ChatSummary:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    sample_rate: int = 0  # 0 = no audio
+
+
+def thinker_stub(core: GatewayCore, recipe: Recipe) -> ThinkerServiceAsyncStub:
+    return thinker_service_pb2_grpc.ThinkerServiceStub(core.mesh.channel(recipe.stage("thinker")))
+
+
+def _thinker_start(scope: CancelScope, job: ChatJob) -> pb.GenerateTokensRequest:
+    return pb.GenerateTokensRequest(start=pb.GenerateTokensStart(
+        request_id=scope.stage_request_id, sampling=job.sampling, priority=job.priority,
+        messages=[pb.ChatMessage(role=t.role, content=t.content) for t in job.messages]))
+
+
+class _Voice:
+    """Speaks finished sentences one after another while the thinker writes the next ones."""
+
+    def __init__(self, core: GatewayCore, speech: SpeechJob, scope: CancelScope,
+                 emit: Emit[ChatPiece]) -> None:
+        self.stubs = core.mesh.speech_stubs(speech.recipe)
+        self.params = speech.params
+        self.scope = scope
+        self.emit = emit
+        self.sample_rate = 0
+        #: Sentences waiting to be spoken; None: the answer is complete.
+        self.sentences: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def speak_all(self) -> None:
+        while (sentence := await self.sentences.get()) is not None:
+            await self._speak(sentence)
+
+    async def _speak(self, sentence: str) -> None:
+        transcript = sentence
+
+        async def emit_audio(item: StageEvent | Output[AudioPiece]) -> None:
+            nonlocal transcript
+            if isinstance(item, Output):
+                piece = item.value
+                self.sample_rate = piece.sample_rate
+                await self.emit(Output(SpokenPiece(piece.pcm, piece.sample_rate, transcript)))
+                transcript = ""
+
+        params = dataclasses.replace(self.params, input=sentence)
+        await speak(params, self.scope, self.stubs, emit_audio)
+
+
+async def run_chat(core: GatewayCore, job: ChatJob, scope: CancelScope,
+                   emit: Emit[ChatPiece]) -> ChatSummary:
+    """Thinker (and, with audio, the speech stages sentence by sentence) for one answer."""
+    voice = _Voice(core, job.speech, scope, emit) if job.speech is not None else None
+    splitter = SentenceSplitter()
+    written: list[str] = []
+
+    async def on_delta(stage: str, response: pb.GenerateTokensResponse) -> None:
+        if response.WhichOneof("event") == "delta" and response.delta.text:
+            written.append(response.delta.text)
+            await emit(Output(TextPiece(response.delta.text)))
+            if voice is not None:
+                for sentence in splitter.push(response.delta.text):
+                    voice.sentences.put_nowait(sentence)
+
+    async def think() -> pb.GenerateTokensResult:
+        answered = await call_stage(scope, "thinker", thinker_stub(core, job.recipe).GenerateTokens,
+                                    _thinker_start(scope, job), pb.GenerateTokensRequest,
+                                    on_event=on_delta)
+        if voice is not None:
+            for sentence in splitter.flush():
+                voice.sentences.put_nowait(sentence)
+            voice.sentences.put_nowait(None)
+        return answered.result
+
+    async with side_by_side() as group:  # the first failure cancels the other side
+        thinking = group.create_task(think())
+        if voice is not None:
+            group.create_task(voice.speak_all())
+    result = thinking.result()
+    return ChatSummary(text="".join(written), finish_reason=result.finish_reason,
+                       prompt_tokens=result.prompt_tokens,
+                       completion_tokens=result.completion_tokens,
+                       sample_rate=voice.sample_rate if voice is not None else 0)
+
+
+async def answer(core: GatewayCore, job: ChatJob, context: RequestContext,
+                 emit: Emit[ChatPiece]) -> ChatSummary:
+    """run_chat inside the request's CancelScope (failures become GatewayErrors)."""
+    async with core.request_scope(job.recipe, context) as scope:
+        return await run_chat(core, job, scope, emit)
+
+
+def chat_events(core: GatewayCore, job: ChatJob, context: RequestContext) -> ChatEvents:
+    """answer as a stream: text and audio pieces as they come, then Done with the summary."""
+
+    async def run(emit: Emit[ChatPiece]) -> ChatSummary:
+        return await answer(core, job, context, emit)
+
+    return stream_pipeline(run)
+
+
+# -- the public gRPC API (GatewayService.Chat) ----------------------------------------------
+
+
+def chat_request_of(request: gateway_pb.ChatRequest) -> ChatRequest:
+    """The proto's zero values mean "not given" (0 max_tokens = default, no audio = text)."""
+    turns = []
+    for index, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise InvalidRequest(f"messages.[{index}].role", f"unknown role {message.role!r}; "
+                                 f"known: {sorted(ROLES)}")
+        turns.append(ChatTurn(ROLES[message.role], message.content))
+    audio = (AudioOutput(voice=request.audio.voice or None, format=request.audio.format or None)
+             if request.HasField("audio") else None)
+    return ChatRequest(
+        messages=tuple(turns), model=request.model, max_tokens=request.max_tokens or None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_p=request.top_p if request.HasField("top_p") else None,
+        seed=request.seed if request.HasField("seed") else None, audio=audio,
+        priority=request.priority)
+
+
+class _NativeResponses:
+    """Chat events -> ChatResponse messages; the audio is one stream in the asked format."""
+
+    def __init__(self, request_id: str, fmt: AudioFormat | None) -> None:
+        self.request_id = request_id
+        self.fmt = fmt
+        self.encoder: StreamEncoder | None = None
+
+    def of(self, item: StageEvent | Output[ChatPiece] | Done[ChatSummary]
+           ) -> list[gateway_pb.ChatResponse]:
+        if isinstance(item, Output) and isinstance(item.value, TextPiece):
+            return [gateway_pb.ChatResponse(request_id=self.request_id, text=item.value.text)]
+        if isinstance(item, Output) and isinstance(item.value, SpokenPiece):
+            piece = item.value
+            return [self._audio(self._encoder(piece.sample_rate).chunk(piece.pcm),
+                                piece.transcript)]
+        if isinstance(item, Done):
+            tail = self.encoder.end() if self.encoder is not None else b""
+            summary = item.result
+            return [*([self._audio(tail)] if tail else []), gateway_pb.ChatResponse(
+                request_id=self.request_id, result=gateway_pb.ChatResult(
+                    finish_reason=summary.finish_reason, prompt_tokens=summary.prompt_tokens,
+                    completion_tokens=summary.completion_tokens))]
+        return []
+
+    def _encoder(self, sample_rate: int) -> StreamEncoder:
+        if self.encoder is None:
+            self.encoder = StreamEncoder(self.fmt or AudioFormat.WAV, sample_rate)
+        return self.encoder
+
+    def _audio(self, data: bytes, transcript: str = "") -> gateway_pb.ChatResponse:
+        assert self.encoder is not None
+        return gateway_pb.ChatResponse(request_id=self.request_id, audio=gateway_pb.ChatAudioChunk(
+            data=data, transcript=transcript, sample_rate=self.encoder.sample_rate))
+
+
+async def native_chat(core: GatewayCore, request: gateway_pb.ChatRequest,
+                      context: RequestContext) -> AsyncGenerator[gateway_pb.ChatResponse, None]:
+    """GatewayService.Chat: text events as written, audio events sentence by sentence (one
+    continuous stream in the requested format), then the result."""
+    recipe = core.mesh.recipe(request.model, Task.CHAT)
+    job = await prepare_chat(core, recipe, chat_request_of(request))
+    context = context.for_request(request.request_id)
+    responses = _NativeResponses(
+        context.request_id, job.speech.params.response_format if job.speech else None)
+    async with contextlib.aclosing(chat_events(core, job, context)) as items:
+        async for item in items:
+            for response in responses.of(item):
+                yield response

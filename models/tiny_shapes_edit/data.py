@@ -1,0 +1,130 @@
+"""Edits of the tiny-shapes world: recolour, move, reshape; everything else kept.
+
+An `Edit` is a source `Spec`, the attribute it changes (`kind`) and the new value. Source and
+target are rendered with the same jitter (size, offset from the nominal position, colour tint),
+so the only difference between them is the edited attribute.
+
+Held out: 20% of each kind's (from, to) combinations ("red -> blue", "left -> top",
+"square -> triangle"), chosen by a fixed seed, never appear in training; the evaluation edits
+only those.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from stagemesh.models.tiny_shapes.data import (
+    COLOUR_JITTER,
+    COLOURS,
+    HALF_SIZE_RANGE,
+    POSITION_CENTRES,
+    POSITION_JITTER,
+    POSITIONS,
+    SHAPES,
+    Spec,
+    all_specs,
+    render,
+)
+
+#: The attributes an edit may change, with their values.
+KINDS: dict[str, tuple[str, ...]] = {
+    "colour": tuple(COLOURS),
+    "position": POSITIONS,
+    "shape": SHAPES,
+}
+_MOVE_PHRASES = {"left": "the left", "right": "the right", "top": "the top",
+                 "bottom": "the bottom", "centre": "the centre"}
+HELD_OUT_FRACTION = 0.2
+SPLIT_SEED = 27
+
+
+def instruction(kind: str, value: str) -> str:
+    """The instruction that sets `kind` to `value`."""
+    if kind == "colour":
+        return f"make it {value}"
+    if kind == "shape":
+        return f"make it a {value}"
+    if kind == "position":
+        return f"move it to {_MOVE_PHRASES[value]}"
+    raise ValueError(f"unknown edit kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Edit:
+    """`source` with its `kind` attribute set to `value`."""
+
+    source: Spec
+    kind: str
+    value: str
+
+    @property
+    def target(self) -> Spec:
+        return replace(self.source, **{self.kind: self.value})
+
+    @property
+    def instruction(self) -> str:
+        return instruction(self.kind, self.value)
+
+    @property
+    def combination(self) -> tuple[str, str, str]:
+        """(kind, from, to): the unit of the held-out split."""
+        return self.kind, getattr(self.source, self.kind), self.value
+
+
+def all_instructions() -> list[str]:
+    return [instruction(kind, value) for kind, values in KINDS.items() for value in values]
+
+
+def all_edits() -> list[Edit]:
+    """Every source spec x every edit that changes it (270 x 11), in a fixed order."""
+    return [Edit(spec, kind, value) for spec in all_specs() for kind, values in KINDS.items()
+            for value in values if value != getattr(spec, kind)]
+
+
+def held_out_combinations() -> frozenset[tuple[str, str, str]]:
+    """20% of each kind's (kind, from, to) combinations (at least one), fixed by SPLIT_SEED."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    held: set[tuple[str, str, str]] = set()
+    for kind, values in KINDS.items():
+        pairs = [(kind, a, b) for a, b in itertools.permutations(values, 2)]
+        n = max(1, round(HELD_OUT_FRACTION * len(pairs)))
+        held.update(pairs[i] for i in rng.choice(len(pairs), size=n, replace=False))
+    return frozenset(held)
+
+
+def split() -> tuple[list[Edit], list[Edit]]:
+    """(training edits, held-out edits)."""
+    held = held_out_combinations()
+    edits = all_edits()
+    return ([e for e in edits if e.combination not in held],
+            [e for e in edits if e.combination in held])
+
+
+def render_pair(edit: Edit, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(source, target) uint8 (32, 32, 3) images sharing one draw of jitter."""
+    dx, dy = rng.uniform(-POSITION_JITTER, POSITION_JITTER, size=2)
+    half = float(rng.uniform(*HALF_SIZE_RANGE))
+    tint = rng.integers(-COLOUR_JITTER, COLOUR_JITTER + 1, size=3)
+
+    def draw(spec: Spec) -> np.ndarray:
+        cx, cy = POSITION_CENTRES[spec.position]
+        rgb = np.clip(np.array(COLOURS[spec.colour]) + tint, 0, 255)
+        return render(spec, centre=(cx + dx, cy + dy), half=half,
+                      colour=(int(rgb[0]), int(rgb[1]), int(rgb[2])))
+
+    return draw(edit.source), draw(edit.target)
+
+
+def make_dataset(edits: list[Edit], n: int, seed: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """`n` rendered pairs cycling through `edits` in a seeded order: uint8 sources and targets
+    (n, 32, 32, 3) and their instructions."""
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(len(edits))
+                            for _ in range(n // len(edits) + 1)])[:n]
+    pairs = [render_pair(edits[i], rng) for i in order]
+    return (np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]),
+            [edits[i].instruction for i in order])

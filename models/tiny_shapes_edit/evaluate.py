@@ -1,0 +1,202 @@
+"""Runs held-out edits through any edit generator, judges them, writes metrics and a grid.
+
+`evaluate(generate, out_dir)` is independent of how edits are made: `generate(image,
+instruction, seed)` may call the stock pipeline in-process (`pipeline_generator`, resizing to
+the folder's condition area) or a running mesh over REST (`mesh_eval`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypedDict
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from stagemesh.models.tiny_shapes.scoring import measure
+from stagemesh.models.tiny_shapes_edit.data import KINDS, Edit, render_pair, split
+from stagemesh.models.tiny_shapes_edit.judge import VERDICTS, judge_measurement
+
+logger = logging.getLogger(__name__)
+
+EditGenerate = Callable[[np.ndarray, str, int], np.ndarray]
+"""generate(source uint8 (H, W, 3), instruction, seed) -> uint8 RGB (H, W, 3)."""
+
+DEFAULT_PER_KIND = 60
+_SCALE = 4
+
+
+class EditRecord(TypedDict):
+    source: str
+    instruction: str
+    kind: str
+    seen: dict[str, str]
+    verdict: dict[str, bool]
+
+
+class EditMetrics(TypedDict):
+    n: int
+    seed: int
+    accuracy: dict[str, dict[str, float]]  # kind -> {"edited": .., "kept": ..}
+    records: list[EditRecord]
+
+
+def held_out_sample(per_kind: int = DEFAULT_PER_KIND, seed: int = 0) -> list[Edit]:
+    """A stable sample of `per_kind` held-out edits of each kind."""
+    rng = np.random.default_rng(seed)
+    _, held_out = split()
+    sample: list[Edit] = []
+    for kind in KINDS:
+        edits = [e for e in held_out if e.kind == kind]
+        sample += [edits[i] for i in rng.permutation(len(edits))[:per_kind]]
+    return sample
+
+
+def _cell(source: np.ndarray, result: np.ndarray, record: EditRecord) -> Image.Image:
+    size = source.shape[0] * _SCALE
+    cell = Image.new("RGB", (2 * size + 4, size + 28), "white")
+    for i, image in enumerate((source, result)):
+        cell.paste(Image.fromarray(image).resize((size, size), Image.Resampling.NEAREST),
+                   (i * (size + 4), 0))
+    draw = ImageDraw.Draw(cell)
+    font = ImageFont.load_default()
+    colour = "black" if all(record["verdict"].values()) else (200, 0, 0)
+    draw.text((2, size + 2), record["instruction"], fill=colour, font=font)
+    wrong = [v for v in VERDICTS if not record["verdict"][v]]
+    if wrong:
+        draw.text((2, size + 14), "not " + ", not ".join(wrong), fill=(200, 0, 0), font=font)
+    return cell
+
+
+def write_grid(cells: list[Image.Image], path: Path, columns: int = 8) -> None:
+    """Before/after pairs, the instruction under each; failures in red."""
+    cw, ch = cells[0].size
+    grid = Image.new("RGB", (cw * min(columns, len(cells)), ch * -(-len(cells) // columns)),
+                     (230, 230, 230))
+    for i, cell in enumerate(cells):
+        grid.paste(cell, ((i % columns) * cw, (i // columns) * ch))
+    grid.save(path)
+
+
+def evaluate(generate: EditGenerate, out_dir: str | Path, edits: list[Edit] | None = None,
+             seed: int = 0) -> EditMetrics:
+    """Renders each edit's source (seeded), edits it, judges it; writes metrics.json, grid.png."""
+    edits = held_out_sample(seed=seed) if edits is None else edits
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    records: list[EditRecord] = []
+    cells: list[Image.Image] = []
+    for i, edit in enumerate(edits):
+        source = render_pair(edit, rng)[0]
+        result = np.asarray(generate(source, edit.instruction, seed))
+        seen = measure(result)
+        record: EditRecord = {
+            "source": edit.source.caption, "instruction": edit.instruction, "kind": edit.kind,
+            "seen": {"colour": seen.colour, "shape": seen.shape, "position": seen.position,
+                     "background": seen.background},
+            "verdict": judge_measurement(edit, seen)}
+        records.append(record)
+        cells.append(_cell(source, result, record))
+        if (i + 1) % 30 == 0:
+            logger.info("evaluated %d/%d edits", i + 1, len(edits))
+    accuracy = {kind: {v: float(np.mean([r["verdict"][v] for r in records if r["kind"] == kind]))
+                       for v in VERDICTS}
+                for kind in KINDS if any(r["kind"] == kind for r in records)}
+    metrics: EditMetrics = {"n": len(records), "seed": seed, "accuracy": accuracy,
+                            "records": records}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_grid(cells, out / "grid.png")
+    logger.info("accuracy over %d held-out edits: %s", len(records), accuracy)
+    return metrics
+
+
+def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
+                       guidance: float = DEFAULT_GUIDANCE) -> EditGenerate:
+    """An `EditGenerate` backed by the stock `QwenImageEditPipeline`, its input resize patched
+    to the folder's condition area (`stock_condition_area`)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+
+    from stagemesh.models.families.qwen_image import condition_area, stock_condition_area
+    from stagemesh.models.families.qwen_vl_processor import install_processor_support
+
+    install_processor_support()  # the folder's Pil image processor, without torchvision
+    pipe = QwenImageEditPipeline.from_pretrained(folder, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    area = condition_area(folder)
+
+    def generate(image: np.ndarray, instruction: str, seed: int) -> np.ndarray:
+        height, width = image.shape[:2]
+        with stock_condition_area(area):
+            result = pipe(image=Image.fromarray(image), prompt=instruction, negative_prompt="",
+                          true_cfg_scale=guidance, height=height, width=width,
+                          num_inference_steps=steps, output_type="np",
+                          generator=torch.Generator().manual_seed(seed))
+        edited: np.ndarray = (result.images[0] * 255.0).round().astype(np.uint8)
+        return edited
+
+    return generate
+
+
+#: The README's example: what tiny-shapes draws, then each instruction applied to it.
+README_SOURCE, README_INSTRUCTIONS, README_SEED = (
+    "a red circle on the left", ("make it blue", "move it to the right", "make it a triangle"), 1)
+
+
+def write_readme_sample(edit_folder: str | Path, path: str | Path, *, steps: int = DEFAULT_STEPS,
+                        guidance: float = DEFAULT_GUIDANCE) -> None:
+    """The README's before/after strip: tiny-shapes' picture, then each edit of it (in-process,
+    stock pipelines, the README's seed), upscaled, the instruction under each."""
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES
+    from stagemesh.models.tiny_shapes import evaluate as drawing
+
+    source = drawing.pipeline_generator(SHIPPED_TINY_SHAPES, steps=steps,
+                                        guidance=guidance)(README_SOURCE, README_SEED)
+    edit = pipeline_generator(edit_folder, steps=steps, guidance=guidance)
+    images = [source] + [edit(source, text, README_SEED) for text in README_INSTRUCTIONS]
+    labels = [README_SOURCE, *README_INSTRUCTIONS]
+    size = source.shape[0] * _SCALE
+    strip = Image.new("RGB", (len(images) * (size + 24), size + 16), "white")
+    draw = ImageDraw.Draw(strip)
+    for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+        strip.paste(Image.fromarray(image).resize((size, size), Image.Resampling.NEAREST),
+                    (i * (size + 24), 0))
+        draw.text((i * (size + 24), size + 2), label, fill="black",
+                  font=ImageFont.load_default())
+    strip.save(path)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Judge a tiny-shapes-edit folder in-process.")
+    parser.add_argument("folder")
+    parser.add_argument("out_dir")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE)
+    parser.add_argument("--per-kind", type=int, default=DEFAULT_PER_KIND)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sample", default=None, help="also write the README's strip here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    generate = pipeline_generator(args.folder, steps=args.steps, guidance=args.guidance)
+    metrics = evaluate(generate, args.out_dir, held_out_sample(args.per_kind, args.seed),
+                       seed=args.seed)
+    print(json.dumps(metrics["accuracy"]))
+    if args.sample:
+        write_readme_sample(args.folder, args.sample, steps=args.steps, guidance=args.guidance)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Trains tiny-shapes-edit and writes a stock diffusers Qwen-Image-Edit folder.
+
+The VAE is tiny-shapes' own (copied, frozen: same world, same pixels), and the DiT starts from
+tiny-shapes' trained transformer (it already draws the world; what it learns here is to read an
+instruction and copy the rest of the input). The text encoder (Qwen2.5-VL with its vision tower)
+and its tokenizer are built as tiny-shapes builds them, over the edit template and instructions.
+
+Training follows `QwenImageEditPipeline`'s conventions: the text path is its `encode_prompt`
+(instruction + input image through the processor), the input image's normalised latents are
+packed after the noisy ones with `img_shapes` naming both, the loss is on the first half of the
+prediction. The model conditions at its own output size: `condition.json` in the folder
+(`stagemesh.models.families.qwen_image.CONDITION_FILE`) says so, where the stock pipeline
+resizes every input to ~1 Mpx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import PIL.Image
+import torch
+import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+
+from stagemesh.models.families.qwen_image import write_condition_area
+from stagemesh.models.qwen_image_edit import build_vl_processor
+from stagemesh.models.registry import SHIPPED_TINY_SHAPES
+from stagemesh.models.tiny_shapes import train as base
+from stagemesh.models.tiny_shapes.data import IMAGE_SIZE
+from stagemesh.models.tiny_shapes_edit.data import all_instructions, make_dataset, split
+
+logger = logging.getLogger(__name__)
+
+def _edit_template() -> tuple[str, int]:
+    """The pipeline's own template and drop index, read off an instance with no components."""
+    pipe = QwenImageEditPipeline(scheduler=None, vae=None, text_encoder=None,  # type: ignore[arg-type]
+                                 tokenizer=None, processor=None, transformer=None)  # type: ignore[arg-type]
+    return pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+
+
+@dataclass(frozen=True)
+class EditTrainConfig:
+    """Everything that decides the trained weights besides the seed."""
+
+    n_pairs: int = 6000
+    text_dim: int = 64
+    steps: int = 700
+    batch: int = 24
+    lr: float = 4e-4
+    warmup: int = 100
+    caption_dropout: float = 0.1
+    ema_decay: float = 0.998
+    threads: int = 1
+    snapshot: bool = False  # also write <out>-halfway, the EMA weights at half the steps
+
+    @classmethod
+    def proxy(cls) -> EditTrainConfig:
+        return cls(n_pairs=2000, steps=300)
+
+    @classmethod
+    def smoke(cls) -> EditTrainConfig:
+        return cls(n_pairs=64, steps=4, batch=4, warmup=2)
+
+
+def _to_pil(images: np.ndarray) -> list[PIL.Image.Image]:
+    return [PIL.Image.fromarray(image) for image in images]
+
+
+def edit_loss(pipe: QwenImageEditPipeline, x0: torch.Tensor, cond: torch.Tensor,
+              sources: list[PIL.Image.Image], instructions: list[str],
+              gen: torch.Generator) -> torch.Tensor:
+    """Rectified flow on the target latents, the source latents appended as the pipeline does."""
+    b, c, h, w = x0.shape
+    noise = torch.randn(x0.shape, generator=gen)
+    sigma = base.sample_sigmas(b, gen)
+    s = sigma[:, None, None, None]
+    xt = (1.0 - s) * x0 + s * noise
+    embeds, mask = pipe.encode_prompt(instructions, image=sources,  # type: ignore[arg-type]
+                                      device=torch.device("cpu"))
+    packed = pipe._pack_latents(xt, b, c, h, w)
+    hidden = torch.cat([packed, pipe._pack_latents(cond, b, c, h, w)], dim=1)
+    pred = pipe.transformer(
+        hidden_states=hidden,
+        timestep=sigma,
+        encoder_hidden_states=embeds,
+        encoder_hidden_states_mask=mask,
+        img_shapes=[[(1, h // 2, w // 2), (1, h // 2, w // 2)]] * b,
+        return_dict=False,
+    )[0][:, : packed.shape[1]]
+    return F.mse_loss(pred, pipe._pack_latents(noise - x0, b, c, h, w))
+
+
+def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.Tensor,
+               sources: list[PIL.Image.Image], instructions: list[str], cfg: EditTrainConfig,
+               gen: torch.Generator, halfway: Callable[[], None] | None = None) -> list[float]:
+    """Trains transformer + text encoder (vision tower included); leaves the EMA weights in.
+
+    `halfway`, if given, runs once with the EMA weights loaded at half the steps (a snapshot to
+    judge early). Returns the 1-minute load average sampled every 50 steps (others share this
+    machine)."""
+    modules = torch.nn.ModuleDict({"transformer": pipe.transformer,
+                                   "text_encoder": pipe.text_encoder})
+    params = [p for p in modules.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ema = {k: v.detach().clone() for k, v in modules.state_dict().items()}
+    modules.train()
+    load: list[float] = []
+    with base._progress(cfg.steps, "edit") as bar:
+        for step in range(cfg.steps):
+            idx = torch.randint(0, len(targets), (cfg.batch,), generator=gen).tolist()
+            drop = (torch.rand(cfg.batch, generator=gen) < cfg.caption_dropout).tolist()
+            batch_text = ["" if d else instructions[i] for i, d in zip(idx, drop, strict=True)]
+            loss = edit_loss(pipe, targets[idx], conds[idx], [sources[i] for i in idx],
+                             batch_text, gen)
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr * base.cosine_lr(step, cfg.steps, cfg.warmup)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            with torch.no_grad():
+                decay = min(cfg.ema_decay, (1 + step) / (10 + step))
+                for k, v in modules.state_dict().items():
+                    ema[k].lerp_(v, 1.0 - decay)
+            bar.update()
+            if halfway is not None and step + 1 == cfg.steps // 2:
+                live = {k: v.detach().clone() for k, v in modules.state_dict().items()}
+                modules.load_state_dict(ema)
+                halfway()
+                modules.load_state_dict(live)
+            if step % 50 == 0:
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+                logger.info("step %d loss %.4f", step, loss.item())
+                load.append(os.getloadavg()[0])
+    modules.load_state_dict(ema)
+    modules.eval()
+    return load
+
+
+def normalised_latents(vae: AutoencoderKLQwenImage, images: np.ndarray) -> torch.Tensor:
+    """What the pipeline's `_encode_vae_image` gives (posterior mode, normalised)."""
+    latents = base.encode_latents(vae, images)
+    mean = torch.tensor(vae.config["latents_mean"])[None, :, None, None]
+    std = torch.tensor(vae.config["latents_std"])[None, :, None, None]
+    return (latents - mean) / std
+
+
+def train(out_dir: str | Path, *, seed: int = 0, config: EditTrainConfig | None = None) -> Path:
+    """Renders training edits, trains, writes the folder and its training.json."""
+    cfg = config or EditTrainConfig()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _train(Path(out_dir), cfg, seed)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    timings: dict[str, float] = {}
+    cpu_start = time.process_time()
+    training_edits, held_out = split()
+    sources, targets, instructions = base._phase(
+        "render", lambda: make_dataset(training_edits, cfg.n_pairs, seed=seed), timings)
+
+    template, drop = _edit_template()
+    tokenizer = base.build_tokenizer(all_instructions(), template=template,
+                                     prefix=template.split("<|vision_start|>")[0],
+                                     prefix_tokens=drop)
+    vae = AutoencoderKLQwenImage.from_pretrained(SHIPPED_TINY_SHAPES / "vae")
+    vae.requires_grad_(False)
+    transformer = QwenImageTransformer2DModel.from_pretrained(SHIPPED_TINY_SHAPES / "transformer")
+    if transformer.config.joint_attention_dim != cfg.text_dim:
+        raise ValueError("text_dim must be tiny-shapes' joint_attention_dim")
+    pipe = QwenImageEditPipeline(
+        scheduler=base.build_scheduler(),  # type: ignore[arg-type]
+        vae=vae,
+        text_encoder=base.build_text_encoder(tokenizer, cfg.text_dim),
+        tokenizer=tokenizer,
+        processor=build_vl_processor(tokenizer),
+        transformer=transformer,
+    )
+    conds = normalised_latents(vae, sources)
+    x0 = normalised_latents(vae, targets)
+    def save(folder: Path) -> None:
+        pipe.save_pretrained(folder, safe_serialization=True)
+        write_condition_area(folder, IMAGE_SIZE * IMAGE_SIZE)
+
+    snapshot = out.with_name(out.name + "-halfway")
+    load = base._phase("dit", lambda: train_edit(
+        pipe, x0, conds, _to_pil(sources), instructions, cfg, gen,
+        halfway=lambda: save(snapshot) if cfg.snapshot else None), timings)
+    save(out)
+    report = {"config": asdict(cfg), "seed": seed, "seconds": timings,
+              "cpu_seconds": round(time.process_time() - cpu_start, 1),
+              "load_average_1min": {"mean": round(float(np.mean(load)), 2),
+                                    "max": round(max(load), 2), "samples": len(load)},
+              "image_size": IMAGE_SIZE, "base_model": "tiny-shapes (vae, transformer init)",
+              "held_out_edits": len(held_out), "training_edits": len(training_edits)}
+    (out / "training.json").write_text(json.dumps(report, indent=2))
+    logger.info("wrote %s (%s)", out, report["seconds"])
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--proxy", action="store_true", help="the <= 10 minute config")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", nargs="*", default=[], help="EditTrainConfig overrides, k=v")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = (EditTrainConfig.smoke() if args.smoke else
+           EditTrainConfig.proxy() if args.proxy else EditTrainConfig())
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    cfg = replace(cfg, **{k: type(getattr(cfg, k))(json.loads(v)) for k, v in overrides.items()})
+    train(args.out_dir, seed=args.seed, config=cfg)
+
+
+if __name__ == "__main__":
+    main()

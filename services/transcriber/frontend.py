@@ -1,0 +1,141 @@
+"""What the Transcriber hears, in numpy: a streaming resampler, Whisper's log-mel spectrogram
+and the Silero voice activity detector (ONNX Runtime), each fed chunk by chunk.
+
+No torch, no PyAV: the stage's runtime is CTranslate2, ONNX Runtime and numpy (see
+docs/speech-and-chat.md for why).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime  # type: ignore[import-untyped]  # ships no type information
+
+Floats = npt.NDArray[np.float32]
+
+#: Whisper's front end (openai/whisper audio.py): 25 ms windows every 10 ms at 16 kHz, 30 s
+#: of audio per decode, log-mel floored 8 (log10 units) below its peak.
+N_FFT, HOP = 400, 160
+WINDOW_SECONDS = 30
+#: Silero VAD v6 at 16 kHz: 512 new samples per window, after 64 of the previous one.
+VAD_WINDOW, VAD_CONTEXT, VAD_STATE = 512, 64, (1, 1, 128)
+
+
+class StreamResampler:
+    """Band-limited resampling of a stream, chunk by chunk, as one pass over the whole signal.
+
+    Output sample n lies at input time n * orig / target; it is a Hann-windowed sinc (cutoff
+    0.97 of the lower Nyquist rate, `zero_crossings` on each side) over the input around it, so
+    it leaves once the input reaches `half_width` samples past it (or the input has ended).
+    Samples before the start and after the end are zeros.
+    """
+
+    def __init__(self, orig_rate: int, target_rate: int, zero_crossings: int = 16) -> None:
+        self.step = orig_rate / target_rate  # input samples per output sample
+        self.cutoff = 0.97 * min(1.0, target_rate / orig_rate) / 2  # cycles per input sample
+        self.half_width = zero_crossings / (2 * self.cutoff)  # in input samples
+        self.identity = orig_rate == target_rate
+        self._taps = np.arange(-math.ceil(self.half_width), math.ceil(self.half_width) + 1)
+        self._kept: Floats = np.zeros(0, np.float32)
+        self._base = 0  # input index of _kept[0]
+        self._next = 0  # next output index
+
+    def push(self, samples: Floats, final: bool = False) -> Floats:
+        """The output samples that `samples` (the next input) completes; all of them if
+        `final`."""
+        if self.identity:
+            return samples
+        self._kept = np.concatenate([self._kept, samples])
+        received = self._base + self._kept.shape[0]
+        end = (math.ceil(received / self.step) if final
+               else math.floor((received - 1 - self.half_width) / self.step) + 1)
+        if end <= self._next:
+            return np.zeros(0, np.float32)
+        times = np.arange(self._next, end) * self.step
+        index = np.floor(times).astype(np.int64)[:, None] + self._taps[None, :]
+        offset = times[:, None] - index  # output time minus input time, in input samples
+        window = np.where(np.abs(offset) <= self.half_width,
+                          0.5 + 0.5 * np.cos(np.pi * offset / self.half_width), 0.0)
+        weights = 2 * self.cutoff * np.sinc(2 * self.cutoff * offset) * window
+        local = index - self._base
+        inside = (local >= 0) & (local < self._kept.shape[0])
+        values = np.where(inside, self._kept[np.clip(local, 0, max(self._kept.shape[0] - 1, 0))],
+                          0.0) if self._kept.shape[0] else np.zeros_like(weights)
+        out: Floats = (weights * values).sum(axis=1).astype(np.float32)
+        self._next = end
+        keep_from = max(self._base, math.floor(end * self.step - self.half_width) - 1)
+        self._kept = self._kept[keep_from - self._base :]
+        self._base = keep_from
+        return out
+
+
+@functools.cache
+def _mel_filters(n_mels: int) -> npt.NDArray[np.float64]:
+    """[n_fft/2 + 1, n_mels] Slaney mel filters, exactly as Whisper's feature extractor."""
+    from transformers.audio_utils import mel_filter_bank
+
+    filters: npt.NDArray[np.float64] = mel_filter_bank(
+        num_frequency_bins=N_FFT // 2 + 1, num_mel_filters=n_mels, min_frequency=0.0,
+        max_frequency=8000.0, sampling_rate=16_000, norm="slaney", mel_scale="slaney")
+    return filters
+
+
+@functools.cache
+def _hann() -> npt.NDArray[np.float64]:
+    return 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic
+
+
+def log_mel(audio: Floats, n_mels: int) -> Floats:
+    """Whisper's input [n_mels, 3000] for up to 30 s of 16 kHz audio, as transformers'
+    `WhisperFeatureExtractor` computes it (zero padding to 30 s, centred reflect-padded STFT),
+    but only over the frames that hold audio: the padding's frames are silence by definition
+    (log10 of the 1e-10 floor), so they are filled in, not computed."""
+    samples = WINDOW_SECONDS * 16_000
+    frames = samples // HOP
+    audio = audio[:samples].astype(np.float64)
+    padded = np.zeros(samples)
+    padded[: audio.shape[0]] = audio
+    signal = np.pad(padded, N_FFT // 2, mode="reflect")  # the centred STFT's padding
+    voiced = min(frames, (audio.shape[0] + N_FFT // 2) // HOP + 1)
+    strided = np.lib.stride_tricks.sliding_window_view(signal, N_FFT)[: voiced * HOP : HOP]
+    power = np.abs(np.fft.rfft(strided * _hann(), axis=1)) ** 2
+    mel = np.full((frames, n_mels), 1e-10)
+    mel[:voiced] = np.maximum(power @ _mel_filters(n_mels), 1e-10)
+    log = np.log10(mel)
+    log = np.maximum(log, log.max() - 8.0)
+    return np.ascontiguousarray(((log + 4.0) / 4.0).T, dtype=np.float32)
+
+
+@dataclass
+class VadStream:
+    """One stream's detector state: the LSTM's h and c and the last window's context."""
+
+    h: Floats = field(default_factory=lambda: np.zeros(VAD_STATE, np.float32))
+    c: Floats = field(default_factory=lambda: np.zeros(VAD_STATE, np.float32))
+    context: Floats = field(default_factory=lambda: np.zeros(VAD_CONTEXT, np.float32))
+
+
+class SileroVad:
+    """Silero VAD v6 on ONNX Runtime: speech probabilities of consecutive 512-sample windows."""
+
+    def __init__(self, graph: Path) -> None:
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1  # tiny LSTM
+        options.log_severity_level = 4
+        self._session = onnxruntime.InferenceSession(
+            str(graph), sess_options=options, providers=["CPUExecutionProvider"])
+
+    def probabilities(self, stream: VadStream, audio: Floats) -> tuple[Floats, VadStream]:
+        """One probability per whole window of `audio` (a multiple of 512 samples), and the
+        stream's next state (the given one is left as it was)."""
+        windows = audio.reshape(-1, VAD_WINDOW)
+        contexts = np.concatenate([stream.context[None], windows[:-1, -VAD_CONTEXT:]])
+        batch = np.concatenate([contexts, windows], axis=1)
+        probs, h, c = self._session.run(None, {"input": batch, "h": stream.h, "c": stream.c})
+        after = VadStream(h=h, c=c, context=windows[-1, -VAD_CONTEXT:].copy())
+        return np.asarray(probs, np.float32).reshape(-1), after

@@ -1,0 +1,67 @@
+"""tiny-shapes-edit with a model: the training path and the shipped weights (edits, split and
+judge: tests/unit/test_tiny_shapes_edit_data.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stagemesh.models.families.qwen_image import condition_area, stock_condition_area
+from stagemesh.models.families.qwen_vl_processor import install_processor_support
+from stagemesh.models.tiny_shapes.data import parse_caption
+from stagemesh.models.tiny_shapes_edit import SHIPPED_DIR
+from stagemesh.models.tiny_shapes_edit.evaluate import (
+    evaluate,
+    held_out_sample,
+    pipeline_generator,
+)
+
+#: The shipped model's floors on a 10-per-kind held-out sample, where it is good: recolour and
+#: move are edited as asked (100% on 20 per kind). Shape keeping (30-35%) and the held-out
+#: reshape (5%) are below the issue's bar and not asserted (docs/edit-and-video.md).
+EDITED_FLOORS = {"colour": 0.8, "position": 0.8}
+
+
+def _weights(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes()
+            for path in sorted(folder.rglob("*.safetensors"))}
+
+
+@pytest.mark.slow
+def test_smoke_training_writes_an_edit_folder_the_stock_pipeline_runs(tmp_path: Path) -> None:
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+
+    from stagemesh.models.tiny_shapes_edit.train import EditTrainConfig, train
+
+    out = train(tmp_path / "edit", config=EditTrainConfig.smoke())
+    assert condition_area(out) == 32 * 32
+    report = json.loads((out / "training.json").read_text())
+    assert report["seed"] == 0 and report["config"]["steps"] == EditTrainConfig.smoke().steps
+    assert report["load_average_1min"]["samples"] >= 1
+    # Fixed seeds: the same weights bit for bit.
+    again = train(tmp_path / "again", config=EditTrainConfig.smoke())
+    assert _weights(out) == _weights(again)
+    install_processor_support()
+    pipe = QwenImageEditPipeline.from_pretrained(out, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    source = Image.fromarray(np.full((32, 32, 3), 200, dtype=np.uint8))
+    with stock_condition_area(condition_area(out)):
+        image = pipe(image=source, prompt="make it blue", negative_prompt="", true_cfg_scale=4.0,
+                     height=32, width=32, num_inference_steps=2, output_type="np",
+                     generator=torch.Generator().manual_seed(0)).images
+    assert image.shape == (1, 32, 32, 3) and np.isfinite(image).all()
+
+
+@pytest.mark.slow
+def test_shipped_weights_edit_held_out_combinations(tmp_path: Path) -> None:
+    metrics = evaluate(pipeline_generator(SHIPPED_DIR), tmp_path, held_out_sample(10))
+    for kind, floor in EDITED_FLOORS.items():
+        assert metrics["accuracy"][kind]["edited"] >= floor, metrics["accuracy"]
+    # The background is never touched by any kind of edit.
+    assert all(r["seen"]["background"] == parse_caption(r["source"]).background
+               for r in metrics["records"])

@@ -1,0 +1,142 @@
+"""The Transcriber adapter's segmentation, with a fake detector and a fake decoder: when speech
+events come, what each decode covers, partial cadence, the 28 s split, the end of input.
+
+The real detector and decoder are tests/model/test_transcriber_adapter.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stagemesh.models.families.whisper import WhisperFolder
+from stagemesh.services.transcriber.frontend import VAD_WINDOW, Floats, VadStream
+from stagemesh.services.transcriber.whisper_adapter import (
+    MAX_SEGMENT_SECONDS,
+    SPEECH_PAD_MS,
+    AudioInput,
+    Segment,
+    SpeechStarted,
+    SpeechStopped,
+    TranscribeInput,
+    TranscriptEvent,
+    WhisperTranscriberAdapter,
+    _Decoded,
+)
+from stagemesh.shared.engine.adapter import EngineRequest
+
+RATE = 16_000
+WINDOW_MS = VAD_WINDOW * 1000 // RATE  # 32
+
+
+class LoudIsSpeech:
+    """A detector that hears speech in every window whose mean level is above 0.1."""
+
+    def probabilities(self, stream: VadStream, audio: Floats) -> tuple[Floats, VadStream]:
+        level = np.abs(audio.reshape(-1, VAD_WINDOW)).mean(axis=1)
+        return (level > 0.1).astype(np.float32), stream
+
+
+@pytest.fixture
+def adapter(monkeypatch: pytest.MonkeyPatch) -> WhisperTranscriberAdapter:
+    fake = object.__new__(WhisperTranscriberAdapter)  # no model: its parts are faked below
+    fake.folder = WhisperFolder(root=Path("/fake"), tokenizer_file=Path("/fake/t.json"),
+                                vad_graph=Path("/fake/vad.onnx"), sample_rate=RATE, n_mels=80,
+                                languages=("en",))
+    fake.sample_rate, fake.max_seconds = RATE, 600.0
+    monkeypatch.setattr(fake, "_vad", LoudIsSpeech(), raising=False)
+    monkeypatch.setattr(fake, "_prompt", lambda rule: [])
+    # The "text" of a decode is the length of audio it was given, in ms.
+    monkeypatch.setattr(fake, "_decode", lambda spans: [
+        _Decoded(str(audio.shape[0] * 1000 // RATE), 0.0) for audio, _ in spans])
+    return fake
+
+
+def voice(seconds: float) -> Floats:
+    return np.full(int(RATE * seconds), 0.5, np.float32)
+
+
+def silence(seconds: float) -> Floats:
+    return np.zeros(int(RATE * seconds), np.float32)
+
+
+def run(adapter: WhisperTranscriberAdapter, audio: Floats, **rule: Any
+        ) -> list[TranscriptEvent]:
+    """Feed `audio` in 100 ms chunks, stepping as the engine would; every event, in order."""
+    state = adapter.prepare(EngineRequest("fake", TranscribeInput(sample_rate=RATE, **rule)))
+    events: list[TranscriptEvent] = []
+    pieces = [audio[i : i + RATE // 10] for i in range(0, audio.shape[0], RATE // 10)]
+    for i, piece in enumerate(pieces):
+        adapter.add_input(state, AudioInput(piece, final=i == len(pieces) - 1))
+        while True:
+            out = adapter.step([state])[0]
+            if out.partial is not None:
+                events.append(out.partial)
+            if out.finished:
+                return events
+            if out.waiting_for_input:
+                break
+    raise AssertionError("no end after the final input")
+
+
+def test_a_pause_closes_a_segment_which_is_decoded_whole_with_its_padding(
+    adapter: WhisperTranscriberAdapter,
+) -> None:
+    events = run(adapter, np.concatenate([voice(1.0), silence(1.0), voice(2.0), silence(1.0)]),
+                 partial_interval_ms=-1)
+    assert events == [
+        SpeechStarted(0), SpeechStopped(1024),  # the first silent window starts at 1024 ms
+        Segment(0, str(1024 + SPEECH_PAD_MS), 0, 1024 + SPEECH_PAD_MS, True, 0.0),
+        SpeechStarted(1984), SpeechStopped(4000),  # 1984: the window holding 2000
+        Segment(1, str(4000 + SPEECH_PAD_MS - (1984 - SPEECH_PAD_MS)), 1984 - SPEECH_PAD_MS,
+                4000 + SPEECH_PAD_MS, True, 0.0),
+    ]
+
+
+def test_partials_of_an_open_segment_come_every_interval_then_its_final(
+    adapter: WhisperTranscriberAdapter,
+) -> None:
+    events = run(adapter, np.concatenate([voice(3.5), silence(1.0)]), partial_interval_ms=1000)
+    partials = [e for e in events if isinstance(e, Segment) and not e.final]
+    assert [p.index for p in partials] == [0, 0, 0]
+    # Each covers the segment so far, about a second more than the one before.
+    assert [round(p.end_ms / 1000) for p in partials] == [1, 2, 3]
+    assert all(p.start_ms == 0 for p in partials)
+    assert isinstance(events[-1], Segment) and events[-1].final and events[-1].index == 0
+    assert events.index(SpeechStopped(3520)) == len(events) - 2
+
+
+def test_a_long_segment_is_cut_before_whispers_window_without_a_speech_stop(
+    adapter: WhisperTranscriberAdapter,
+) -> None:
+    events = run(adapter, voice(60.0), partial_interval_ms=-1)
+    finals = [e for e in events if isinstance(e, Segment)]
+    assert all(s.end_ms - s.start_ms <= MAX_SEGMENT_SECONDS * 1000 for s in finals)
+    assert [s.index for s in finals] == [0, 1, 2]
+    assert finals[0].end_ms == finals[1].start_ms and finals[-1].end_ms == 60_000
+    # One utterance: one start, and one stop at the end of the input.
+    assert [type(e) for e in events if not isinstance(e, Segment)] == [SpeechStarted,
+                                                                        SpeechStopped]
+
+
+def test_without_vad_the_input_is_one_segment_and_no_speech_event(
+    adapter: WhisperTranscriberAdapter,
+) -> None:
+    events = run(adapter, np.concatenate([voice(1.0), silence(2.0), voice(1.0)]), vad=False,
+                 partial_interval_ms=-1)
+    assert events == [Segment(0, "4000", 0, 4000, True, 0.0)]
+
+
+def test_silence_is_no_event_and_the_audio_kept_stays_short(
+    adapter: WhisperTranscriberAdapter,
+) -> None:
+    state = adapter.prepare(EngineRequest("quiet", TranscribeInput(sample_rate=RATE)))
+    for _ in range(100):  # 10 s of silence
+        adapter.add_input(state, AudioInput(silence(0.1)))
+        while not (out := adapter.step([state])[0]).waiting_for_input:
+            assert out.partial is None
+    assert state.heard >= RATE * 9.9
+    assert state.audio.shape[0] <= RATE * SPEECH_PAD_MS // 1000 + 2 * VAD_WINDOW
