@@ -25,6 +25,7 @@ from stagemesh.gateway.images.pipeline import (
 )
 from stagemesh.gateway.images.protocol import ImageRequest
 from stagemesh.gateway.mesh.events import Done, Output, StageEvent
+from stagemesh.gateway.mesh.lora import lora_from_proto
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech.audio import StreamEncoder
@@ -55,7 +56,7 @@ def image_request(request: pb.GenerateImageRequest | pb.EditImageRequest) -> Ima
         seed=request.seed if request.HasField("seed") else None,
         execution_mode=(generate.execution_mode if generate
                         else common_pb2.EXECUTION_MODE_UNSPECIFIED),
-        priority=generate.priority if generate else None)
+        priority=generate.priority if generate else None, lora=lora_from_proto(request.lora))
 
 
 def edit_request(request: pb.EditImageRequest) -> EditRequest:
@@ -243,7 +244,7 @@ def video_request(request: pb.CreateVideoRequest) -> VideoRequest:
                         else None),
         flow_shift=request.flow_shift if request.HasField("flow_shift") else None,
         seed=request.seed if request.HasField("seed") else None,
-        image=request.input_reference or None)
+        image=request.input_reference or None, lora=lora_from_proto(request.lora))
 
 
 #: A job's state as the proto names it.

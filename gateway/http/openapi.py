@@ -169,13 +169,20 @@ def _body(operation_id: str, properties: Schema, required: list[str]) -> Schema:
         "example": OPENAI_EXAMPLES[operation_id]}}}
 
 
+#: `lora`: the DiT's adapters (GET the DiT's Describe lora_names) and their scales (default 1).
+_LORA: Schema = {"type": "array", "items": {
+    "type": "object", "required": ["name"],
+    "properties": {"name": _STRING, "scale": _NUMBER}}}
+#: In a multipart form, `lora` is that array as one JSON text field.
+_LORA_TEXT: Schema = {"type": "string",
+                      "description": 'a JSON array: [{"name": ..., "scale": ...}]'}
 _IMAGE_FIELDS: Schema = {
     "prompt": _STRING, "model": _STRING, "negative_prompt": _STRING, "n": _INTEGER,
     "size": _STRING, "width": _INTEGER, "height": _INTEGER, "num_inference_steps": _INTEGER,
     "true_cfg_scale": _NUMBER, "guidance_scale": _NUMBER, "seed": _INTEGER,
     "execution_mode": {"type": "string", "enum": ["step", "request"]},
     "response_format": {"type": "string", "enum": ["b64_json"]}, "stream": _BOOLEAN,
-    "priority": _INTEGER,
+    "priority": _INTEGER, "lora": _LORA,
 }
 _SPEECH_FIELDS: Schema = {
     "input": _STRING, "model": _STRING, "voice": _STRING,
@@ -216,7 +223,7 @@ _VIDEO_FIELDS: Schema = {
     "num_frames": {"type": "integer", "description": "the model's rule: 4k+1 for Wan"},
     "num_inference_steps": _INTEGER, "guidance_scale": _NUMBER,
     "guidance_scale_2": _NUMBER, "boundary_ratio": _NUMBER, "flow_shift": _NUMBER,
-    "seed": _INTEGER,
+    "seed": _INTEGER, "lora": {"oneOf": [_LORA, _LORA_TEXT]},
     "image_reference": {"type": "object", "properties": {"image_url": {
         "type": "string", "description": "a data URL (data:image/png;base64,...)"}}},
 }
@@ -237,7 +244,7 @@ _EDIT_TYPES: Schema = {
     "size": {"type": "string", "description": "WxH, or auto (the recipe's or the input's)"},
     "stream": _BOOLEAN, "execution_mode": _IMAGE_FIELDS["execution_mode"],
     "response_format": _IMAGE_FIELDS["response_format"],
-    "output_format": {"type": "string", "enum": ["png"]},
+    "output_format": {"type": "string", "enum": ["png"]}, "lora": _LORA_TEXT,
 }
 _JOB_ID: list[Schema] = [{"name": "id", "in": "path", "required": True, "schema": _STRING}]
 _LIST_QUERY: list[Schema] = [

@@ -14,12 +14,14 @@ from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import EditRequest
 from stagemesh.gateway.images.protocol import ImageRequest, execution_mode, parse_size
 from stagemesh.gateway.wire.forms import Form, FormFields
+from stagemesh.gateway.wire.lora import parse_lora_text
 
 #: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
 EDIT_FIELDS = frozenset({
     "image", "prompt", "model", "n", "size", "response_format", "output_format", "user",
     "stream", "seed", "num_inference_steps", "true_cfg_scale", "guidance_scale",
-    "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask"})
+    "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask",
+    "lora"})
 #: `size` values that mean "the size derived from the input image".
 AUTO_SIZES = frozenset({"auto", ""})
 
@@ -61,6 +63,6 @@ def edit_request(form: Form) -> tuple[EditRequest, bool]:
         width=width, height=height, num_inference_steps=fields.integer("num_inference_steps"),
         true_cfg_scale=scale, seed=fields.integer("seed"),
         execution_mode=execution_mode(fields.string("execution_mode")),
-        priority=fields.integer("priority"))
+        priority=fields.integer("priority"), lora=parse_lora_text(fields.string("lora")))
     images = tuple(file.data for file in form.file_list("image"))
     return EditRequest(image=image, images=images), fields.boolean("stream")

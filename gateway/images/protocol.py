@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 from stagemesh.gateway.core import random_seed
 from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.mesh.lora import LoraChoice
 from stagemesh.gateway.mesh.stages import ExecutionMode, ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
+from stagemesh.gateway.wire.lora import parse_lora
 from stagemesh.gateway.wire.requests import TEXT_BODY_BYTES, JsonFields
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import common_pb2
@@ -47,6 +49,7 @@ class ImageRequest:
     seed: int | None = None
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
     priority: int | None = None
+    lora: tuple[LoraChoice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class ImageParams:
     seed: int
     execution_mode: ExecutionMode = common_pb2.EXECUTION_MODE_UNSPECIFIED
     priority: int = 0  # in the DiT's queue: lower runs sooner
+    lora: tuple[LoraChoice, ...] = ()  # checked against the DiT's published adapters
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -135,12 +139,13 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
     if not 0 <= seed <= MAX_SEED - n:
         raise InvalidRequest("seed", f"seed must be between 0 and {MAX_SEED - n}, got {seed}")
     _check_mode(request.execution_mode, facts)
+    facts.lora.check(request.lora)
     negative = defaults.negative_prompt if request.negative_prompt is None \
         else request.negative_prompt
     return ImageParams(prompt=request.prompt, negative_prompt=negative, n=n, width=width,
                        height=height, num_inference_steps=steps, true_cfg_scale=scale,
                        seed=seed, execution_mode=request.execution_mode,
-                       priority=_priority(request.priority))
+                       priority=_priority(request.priority), lora=request.lora)
 
 
 def execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
@@ -169,7 +174,7 @@ def image_request(body: Mapping[str, object]) -> ImageRequest:
         num_inference_steps=fields.integer("num_inference_steps"),
         true_cfg_scale=_cfg_scale(fields, scale_field), seed=fields.integer("seed"),
         execution_mode=execution_mode(fields.string("execution_mode")),
-        priority=fields.integer("priority"))
+        priority=fields.integer("priority"), lora=parse_lora(body.get("lora")))
 
 
 def _cfg_scale(fields: JsonFields, name: str) -> float | None:

@@ -38,6 +38,7 @@ from stagemesh.gateway.mesh.balancer import (
     ReplicaSet,
     ReplicaState,
 )
+from stagemesh.gateway.mesh.lora import NO_LORAS, LoraFacts
 from stagemesh.gateway.mesh.stubs import (
     ImageStubs,
     SpeechStubs,
@@ -267,6 +268,7 @@ class ImageFacts:
     max_images_per_request: int
     min_steps: int
     execution_modes: tuple[ExecutionMode, ...]  # the first is the default
+    lora: LoraFacts = NO_LORAS  # the DiT's adapters
 
     @classmethod
     def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
@@ -279,7 +281,8 @@ class ImageFacts:
                    max_steps=dit.max_steps, max_true_cfg_scale=dit.max_true_cfg_scale,
                    max_images_per_request=dit.max_images_per_request,
                    min_steps=max(1, dit.min_steps),
-                   execution_modes=tuple(dit.execution_modes))
+                   execution_modes=tuple(dit.execution_modes),
+                   lora=LoraFacts.published(dit))
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,7 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
     in_flight: int = 0
     most_in_flight: int = 0  # requests denoising at once, at most
     cancelled: list[str] = field(default_factory=list)  # request ids whose RPC was cancelled
+    lora_names: tuple[str, ...] = ("ink", "wax")  # two per request, |scale| <= 2
 
     async def DescribeDit(self, request: Any, context: Any) -> Any:
         self.describes += 1
@@ -127,7 +128,8 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
             stage=common_pb2.StageDescription(stage="dit"), size_multiple=8, max_side=64,
             max_pixels=64 * 64, max_steps=self.max_steps, max_true_cfg_scale=5.0,
             max_images_per_request=2,
-            execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST])
+            execution_modes=[common_pb2.EXECUTION_MODE_STEP, common_pb2.EXECUTION_MODE_REQUEST],
+            lora_names=self.lora_names, max_loras_per_request=2, max_lora_scale=2.0)
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await start_message(requests)

@@ -76,6 +76,7 @@ class GenerateImageRequest(_message.Message):
     EXECUTION_MODE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default image recipe."""
     prompt: _builtins.str
@@ -101,6 +102,10 @@ class GenerateImageRequest(_message.Message):
     """Scheduling priority in the DiT stage: lower runs sooner; 0 is the default."""
     step_cache_threshold: _builtins.float
     """The DiT's step cache for this request: unset = the stage's setting, 0 = off."""
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
+        """LoRA adapters of the recipe's DiT (DescribeDit lora_names) and their scales (unset = 1)."""
+
     def __init__(
         self,
         *,
@@ -117,10 +122,11 @@ class GenerateImageRequest(_message.Message):
         execution_mode: _common_pb2.ExecutionMode.ValueType = ...,
         priority: _builtins.int = ...,
         step_cache_threshold: _builtins.float | None = ...,
+        lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "lora", b"lora", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
@@ -774,6 +780,7 @@ class EditImageRequest(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default image-edit recipe."""
     prompt: _builtins.str
@@ -799,6 +806,10 @@ class EditImageRequest(_message.Message):
     def images(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """The image(s) to edit: PNG, JPEG or WebP bytes (at most the model's limit; most take one)."""
 
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
+        """LoRA adapters of the recipe's DiT (DescribeDit lora_names) and their scales (unset = 1)."""
+
     def __init__(
         self,
         *,
@@ -814,10 +825,11 @@ class EditImageRequest(_message.Message):
         seed: _builtins.int | None = ...,
         request_id: _builtins.str = ...,
         step_cache_threshold: _builtins.float | None = ...,
+        lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "height", b"height", "images", b"images", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "height", b"height", "images", b"images", "lora", b"lora", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
@@ -926,6 +938,7 @@ class CreateVideoRequest(_message.Message):
     INPUT_REFERENCE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default text-to-video recipe (image-to-video when
     an input image is given).
@@ -960,6 +973,10 @@ class CreateVideoRequest(_message.Message):
     """Client-chosen job id; empty = the gateway assigns one."""
     step_cache_threshold: _builtins.float
     """The DiT's step cache for this request: unset = the stage's setting, 0 = off."""
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
+        """LoRA adapters of the recipe's DiT (DescribeDit lora_names) and their scales (unset = 1)."""
+
     def __init__(
         self,
         *,
@@ -980,10 +997,11 @@ class CreateVideoRequest(_message.Message):
         input_reference: _builtins.bytes = ...,
         request_id: _builtins.str = ...,
         step_cache_threshold: _builtins.float | None = ...,
+        lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "lora", b"lora", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
     _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
