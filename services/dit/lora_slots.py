@@ -1,8 +1,10 @@
 """The per-row LoRA product: slot stacks on the transformer's Linears, and who holds which slot.
 
 Every Linear some adapter of the catalog targets gets, beside its base weight (never merged,
-never swapped), a down stack A [max_loras, max_lora_rank, in] and an up stack
-B [max_loras, out, max_lora_rank] of zeros. An adapter loaded into slot s writes its matrices
+never swapped), a down stack A [max_loras + 1, max_lora_rank, in] and an up stack
+B [max_loras + 1, out, max_lora_rank] of zeros; the last slot stays zero, and is what a row
+without an adapter (or with fewer than its batch mates) points at, so that no loaded slot ever
+enters its product. An adapter loaded into slot s writes its matrices
 into A[s] and B[s] (rank padded with zeros, PEFT's per-module alpha/r folded into B), so that a
 forward hook adds, per row b with adapters (s_k, w_k):
 
@@ -56,6 +58,7 @@ class LoraHold:
 
     uses: tuple[LoraUse, ...]
     slots: tuple[SlotUse, ...] | None = None  # None: waiting for a load or a slot
+    error: str | None = None  # an adapter file could not be read: the request fails
 
     @property
     def attached(self) -> bool:
@@ -91,11 +94,11 @@ class _Stacks:
 
     def __init__(self, bank: SlotBank, linear: torch.nn.Linear) -> None:
         self.bank = bank
-        shape = (bank.max_loras, bank.max_rank)
+        shape = (bank.max_loras + 1, bank.max_rank)
         weight = linear.weight
         self.down = torch.zeros(*shape, linear.in_features, device=weight.device, dtype=bank.dtype)
         self.up = torch.zeros(
-            bank.max_loras, linear.out_features, bank.max_rank, device=weight.device,
+            bank.max_loras + 1, linear.out_features, bank.max_rank, device=weight.device,
             dtype=bank.dtype,
         )  # fmt: skip
 
@@ -163,6 +166,13 @@ class SlotBank:
                 self._load(name)
             loads = [self._loading[name] for name in missing]
             if not all(load.done() for load in loads):
+                continue
+            failed = next((load.exception() for load in loads if load.exception()), None)
+            if failed is not None:  # this request fails; the file is read again if named again
+                self._pending.remove(hold)
+                for name in missing:
+                    self._loading.pop(name, None)
+                hold.error = f"lora: {failed}"
                 continue
             evictable = [n for n, s in self._loaded.items() if s not in self._holders]
             free = self.max_loras - len(self._loaded)
@@ -239,10 +249,7 @@ class SlotBank:
             self.wait(WAIT_SECONDS)
         stepped = iter(step(ready) if ready else [])
         chosen = {id(state) for state in ready}
-        return [
-            next(stepped) if id(state) in chosen else StepOutput(step_index=state.step_index)
-            for state in states
-        ]
+        return [next(stepped) if id(state) in chosen else _waiting(state) for state in states]
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -271,7 +278,7 @@ class SlotBank:
         if not width:
             yield
             return
-        slots = torch.zeros(len(rows), width, dtype=torch.long)
+        slots = torch.full((len(rows), width), self.max_loras, dtype=torch.long)  # the zero slot
         scales = torch.zeros(len(rows), width, dtype=torch.float32)
         for i, row in enumerate(rows):
             for k, use in enumerate(row.adapters):
@@ -296,6 +303,12 @@ class SlotBank:
             self.rows = bound
 
 
+def _waiting(state: Holding) -> StepOutput[NoStream]:
+    """A state whose adapters are not attached: it waits, or fails if one could not load."""
+    error = state.lora.error if state.lora is not None else None
+    return StepOutput(step_index=state.step_index, error=error)
+
+
 def read_adapter(adapter: AdapterFile) -> Matrices:
     """The adapter's (A, B * alpha / r) per target module, read through diffusers'
     `lora_state_dict` (which converts non-diffusers layouts), scaled as PEFT's LoraConfig
@@ -318,5 +331,8 @@ def read_adapter(adapter: AdapterFile) -> Matrices:
         if alpha_pattern:
             alpha = float(alpha_pattern.get(get_pattern_key(list(alpha_pattern), name), alpha))
         scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
-        matrices[name] = (down, state[module + UP + "weight"] * scaling)
+        up = state[module + UP + "weight"] * scaling
+        if not (torch.isfinite(down).all() and torch.isfinite(up).all()):
+            raise ValueError(f"LoRA {adapter.name}: {name} holds non-finite weights")
+        matrices[name] = (down, up)
     return matrices

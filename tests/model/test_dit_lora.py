@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import QwenImagePipeline
+from safetensors.torch import load_file, save_file
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.registry import resolve_model
@@ -233,3 +234,33 @@ def test_directory_scan_keeps_inside_and_fitting(lora_dir: Path, tmp_path: Path)
     assert catalog.adapters["clay"].rank == 2
     with pytest.raises(ValueError, match="outside"):
         inside(root.resolve(), root / "evil.safetensors")
+
+
+def test_an_adapter_that_cannot_load_fails_its_request_alone(
+    tiny_dir: Path, lora_dir: Path, tmp_path: Path
+) -> None:
+    """A file with a NaN passes the header scan but not the load: the request naming it fails
+    with an error naming lora; its batch mate runs on, equal to its solo run."""
+    state = load_file(lora_dir / "clay.safetensors")
+    key = next(k for k in state if ".lora_B." in k)
+    state[key][0, 0] = float("nan")
+    save_file(state, tmp_path / "broken.safetensors")
+    (tmp_path / "clay.safetensors").write_bytes((lora_dir / "clay.safetensors").read_bytes())
+    dit = DenoiseAdapter(tiny_dir, lora=_config(tmp_path))
+    dim = _dim(dit)
+    mate = _payload(2, dim, (LoraUse("clay", 0.7),))
+    live = {"broken": _start(dit, "broken", _payload(1, dim, (LoraUse("broken"),))),
+            "mate": _start(dit, "mate", mate)}  # fmt: skip
+    errors: dict[str, str] = {}
+    got = None
+    while live:
+        names = list(live)
+        for name, out in zip(names, dit.step([live[n] for n in names]), strict=True):
+            if out.error is not None:
+                errors[name] = out.error
+                dit.release(live.pop(name))
+            elif out.finished:
+                got = dit.finish(live[name]).latents
+                dit.release(live.pop(name))
+    assert list(errors) == ["broken"] and errors["broken"].startswith("lora:")
+    assert got is not None and (got - _solo(dit, mate)).abs().max().item() <= TOLERANCE
