@@ -227,28 +227,37 @@ def wan_forward(
     encoder_hidden_states: torch.Tensor,
     rows: Sequence[RowMeta],
     hooks: RowHooks | None = None,
+    adapters: RowAdapters | None = None,
 ) -> torch.Tensor:
     """`WanTransformer3DModel.forward(..., return_dict=False)[0]` for one timestep per row and
-    no image embeddings (the Wan models we serve)."""
+    no image embeddings (the Wan models we serve), with each row's LoRA adapters when
+    `adapters` is given."""
     _check_rows(rows, hidden_states)
     if timestep.ndim != 1:
         raise ValueError("one timestep per row (Wan 2.2 TI2V's per-token timesteps are not served)")
-    t = transformer
-    batch, _, frames, height, width = hidden_states.shape
-    p_t, p_h, p_w = t.config["patch_size"]
-    rotary = t.rope(hidden_states)
-    hidden = t.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
-    temb, timestep_proj, encoder, _ = t.condition_embedder(timestep, encoder_hidden_states, None)
-    timestep_proj = timestep_proj.unflatten(1, (6, -1))
-    hidden = run_blocks(t.blocks, _WanStream(hidden, encoder, timestep_proj, rotary), hooks)
-    shift, scale = (t.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    shift, scale = shift.to(hidden.device), scale.to(hidden.device)
-    hidden = (t.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-    hidden = t.proj_out(hidden)
-    hidden = hidden.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
-    hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
-    output: torch.Tensor = hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
-    return output
+    with _bound(adapters, rows):
+        t = transformer
+        batch, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = t.config["patch_size"]
+        rotary = t.rope(hidden_states)
+        hidden = t.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+        temb, timestep_proj, encoder, _ = t.condition_embedder(
+            timestep, encoder_hidden_states, None
+        )
+        timestep_proj = timestep_proj.unflatten(1, (6, -1))
+        hidden = run_blocks(
+            t.blocks, _WanStream(hidden, encoder, timestep_proj, rotary), hooks, adapters
+        )
+        shift, scale = (t.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift, scale = shift.to(hidden.device), scale.to(hidden.device)
+        hidden = (t.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        hidden = t.proj_out(hidden)
+        hidden = hidden.reshape(
+            batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1
+        )
+        hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        output: torch.Tensor = hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        return output
 
 
 def _bound(adapters: RowAdapters | None, rows: Sequence[RowMeta]) -> AbstractContextManager[None]:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
@@ -63,6 +63,10 @@ class LoraHold:
     @property
     def attached(self) -> bool:
         return self.slots is not None or not self.uses
+
+
+#: A diffusers pipeline's `lora_state_dict` (its LoRA loader mixin's classmethod).
+LoraFiles = Callable[..., Any]
 
 
 class Holding(Protocol):
@@ -120,21 +124,31 @@ class _Stacks:
 class SlotBank:
     """`max_loras` slots on every Linear the catalog's adapters target, and their holders."""
 
-    def __init__(self, transformer: torch.nn.Module, catalog: LoraCatalog) -> None:
+    def __init__(
+        self,
+        transformers: Sequence[torch.nn.Module],
+        catalog: LoraCatalog,
+        files: LoraFiles = QwenImageLoraLoaderMixin.lora_state_dict,
+    ) -> None:
+        """transformers: each gets the slots (Wan 2.2: both, as diffusers'
+        `load_into_transformer_2`); files: the pipeline's `lora_state_dict` (it converts the
+        layouts that pipeline's LoRAs come in)."""
         config = catalog.config
-        self.catalog = catalog
+        self.catalog, self.files = catalog, files
         self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
-        self.dtype = next(transformer.parameters()).dtype
-        self.device = next(transformer.parameters()).device
+        self.dtype = next(transformers[0].parameters()).dtype
+        self.device = next(transformers[0].parameters()).device
         self.rows: _Rows | None = None
-        self.stacks: dict[str, _Stacks] = {}
-        modules = dict(transformer.named_modules())
-        for name in sorted(catalog.targets()):
-            linear = modules.get(name)
-            if not isinstance(linear, torch.nn.Linear):
-                raise ValueError(f"LoRA target {name!r} is not a Linear of the transformer")
-            stacks = self.stacks[name] = _Stacks(self, linear)
-            linear.register_forward_hook(stacks.hook)
+        self.stacks: list[tuple[str, _Stacks]] = []  # (module name, its stacks), every model
+        for transformer in transformers:
+            modules = dict(transformer.named_modules())
+            for name in sorted(catalog.targets()):
+                linear = modules.get(name)
+                if not isinstance(linear, torch.nn.Linear):
+                    raise ValueError(f"LoRA target {name!r} is not a Linear of the transformer")
+                stacks = _Stacks(self, linear)
+                self.stacks.append((name, stacks))
+                linear.register_forward_hook(stacks.hook)
         self._loaded: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
         self._holders: dict[int, int] = {}  # slot -> requests holding it
         self._pending: list[LoraHold] = []  # oldest first
@@ -223,7 +237,8 @@ class SlotBank:
 
     def _load(self, name: str) -> None:
         if name not in self._loaded and name not in self._loading:
-            self._loading[name] = self._loader.submit(read_adapter, self.catalog.adapters[name])
+            adapter = self.catalog.adapters[name]
+            self._loading[name] = self._loader.submit(read_adapter, adapter, self.files)
 
     def _free_slot(self, keep: set[str]) -> int:
         used = set(self._loaded.values())
@@ -256,7 +271,7 @@ class SlotBank:
     @torch.no_grad()
     def _write(self, slot: int, name: str, matrices: Matrices) -> None:
         """The adapter's matrices into `slot` of every stack (zeros where it targets nothing)."""
-        for module, stacks in self.stacks.items():
+        for module, stacks in self.stacks:
             stacks.down[slot].zero_()
             stacks.up[slot].zero_()
             pair = matrices.get(module)
@@ -309,11 +324,11 @@ def _waiting(state: Holding) -> StepOutput[NoStream]:
     return StepOutput(step_index=state.step_index, error=error)
 
 
-def read_adapter(adapter: AdapterFile) -> Matrices:
+def read_adapter(adapter: AdapterFile, files: LoraFiles) -> Matrices:
     """The adapter's (A, B * alpha / r) per target module, read through diffusers'
     `lora_state_dict` (which converts non-diffusers layouts), scaled as PEFT's LoraConfig
     from the file's metadata scales them (no metadata: alpha = rank, scale 1)."""
-    state, metadata = QwenImageLoraLoaderMixin.lora_state_dict(
+    state, metadata = files(
         str(adapter.path.parent), weight_name=adapter.path.name, return_lora_metadata=True
     )
     config = {key.removeprefix("transformer."): value for key, value in (metadata or {}).items()}

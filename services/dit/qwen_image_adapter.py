@@ -259,7 +259,7 @@ class DenoiseAdapter:
         self.limits = limits
         self.step_cache = StepCache(step_cache or StepCacheConfig())
         self.loras = LoraCatalog(lora or LoraConfig())
-        self.lora_slots = SlotBank(transformer, self.loras) if self.loras.config.enabled else None
+        self.lora_slots = SlotBank([transformer], self.loras) if self.loras.config.enabled else None
 
     # -- validation ---------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
-from stagemesh.services.dit.lora import FIELD as LORA_FIELD
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
 from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
@@ -200,8 +199,6 @@ def _video_request(message: pb.DenoiseRequest,
     """A Wan model's request: true_cfg_scale is the pipeline's guidance_scale; the optional
     fields stay None when unset (the model's own boundary, shift, guidance_scale_2)."""
     start = message.start
-    if start.lora:
-        raise InvalidInputError(LORA_FIELD, "lora: this stage serves no LoRA adapters")
     if start.sigmas:
         raise InvalidInputError("sigmas", "a Wan model takes num_inference_steps, not sigmas")
     payload = VideoDenoiseInput(
@@ -211,7 +208,8 @@ def _video_request(message: pb.DenoiseRequest,
         condition_latents=_condition_latents(start),
         guidance_scale_2=_optional(start, "guidance_scale_2"),
         boundary_ratio=_optional(start, "boundary_ratio"),
-        flow_shift=_optional(start, "flow_shift"), step_cache_threshold=_threshold(start))
+        flow_shift=_optional(start, "flow_shift"), step_cache_threshold=_threshold(start),
+        lora=_lora(start))
     return _engine_request(start, deadline, start.num_inference_steps, payload)
 
 
@@ -275,7 +273,7 @@ class CacheFacts:
 
 #: A stage without a step cache.
 NO_CACHE = CacheFacts(StepCacheConfig(), 0)
-#: A stage without LoRA adapters (a Wan model's, for now).
+#: A stage without LoRA adapters.
 NO_LORAS = LoraCatalog(LoraConfig())
 
 
@@ -353,15 +351,14 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     cache = StepCacheConfig.from_options(first_options)
     lora = LoraConfig.from_options(first_options)
     if pipeline_class(model_dir) in WAN_TASKS:
-        if lora.enabled:
-            raise ValueError("option lora_dir: LoRA is served on Qwen-Image models only (yet)")
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
         video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
-                                  step_cache=cache)
+                                  step_cache=cache, lora=lora)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
-                       placement, CacheFacts(cache, video.step_cache_bytes_per_row()))
+                       placement, CacheFacts(cache, video.step_cache_bytes_per_row()),
+                       video.loras)
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import assert_never
 
 import torch
+from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
 
@@ -58,6 +59,8 @@ from stagemesh.services.dit import checks
 from stagemesh.services.dit.forward import Branch, RowHooks, RowMeta, wan_forward
 from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min_steps
+from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
+from stagemesh.services.dit.lora_slots import SlotBank
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
     Prediction,
@@ -155,6 +158,7 @@ class VideoDenoiseInput:
     boundary_ratio: float | None = None
     flow_shift: float | None = None
     step_cache_threshold: float | None = None  # None = the stage's setting, 0 = off
+    lora: tuple[LoraUse, ...] = ()  # adapters from the stage's `lora_dir`, on both transformers
 
 
 @dataclass(frozen=True)
@@ -220,11 +224,13 @@ class WanDenoiseAdapter:
         max_video_pixels: int | None = None,
         placement: Placement = CPU_FLOAT32,
         step_cache: StepCacheConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """max_video_pixels: frames x height x width; None: DEFAULT_MAX_VIDEO_PIXELS or, if
         less, what max_frames and max_pixels allow. placement: where the transformers compute,
         and in what dtype; the latents stay in float32 there (as in the pipelines) and leave on
-        the CPU. step_cache: the stage's step cache (None: off)."""
+        the CPU. step_cache: the stage's step cache (None: off). lora: its adapters (None: off;
+        each goes into every transformer, as diffusers' `load_into_transformer_2`)."""
         folder = WanFolder.read(model_dir)
         names = ["transformer", SECOND_TRANSFORMER][: 1 + folder.has_second_transformer]
         transformers = [
@@ -250,6 +256,12 @@ class WanDenoiseAdapter:
         self._pacer = LaunchPacer(self._device)
         self._hooks = BlockInterruptHooks(self._pacer)
         self.step_cache = StepCache(step_cache or StepCacheConfig())
+        self.loras = LoraCatalog(lora or LoraConfig())
+        self.lora_slots = (
+            SlotBank(self.transformers, self.loras, WanLoraLoaderMixin.lora_state_dict)
+            if self.loras.config.enabled
+            else None
+        )
         self.limits = self._limits(
             max_steps=max_steps,
             max_pixels=max_pixels,
@@ -340,6 +352,7 @@ class WanDenoiseAdapter:
         self._check_embeddings(payload)
         self._check_conditions(payload)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        self.loras.check(payload.lora)
 
     def _check_frames(self, payload: VideoDenoiseInput) -> None:
         """4k+1 frames, at most max_frames, and frames x pixels at most max_video_pixels."""
@@ -471,6 +484,7 @@ class WanDenoiseAdapter:
             work=work,
             request_id=request.request_id,
             cache=self.step_cache.new_row(threshold),
+            lora=self.lora_slots.hold(payload.lora) if self.lora_slots else None,
         )
 
     def add_input(self, state: VideoDenoiseState, payload: NoStream) -> None:
@@ -483,6 +497,11 @@ class WanDenoiseAdapter:
         Nothing is written to a state until every forward is done: one that raises
         (StepInterrupted included) leaves all states as they were."""
         check_one_batch(states, _video_shape, "video shape")
+        if self.lora_slots is not None:  # states whose adapters are not attached yet wait
+            return self.lora_slots.step_attached(states, self._step)
+        return self._step(states)
+
+    def _step(self, states: Sequence[VideoDenoiseState]) -> list[StepOutput[NoStream]]:
         return step_batch(states, self._predict, self._device)
 
     def finish(self, state: VideoDenoiseState) -> DenoisedLatents:
@@ -494,6 +513,9 @@ class WanDenoiseAdapter:
     def release(self, state: VideoDenoiseState) -> None:
         self.step_cache.free(state.cache)
         state.cache = None
+        if self.lora_slots is not None:
+            self.lora_slots.release(state.lora)
+        state.lora = None
         state.work = None
 
     def batch_key(self, state: VideoDenoiseState) -> Hashable:
@@ -593,7 +615,11 @@ class WanDenoiseAdapter:
             raise RuntimeError("guidance planned without negative embeddings")
         return _Row(
             state=index,
-            meta=RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND),
+            meta=RowMeta(
+                state.request_id,
+                Branch.UNCOND if negative else Branch.COND,
+                state.lora.slots or () if state.lora else (),
+            ),
             model=self._model(state),
             hidden=latents.to(self._dtype),
             timestep=state.timestep(),
@@ -615,6 +641,7 @@ class WanDenoiseAdapter:
             encoder_hidden_states=torch.cat([row.embeds for row in rows]),
             rows=[row.meta for row in rows],
             hooks=hooks,
+            adapters=self.lora_slots,
         )
 
     def step_cache_bytes_per_row(self) -> int:

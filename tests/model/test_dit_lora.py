@@ -165,9 +165,9 @@ def test_a_request_without_a_slot_waits_while_others_pass(
     readers: list[str] = []
     read = lora_slots.read_adapter
 
-    def spied(adapter: AdapterFile) -> lora_slots.Matrices:
+    def spied(adapter: AdapterFile, files: lora_slots.LoraFiles) -> lora_slots.Matrices:
         readers.append(threading.current_thread().name)
-        return read(adapter)
+        return read(adapter, files)
 
     monkeypatch.setattr(lora_slots, "read_adapter", spied)
     dit = DenoiseAdapter(tiny_dir, lora=_config(lora_dir, max_loras=2, max_loras_per_request=2))
