@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import asyncio
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import QwenImagePipeline
+from prometheus_client import CollectorRegistry
 from safetensors.torch import load_file, save_file
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
@@ -29,7 +31,15 @@ from stagemesh.models.registry import resolve_model
 from stagemesh.services.dit import lora_slots
 from stagemesh.services.dit.lora import AdapterFile, LoraCatalog, LoraConfig, LoraUse, inside
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
-from stagemesh.shared.engine import EngineRequest, InvalidInputError
+from stagemesh.shared.engine import (
+    Aborted,
+    Completed,
+    EngineMetrics,
+    EngineRequest,
+    InvalidInputError,
+    StepBudget,
+    StepEngine,
+)
 from tests.lora_files import write_adapter
 
 TOLERANCE = 1e-5
@@ -264,3 +274,41 @@ def test_an_adapter_that_cannot_load_fails_its_request_alone(
                 dit.release(live.pop(name))
     assert list(errors) == ["broken"] and errors["broken"].startswith("lora:")
     assert got is not None and (got - _solo(dit, mate)).abs().max().item() <= TOLERANCE
+
+
+async def test_the_engine_serves_waiting_and_running_lora_requests(
+    tiny_dir: Path, lora_dir: Path
+) -> None:
+    """Through the StepEngine with one slot: `ink` and `wax` cannot hold it at once, so one
+    waits (stepping nothing) while the other and a plain request run; all three complete with
+    their solo latents, and a cancelled fourth (waiting for the slot) leaves nobody changed."""
+    dit = DenoiseAdapter(tiny_dir, lora=_config(lora_dir, max_loras=1, max_loras_per_request=1))
+    dim = _dim(dit)
+    payloads = {
+        "ink": _payload(1, dim, (LoraUse("ink", 0.9),)),
+        "wax": _payload(2, dim, (LoraUse("wax", -0.4),)),
+        "plain": _payload(3, dim),
+        "gone": _payload(4, dim, (LoraUse("clay"),)),
+    }
+    fresh = DenoiseAdapter(tiny_dir, lora=_config(lora_dir))
+    solo = {name: _solo(fresh, p) for name, p in payloads.items() if name != "gone"}
+    engine = StepEngine(dit, max_running=4, max_batch=4,
+                        metrics=EngineMetrics("dit", CollectorRegistry()))  # fmt: skip
+    streams = {name: engine.submit(EngineRequest(name, p, StepBudget(p.num_inference_steps)))
+               for name, p in payloads.items()}  # fmt: skip
+    engine.start()
+    engine.abort("gone")
+    terminal: dict[str, object] = {}
+    try:
+        for name, stream in streams.items():
+            async for event in stream:
+                terminal[name] = event
+    finally:
+        await asyncio.to_thread(engine.shutdown, True, 10)
+    assert isinstance(terminal["gone"], Aborted)
+    for name, want in solo.items():
+        done = terminal[name]
+        assert isinstance(done, Completed), (name, done)
+        assert (done.result.latents - want).abs().max().item() <= TOLERANCE, name
+    bank = dit.lora_slots
+    assert bank is not None and not bank.held(0)
