@@ -224,7 +224,8 @@ def _build_qwen_image(model_dir: Path, options: Mapping[str, object]) -> StageBu
                         admission_window=BURST_ADMISSION_WINDOW_SECONDS)
     encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor, condition_area(model_dir))
     encoder = ImageEncoderAdapter(decoder.vae, encoding, decoder.limits, placement)
-    return _bundle(model_dir, placement, decoder.limits, engine, StageRoute(engine, WIRE), encoder)
+    return _bundle(model_dir, placement, decoder.limits, engine, StageRoute(engine, WIRE), encoder,
+                   condition_area=encoding.area)
 
 
 def _build_wan(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
@@ -249,13 +250,15 @@ def _bundle(
     decode_engine: StageEngine,
     decode: DecodeHandler,
     encoder: ImageEncoderAdapter,
+    condition_area: int = 0,
 ) -> StageBundle:
-    """The stage from its decode route and its encoder: the encode engine, Describe, bundle."""
+    """The stage from its decode route and its encoder: the encode engine, Describe, bundle.
+    `condition_area`: what an edit's input image is encoded at (0: the size asked)."""
     encode_engine = StepEngine(encoder, max_running=DEFAULT_ENCODE_MAX_RUNNING)
     description = pb.DescribeVaeResponse(
         stage=stage_description("vae", model_dir, decode_engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side, can_encode=True,
-        max_frames=limits.max_frames)
+        max_frames=limits.max_frames, condition_area=condition_area)
     servicer = VaeServicer(decode, StageRoute(encode_engine, encode_wire(encoder)), description)
     return servicer_bundle("vae", model_dir, [decode_engine, encode_engine], servicer,
                         vae_service_pb2_grpc.add_VaeServiceServicer_to_server, SERVICE_NAME,
