@@ -1,10 +1,10 @@
 """VAE stage servicer: DecodeLatents and EncodeImage, each on its own engine, and DescribeVae.
 
-The folder's VAE picks the adapters (`kinds.vae_kind`):
+The folder's family (`services.registry`) picks the adapters:
 
-- AutoencoderKLQwenImage (Qwen-Image, Qwen-Image-Edit): DecodeLatents decodes images in one
+- Qwen-Image, Qwen-Image-Edit (AutoencoderKLQwenImage): DecodeLatents decodes images in one
   batched step (`qwen_image_adapter.LatentDecoderAdapter`); a `num_frames` is refused.
-- AutoencoderKLWan (Wan video): DecodeLatents decodes a video chunk by chunk and streams its
+- Wan video (AutoencoderKLWan): DecodeLatents decodes a video chunk by chunk and streams its
   frames (`video.VideoDecoderAdapter`); `num_frames` is required.
 
 Both encode images (`encode.ImageEncoderAdapter`, as their stock pipelines do).
@@ -29,13 +29,12 @@ import torch
 
 from stagemesh.models.families.qwen_image import condition_area
 from stagemesh.models.families.wan import WanGeometry
+from stagemesh.services.registry import DIFFUSION_FAMILIES, WAN, served_family
 from stagemesh.services.vae.encode import MAX_SOURCE_PIXELS, EncodeInput, ImageEncoderAdapter
 from stagemesh.services.vae.kinds import (
     QwenEditEncoding,
-    VaeKind,
     WanI2VEncoding,
     load_wan_vae,
-    vae_kind,
 )
 from stagemesh.services.vae.limits import VaeLimits
 from stagemesh.services.vae.qwen_image_adapter import (
@@ -212,7 +211,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     # any VAE's keys, and where it computes, checked before the folder is read
     *_, device_options = parse_options("vae", options, EngineOptions, VideoOptions, DeviceOptions)
     resolve_placement("vae", device_options, CPU_DTYPE)
-    if vae_kind(model_dir) is VaeKind.WAN:
+    if served_family("vae", model_dir, DIFFUSION_FAMILIES).name == WAN:
         return _build_wan(model_dir, options)
     return _build_qwen_image(model_dir, options)
 
