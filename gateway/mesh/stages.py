@@ -297,6 +297,9 @@ class EditFacts:
     #: The VAE's limits on the size an input image is encoded at (the output's are `image`'s).
     encode_size_multiple: int
     encode_max_side: int
+    #: The area the VAE encodes an input image at (a folder's own `condition_area`);
+    #: 0: it did not say, the stock pipeline's (images/edit_protocol.CONDITION_AREA).
+    condition_area: int = 0
 
     @classmethod
     def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
@@ -306,7 +309,7 @@ class EditFacts:
                    max_images=min(tokenizer.max_images, dit.max_condition_images),
                    max_image_pixels=tokenizer.max_image_pixels, can_encode=vae.can_encode,
                    task=dit.task, encode_size_multiple=max(1, vae.size_multiple),
-                   encode_max_side=vae.max_side)
+                   encode_max_side=vae.max_side, condition_area=vae.condition_area)
 
 
 @dataclass(frozen=True)

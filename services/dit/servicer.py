@@ -37,12 +37,12 @@ from stagemesh.services.dit.step_cache import (
 )
 from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
-    WAN_TASKS,
     VideoDenoiseInput,
     VideoDenoiseState,
     WanDenoiseAdapter,
 )
 from stagemesh.services.folders import folder_class
+from stagemesh.services.registry import DIFFUSION_FAMILIES, WAN, ModelFamily, served_family
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -330,14 +330,16 @@ def admission_window_seconds(options: DitEngineOptions) -> float:
     return window / 1000
 
 
+def pipeline_family(model_dir: Path) -> ModelFamily:
+    """The folder's family (services.registry): it picks the adapter. Qwen-Image folders run
+    on DenoiseAdapter, Wan ones on WanDenoiseAdapter."""
+    return served_family("dit", model_dir, DIFFUSION_FAMILIES)
+
+
 def pipeline_class(model_dir: Path) -> str:
-    """The folder's diffusers pipeline class (model_index.json `_class_name`): it picks the
-    adapter. QwenImage* folders run on DenoiseAdapter, Wan* (`WAN_TASKS`) on WanDenoiseAdapter."""
-    name = folder_class(model_dir)
-    if name is None or not (name.startswith("QwenImage") or name in WAN_TASKS):
-        raise ValueError(f"{model_dir}: the DiT stage serves QwenImage* and {sorted(WAN_TASKS)} "
-                         f"pipelines, not {name!r}")
-    return name
+    """The diffusers pipeline class the folder names, one the stage serves."""
+    pipeline_family(model_dir)
+    return str(folder_class(model_dir))
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
@@ -350,7 +352,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     resolve_placement("dit", device_options, CPU_DTYPE)
     cache = StepCacheConfig.from_options(first_options)
     lora = LoraConfig.from_options(first_options)
-    if pipeline_class(model_dir) in WAN_TASKS:
+    if pipeline_family(model_dir).name == WAN:
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)

@@ -71,6 +71,7 @@ from stagemesh.services.dit.stepping import (
 )
 from stagemesh.services.dit.types import CPU, DenoisedLatents
 from stagemesh.services.folders import folder_class
+from stagemesh.services.registry import WAN, classes_of
 from stagemesh.shared.devices import CPU_FLOAT32, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -85,7 +86,7 @@ from stagemesh.shared.limits import MAX_FLOW_SHIFT
 logger = logging.getLogger(__name__)
 
 #: model_index.json `_class_name` -> the task the folder serves (DescribeDitResponse.task).
-WAN_TASKS = {"WanPipeline": "text-to-video", "WanImageToVideoPipeline": "image-to-video"}
+WAN_TASKS = {name: family.task for name, family in classes_of(WAN).items()}
 #: Frames unless the recipe sets `max_frames` (Wan's default clip: 81 frames, 5 s at 16 fps).
 DEFAULT_MAX_FRAMES = 81
 #: frames x height x width unless the recipe sets `max_video_pixels` (or max_frames x max_pixels

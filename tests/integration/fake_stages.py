@@ -168,6 +168,7 @@ class FakeVae(vae_service_pb2_grpc.VaeServiceServicer):
     max_pending: int = 0
     can_encode: bool = False
     level: int = 200
+    condition_area: int = 0  # what it publishes: 0, the stock edit pipeline's
     encodes: list[Any] = field(default_factory=list)
     decodes: list[Any] = field(default_factory=list)
 
@@ -175,7 +176,7 @@ class FakeVae(vae_service_pb2_grpc.VaeServiceServicer):
         return vae_service_pb2.DescribeVaeResponse(
             stage=common_pb2.StageDescription(stage="vae", max_pending=self.max_pending),
             size_multiple=self.size_multiple, max_side=self.max_side,
-            can_encode=self.can_encode)
+            can_encode=self.can_encode, condition_area=self.condition_area)
 
     async def DecodeLatents(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await start_message(requests)
