@@ -12,7 +12,7 @@ from stagemesh.gateway.http.metrics import metrics_endpoint
 from stagemesh.gateway.http.models import ModelRoutes
 from stagemesh.gateway.http.openapi import openapi_endpoint
 from stagemesh.gateway.images.routes import ImageRoutes
-from stagemesh.gateway.playground import playground_routes
+from stagemesh.gateway.playground.routes import playground_routes
 from stagemesh.gateway.speech.routes import AudioRoutes
 from stagemesh.gateway.videos.routes import VideoRoutes
 

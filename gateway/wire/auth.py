@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stagemesh.gateway.errors import Unauthenticated
-from stagemesh.gateway.playground import is_playground_path
+from stagemesh.gateway.playground.routes import is_playground_path
 from stagemesh.shared.interception import HandlerInterceptor, HttpMiddleware
 from stagemesh.shared.mesh_auth import is_infrastructure
 
