@@ -9,6 +9,8 @@ no GPL decoder is involved).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import io
 from collections.abc import Sequence
@@ -142,6 +144,16 @@ def decode_audio(data: bytes, field: str) -> DecodedAudio:
     if not np.isfinite(samples).all():
         raise InvalidRequest(field, f"{field} contains NaN or infinite samples")
     return DecodedAudio(np.ascontiguousarray(samples.mean(axis=1), np.float32), int(rate))
+
+
+def decode_base64_audio(data: str, field: str) -> DecodedAudio:
+    """Base64 audio (chat's `input_audio.data`) -> mono float32; 400s name `field`.data or
+    `field`."""
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{field}.data", f"{field}.data is not valid base64") from None
+    return decode_audio(raw, field)
 
 
 # -- the answers ----------------------------------------------------------------------------
