@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import httpx
 import numpy as np
 import numpy.typing as npt
 import openai
@@ -32,6 +34,8 @@ from stagemesh.models.smollm2 import ensure_smollm2
 from stagemesh.models.whisper import ensure_whisper_model
 from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage
+from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
+from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc
 from stagemesh.shared.server import RunningServer
 from stagemesh.shared.stage_runtime import StageBundle, start_stage, stop_stage
 from tests.spoken import SENTENCES, spoken
@@ -60,6 +64,7 @@ def wer(reference: str, hypothesis: str) -> float:
 @dataclass
 class Served:
     http_url: str
+    grpc_target: str
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.http_url}/v1", api_key="unused",
@@ -89,7 +94,7 @@ async def served() -> AsyncIterator[Served]:
     ready, stop = asyncio.Event(), asyncio.Event()
     gateway = asyncio.create_task(run_gateway(recipes, config, ready, stop))
     await asyncio.wait_for(ready.wait(), 30)
-    yield Served(f"http://127.0.0.1:{config.http_port}")
+    yield Served(f"http://127.0.0.1:{config.http_port}", f"127.0.0.1:{config.grpc_port}")
     stop.set()
     await gateway
     for bundle, server in running.values():
@@ -179,3 +184,22 @@ async def test_chat_refuses_another_audio_format_by_name(served: Served) -> None
                     "data": "AAAA", "format": "flac"}}]}])
     assert isinstance(raised.value.body, dict)
     assert raised.value.body["param"] == "messages[0].content[1].input_audio.format"
+
+
+@on_module_loop
+async def test_grpc_transcribe_audio_and_its_rest_twin(served: Served) -> None:
+    question = wav(*spoken((FRANCE_QUESTION,)))
+    async with grpc.aio.insecure_channel(served.grpc_target) as channel:
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        replies = [reply async for reply in stub.TranscribeAudio(
+            pb.TranscribeAudioRequest(model="whisper", audio=question))]
+    kinds = [reply.WhichOneof("event") for reply in replies]
+    assert kinds == ["segment"] * (len(kinds) - 1) + ["result"] and len(kinds) >= 2
+    assert wer(FRANCE_QUESTION, replies[-1].result.text) <= 0.34  # tiny.en: "Francis" at worst
+    assert replies[-1].result.duration_seconds > 1.0
+    async with httpx.AsyncClient(timeout=300) as client:
+        answer = await client.post(f"{served.http_url}/v1/audio:transcribe", json={
+            "model": "whisper", "audio": base64.b64encode(question).decode()})
+    assert answer.status_code == 200, answer.text
+    lines = [line for line in answer.text.splitlines() if line]
+    assert "result" in lines[-1] and replies[-1].result.text in lines[-1]
