@@ -423,8 +423,8 @@ def _chat_companion(raw: object, key: str, task: Task, where: str) -> str:
     if raw is None:
         return ""
     if task is not Task.CHAT or not isinstance(raw, str):
-        raise RecipeError(f"{where}.{key}: a chat recipe's {COMPANION_TASKS[key].value} recipe "
-                          f"name, got {raw!r}")
+        raise RecipeError(f"{where}.{key}: a chat recipe's {key} recipe name, got {raw!r} "
+                          f"(it names a {COMPANION_TASKS[key].value} recipe)")
     return raw
 
 
