@@ -31,6 +31,8 @@ from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech.audio import StreamEncoder
 from stagemesh.gateway.speech.pipeline import prepare_speech, speech_events
 from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.gateway.transcriptions.pipeline import prepare_transcription, transcript_events
+from stagemesh.gateway.transcriptions.protocol import TranscriptionRequest
 from stagemesh.gateway.videos.jobs import new_video_id, page, video_jobs
 from stagemesh.gateway.videos.pipeline import prepare_video
 from stagemesh.gateway.videos.protocol import VideoRequest
@@ -148,6 +150,29 @@ class NativeApi:
                 if audio:
                     yield pb.SynthesizeSpeechResponse(request_id=context.request_id, audio=audio,
                                                       sample_rate=encoder.sample_rate)
+
+    async def TranscribeAudio(
+        self, request: pb.TranscribeAudioRequest, context: RequestContext,
+    ) -> AsyncGenerator[pb.TranscribeAudioResponse, None]:
+        """What POST /v1/audio/transcriptions streams: each final segment, then the whole
+        transcript (transcriptions/pipeline.py)."""
+        job = await prepare_transcription(self.core, TranscriptionRequest(
+            audio=request.audio, model=request.model,
+            language=request.language.strip().lower(), prompt=request.prompt))
+        context = context.for_request(check_request_id(request.request_id, "request_id"))
+        async with contextlib.aclosing(transcript_events(self.core, job, context)) as items:
+            async for item in items:
+                if isinstance(item, Output):
+                    s = item.value
+                    yield pb.TranscribeAudioResponse(
+                        request_id=context.request_id, segment=pb.TranscribedSegment(
+                            index=s.index, text=s.text, start_ms=s.start_ms, end_ms=s.end_ms,
+                            no_speech_prob=s.no_speech_prob))
+                elif isinstance(item, Done):
+                    yield pb.TranscribeAudioResponse(
+                        request_id=context.request_id, result=pb.TranscribeAudioResult(
+                            text=item.result.text, duration_seconds=item.result.seconds,
+                            language=item.result.language))
 
     def Chat(
         self, request: pb.ChatRequest, context: RequestContext,

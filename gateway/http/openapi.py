@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from stagemesh.gateway.chat.protocol import ROLES
 from stagemesh.gateway.grpc.transcoding import SERVICE, HttpBinding, http_bindings
 from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
+from stagemesh.gateway.transcriptions.protocol import TRANSCRIPTION_FIELDS, ResponseFormat
 
 Schema = dict[str, object]
 
@@ -274,6 +275,26 @@ def _edit_path() -> Schema:
                      "responses": _responses(_OBJECT)}}
 
 
+#: POST /v1/audio/transcriptions: OpenAI's multipart form (transcriptions/protocol.py).
+_TRANSCRIPTION_TYPES: Schema = {
+    "file": {"type": "string", "contentEncoding": "binary",
+             "description": "a WAV, MP3, FLAC or OGG file"},
+    "response_format": {"type": "string", "enum": [f.value for f in ResponseFormat]},
+    "stream": _BOOLEAN, **dict.fromkeys(("temperature", "timeout"), _NUMBER),
+    **{name: {"type": "string", "enum": ["segment"], "description": "word: a 400"}
+       for name in ("timestamp_granularities", "timestamp_granularities[]")},
+}
+
+
+def _transcription_path() -> Schema:
+    form: Schema = {"type": "object", "required": ["file"], "properties": {
+        name: _TRANSCRIPTION_TYPES.get(name, _STRING) for name in sorted(TRANSCRIPTION_FIELDS)}}
+    return {"post": {"operationId": "openai.audio.transcriptions", "tags": ["openai"],
+                     "requestBody": {"required": True,
+                                     "content": {"multipart/form-data": {"schema": form}}},
+                     "responses": _responses(_OBJECT)}}
+
+
 def _video_paths() -> dict[str, Schema]:
     """OpenAI's video jobs and the seed's sync route."""
     def operation(operation_id: str, ok: Schema, media_type: str = "application/json",
@@ -318,6 +339,7 @@ def _openai_paths() -> dict[str, Schema]:
         "/v1/audio/speech": post("openai.speech", _SPEECH_FIELDS, "input",
                                  {"type": "string", "contentEncoding": "binary"}, "audio/wav"),
         "/v1/audio/voices": get("openai.voices"),
+        "/v1/audio/transcriptions": _transcription_path(),
         "/v1/models": get("openai.models"),
         "/health": get("health"),
         **_video_paths(),

@@ -46,6 +46,7 @@ from stagemesh.gateway.mesh.stubs import (
     dit_stub,
     talker_stub,
     tokenizer_stub,
+    transcriber_stub,
     vae_stub,
 )
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, TargetKind, Task, default_recipe
@@ -61,6 +62,7 @@ from stagemesh.shared.proto.v1 import (
     thinker_service_pb2,
     thinker_service_pb2_grpc,
     tokenizer_service_pb2,
+    transcriber_service_pb2,
     vae_service_pb2,
 )
 
@@ -422,6 +424,9 @@ class StageCatalog:
             "thinker", lambda channel: thinker_service_pb2_grpc.ThinkerServiceStub(
                 channel).DescribeThinker(thinker_service_pb2.DescribeThinkerRequest(),
                                          timeout=DESCRIBE_TIMEOUT_S))
+        self.transcriber = DescribeCache(
+            "transcriber", lambda channel: transcriber_stub(channel).DescribeTranscriber(
+                transcriber_service_pb2.DescribeTranscriberRequest(), timeout=DESCRIBE_TIMEOUT_S))
         self._watching = False
 
     def start(self) -> None:
@@ -443,7 +448,7 @@ class StageCatalog:
     def drop(self, address: str) -> None:
         """Forget what the stage at `address` published (it is read again when needed)."""
         for cache in (self.tokenizer, self.dit, self.vae, self.talker, self.codec,
-                      self.thinker):
+                      self.thinker, self.transcriber):
             cache.drop(address)
 
     async def description(self, endpoint: StageEndpoint) -> common_pb2.StageDescription | None:
@@ -464,6 +469,8 @@ class StageCatalog:
                     return (await self.codec.get(endpoint.address, channel)).stage
                 case "thinker":
                     return (await self.thinker.get(endpoint.address, channel)).stage
+                case "transcriber":
+                    return (await self.transcriber.get(endpoint.address, channel)).stage
         except (grpc.aio.AioRpcError, NoReplica):
             return None
         return None

@@ -246,9 +246,136 @@ class GeneratedImage(_message.Message):
 Global___GeneratedImage: _TypeAlias = GeneratedImage  # noqa: Y015
 
 @_typing.final
-class SynthesizeSpeechRequest(_message.Message):
+class TranscribeAudioRequest(_message.Message):
     """Parameters of a speech synthesis."""
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    AUDIO_FIELD_NUMBER: _builtins.int
+    LANGUAGE_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Recipe (served model) name; empty = the default speech-to-text recipe."""
+    audio: _builtins.bytes
+    """The audio file's bytes (base64 in the REST twin's JSON)."""
+    language: _builtins.str
+    """Language code; empty = the model's default."""
+    prompt: _builtins.str
+    """Text that precedes the audio (names, spellings), as Whisper's previous-text context."""
+    request_id: _builtins.str
+    """Client-chosen request id (for CancelRequest); empty = one is assigned."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        audio: _builtins.bytes = ...,
+        language: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "model", b"model", "prompt", b"prompt", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscribeAudioRequest: _TypeAlias = TranscribeAudioRequest  # noqa: Y015
+
+@_typing.final
+class TranscribedSegment(_message.Message):
+    """A final transcript segment: its text and where it lies in the audio."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    START_MS_FIELD_NUMBER: _builtins.int
+    END_MS_FIELD_NUMBER: _builtins.int
+    NO_SPEECH_PROB_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    text: _builtins.str
+    start_ms: _builtins.int
+    end_ms: _builtins.int
+    no_speech_prob: _builtins.float
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        text: _builtins.str = ...,
+        start_ms: _builtins.int = ...,
+        end_ms: _builtins.int = ...,
+        no_speech_prob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_ms", b"end_ms", "index", b"index", "no_speech_prob", b"no_speech_prob", "start_ms", b"start_ms", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscribedSegment: _TypeAlias = TranscribedSegment  # noqa: Y015
+
+@_typing.final
+class TranscribeAudioResult(_message.Message):
+    """The whole transcript."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    LANGUAGE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    duration_seconds: _builtins.float
+    """The audio's length in seconds."""
+    language: _builtins.str
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        duration_seconds: _builtins.float = ...,
+        language: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_seconds", b"duration_seconds", "language", b"language", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscribeAudioResult: _TypeAlias = TranscribeAudioResult  # noqa: Y015
+
+@_typing.final
+class TranscribeAudioResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id."""
+    @_builtins.property
+    def segment(self) -> Global___TranscribedSegment: ...
+    @_builtins.property
+    def result(self) -> Global___TranscribeAudioResult: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        segment: Global___TranscribedSegment | None = ...,
+        result: Global___TranscribeAudioResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "result", b"result", "segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "request_id", b"request_id", "result", b"result", "segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["segment", "result"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___TranscribeAudioResponse: _TypeAlias = TranscribeAudioResponse  # noqa: Y015
+
+@_typing.final
+class SynthesizeSpeechRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
