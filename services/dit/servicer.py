@@ -59,6 +59,8 @@ from stagemesh.shared.engine.scheduler import (
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
+from stagemesh.shared.quantization import Quantization, QuantizationOptions, quantize
+from stagemesh.shared.quantization import from_options as quantization_from_options
 from stagemesh.shared.stage_runtime import StageBundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
@@ -90,9 +92,9 @@ DEFAULT_ADMISSION_WINDOW_MS = BURST_ADMISSION_WINDOW_SECONDS * 1000
 MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
-class DitModeOptions(StepCacheOptions, total=False):
-    """How the stage runs a request by default (step execution unless set false), and its
-    step cache (`StepCacheOptions`: off unless set)."""
+class DitModeOptions(StepCacheOptions, QuantizationOptions, total=False):
+    """How the stage runs a request by default (step execution unless set false), its
+    step cache (`StepCacheOptions`: off unless set) and weight quantization (none unless set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -260,6 +262,7 @@ class CacheFacts:
 
     config: StepCacheConfig
     bytes_per_row: int
+    quantization: Quantization = Quantization.NONE
 
 
 #: A stage without a step cache.
@@ -293,7 +296,7 @@ def _describe(
         step_cache_interval=config.interval, step_cache_warmup_steps=config.warmup_steps,
         step_cache_final_steps=config.final_steps, step_cache_max_skips=config.max_skips,
         max_step_cache_threshold=config.published_max_threshold,
-        step_cache_bytes_per_row=cache.bytes_per_row)
+        step_cache_bytes_per_row=cache.bytes_per_row, quantization=cache.quantization.value)
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -322,7 +325,8 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     # a bad key, device or dtype fails before the model folder is read
     first_options, *_, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, AnyLimitOptions, DeviceOptions)
-    resolve_placement("dit", device_options, CPU_DTYPE)
+    quantization = quantization_from_options(
+        "dit", first_options, resolve_placement("dit", device_options, CPU_DTYPE).device)
     cache = StepCacheConfig.from_options(first_options)
     if pipeline_class(model_dir) in WAN_TASKS:
         mode_options, engine_options, video_options, device_options = parse_options(
@@ -330,14 +334,17 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
         video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
                                   step_cache=cache)
+        quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
-                       placement, CacheFacts(cache, video.step_cache_bytes_per_row()))
+                       placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
+                                             quantization))
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
     image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache)
+    quantize(image.transformer.transformer_blocks, quantization)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
-                   CacheFacts(cache, image.step_cache_bytes_per_row()))
+                   CacheFacts(cache, image.step_cache_bytes_per_row(), quantization))
 
 
 def _bundle(
@@ -365,4 +372,5 @@ def _bundle(
             servicer, server),
         info={"model": str(model_dir), **placement.facts(), "mode": mode.value,
               "max_running": str(engine.max_running), "max_batch": str(engine.max_batch),
-              "step_cache": cache.config.method.value})
+              "step_cache": cache.config.method.value,
+              "quantization": cache.quantization.value})
