@@ -22,6 +22,8 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
+from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
+from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
@@ -92,9 +94,10 @@ DEFAULT_ADMISSION_WINDOW_MS = BURST_ADMISSION_WINDOW_SECONDS * 1000
 MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
-class DitModeOptions(StepCacheOptions, QuantizationOptions, total=False):
+class DitModeOptions(StepCacheOptions, QuantizationOptions, CompileOptions, total=False):
     """How the stage runs a request by default (step execution unless set false), its
-    step cache (`StepCacheOptions`: off unless set) and weight quantization (none unless set)."""
+    step cache (`StepCacheOptions`: off unless set), weight quantization and compilation of
+    its blocks (none and off unless set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -258,11 +261,13 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, State
 
 @dataclass(frozen=True)
 class CacheFacts:
-    """The step cache a DiT stage runs, and what a guided request's cache holds at most."""
+    """The step cache a DiT stage runs, what a guided request's cache holds at most, and how
+    its blocks are quantized and compiled."""
 
     config: StepCacheConfig
     bytes_per_row: int
     quantization: Quantization = Quantization.NONE
+    compile: CompileMode = CompileMode.OFF
 
 
 #: A stage without a step cache.
@@ -296,7 +301,8 @@ def _describe(
         step_cache_interval=config.interval, step_cache_warmup_steps=config.warmup_steps,
         step_cache_final_steps=config.final_steps, step_cache_max_skips=config.max_skips,
         max_step_cache_threshold=config.published_max_threshold,
-        step_cache_bytes_per_row=cache.bytes_per_row, quantization=cache.quantization.value)
+        step_cache_bytes_per_row=cache.bytes_per_row, quantization=cache.quantization.value,
+        compile=cache.compile.value)
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -328,7 +334,10 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     quantization = quantization_from_options(
         "dit", first_options, resolve_placement("dit", device_options, CPU_DTYPE).device)
     cache = StepCacheConfig.from_options(first_options)
+    compile_mode = compile_from_options(first_options)
     if pipeline_class(model_dir) in WAN_TASKS:
+        if compile_mode is not CompileMode.OFF:
+            raise ValueError("stage dit: option compile=blocks is not offered for Wan models yet")
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
@@ -343,8 +352,13 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
     image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache)
     quantize(image.transformer.transformer_blocks, quantization)
+    if compile_mode is CompileMode.BLOCKS:
+        compiler = BlockCompiler()
+        compiler.compile(image.transformer.transformer_blocks)
+        warm_up(image, compiler)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
-                   CacheFacts(cache, image.step_cache_bytes_per_row(), quantization))
+                   CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
+                              compile_mode))
 
 
 def _bundle(
@@ -373,4 +387,4 @@ def _bundle(
         info={"model": str(model_dir), **placement.facts(), "mode": mode.value,
               "max_running": str(engine.max_running), "max_batch": str(engine.max_batch),
               "step_cache": cache.config.method.value,
-              "quantization": cache.quantization.value})
+              "quantization": cache.quantization.value, "compile": cache.compile.value})

@@ -1,5 +1,6 @@
 """The `quantization` stage option (issue 23): int8 weights in the DiT and the text encoder serve
-images end to end, published in Describe; fp8 on a device without it stops the stage at start."""
+images end to end, published in Describe; fp8 on a device without it stops the stage at start.
+Also the DiT's `compile` option's values (compiled blocks themselves: tests/model/)."""
 
 from __future__ import annotations
 
@@ -91,4 +92,17 @@ async def test_float_stages_publish_none(image_stages: dict[str, RunningStage]) 
     async with grpc.aio.insecure_channel(image_stages["dit"].address) as channel:
         dit = await dit_service_pb2_grpc.DitServiceStub(channel).DescribeDit(
             dit_service_pb2.DescribeDitRequest())
-    assert dit.quantization == "none"
+    assert (dit.quantization, dit.compile) == ("none", "off")
+
+
+@pytest.mark.parametrize("value", ["fast", True, 1])
+async def test_an_unknown_compile_value_stops_the_stage_at_start(
+    tiny_model_dir: Path, value: object
+) -> None:
+    with pytest.raises(ValueError, match="compile"):
+        build_stage("dit", tiny_model_dir, {"compile": value})
+
+
+async def test_compile_off_as_yaml_reads_it_is_accepted(tiny_model_dir: Path) -> None:
+    bundle = build_stage("dit", tiny_model_dir, {"compile": False})  # YAML 1.1's bare `off`
+    assert bundle.info["compile"] == "off"
