@@ -19,7 +19,7 @@ from stagemesh.shared.engine.adapter import EngineRequest, StepBudget
 #: roundoff, not bit for bit.
 ATOL = RTOL = 1e-4
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 
 def recompiles() -> float:
