@@ -22,6 +22,8 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
+from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
+from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
 from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
@@ -60,6 +62,8 @@ from stagemesh.shared.engine.scheduler import (
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
+from stagemesh.shared.quantization import Quantization, QuantizationOptions, quantize
+from stagemesh.shared.quantization import from_options as quantization_from_options
 from stagemesh.shared.stage_runtime import StageBundle, servicer_bundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
@@ -91,10 +95,12 @@ DEFAULT_ADMISSION_WINDOW_MS = BURST_ADMISSION_WINDOW_SECONDS * 1000
 MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
-class DitModeOptions(StepCacheOptions, LoraOptions, total=False):
+class DitModeOptions(StepCacheOptions, LoraOptions, QuantizationOptions, CompileOptions,
+                     total=False):
     """How the stage runs a request by default (step execution unless set false), its step
-    cache (`StepCacheOptions`: off unless set) and its LoRA adapters (`LoraOptions`: none unless
-    `lora_dir` is set)."""
+    cache (`StepCacheOptions`: off unless set), its LoRA adapters (`LoraOptions`: none unless
+    `lora_dir` is set), weight quantization and compilation of its blocks (none and off unless
+    set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -265,10 +271,13 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, State
 
 @dataclass(frozen=True)
 class CacheFacts:
-    """The step cache a DiT stage runs, and what a guided request's cache holds at most."""
+    """The step cache a DiT stage runs, what a guided request's cache holds at most, and how
+    its blocks are quantized and compiled."""
 
     config: StepCacheConfig
     bytes_per_row: int
+    quantization: Quantization = Quantization.NONE
+    compile: CompileMode = CompileMode.OFF
 
 
 #: A stage without a step cache.
@@ -304,7 +313,8 @@ def _describe(
         step_cache_interval=config.interval, step_cache_warmup_steps=config.warmup_steps,
         step_cache_final_steps=config.final_steps, step_cache_max_skips=config.max_skips,
         max_step_cache_threshold=config.published_max_threshold,
-        step_cache_bytes_per_row=cache.bytes_per_row)
+        step_cache_bytes_per_row=cache.bytes_per_row, quantization=cache.quantization.value,
+        compile=cache.compile.value)
     _describe_loras(description, loras)
     return description
 
@@ -349,25 +359,39 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     # a bad key, device or dtype fails before the model folder is read
     first_options, *_, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, AnyLimitOptions, DeviceOptions)
-    resolve_placement("dit", device_options, CPU_DTYPE)
+    quantization = quantization_from_options(
+        "dit", first_options, resolve_placement("dit", device_options, CPU_DTYPE).device)
     cache = StepCacheConfig.from_options(first_options)
     lora = LoraConfig.from_options(first_options)
+    compile_mode = compile_from_options(first_options)
+    if compile_mode is not CompileMode.OFF and lora.enabled:
+        # the slots' per-row hooks change every step: they would recompile the blocks' graphs
+        raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
     if pipeline_family(model_dir).name == WAN:
+        if compile_mode is not CompileMode.OFF:
+            raise ValueError("stage dit: option compile=blocks is not offered for Wan models yet")
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
         video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
                                   step_cache=cache, lora=lora)
+        quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
-                       placement, CacheFacts(cache, video.step_cache_bytes_per_row()),
-                       video.loras)
+                       placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
+                                             quantization), video.loras)
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
     image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache,
                            lora=lora)
+    quantize(image.transformer.transformer_blocks, quantization)
+    if compile_mode is CompileMode.BLOCKS:
+        compiler = BlockCompiler()
+        compiler.compile(image.transformer.transformer_blocks)
+        warm_up(image, compiler)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
-                   CacheFacts(cache, image.step_cache_bytes_per_row()), image.loras)
+                   CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
+                              compile_mode), image.loras)
 
 
 def _bundle(
@@ -394,4 +418,6 @@ def _bundle(
                            dit_service_pb2_grpc.add_DitServiceServicer_to_server, SERVICE_NAME,
                            {**placement.facts(), "mode": mode.value,
                             "max_batch": str(engine.max_batch),
-                            "step_cache": cache.config.method.value})
+                            "step_cache": cache.config.method.value,
+                            "quantization": cache.quantization.value,
+                            "compile": cache.compile.value})

@@ -311,6 +311,8 @@ class DescribeDitResponse(_message.Message):
     STEP_CACHE_MAX_SKIPS_FIELD_NUMBER: _builtins.int
     MAX_STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     STEP_CACHE_BYTES_PER_ROW_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    COMPILE_FIELD_NUMBER: _builtins.int
     LORA_NAMES_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
@@ -366,6 +368,15 @@ class DescribeDitResponse(_message.Message):
     """The largest step_cache_threshold a request may set; 0 when the stage runs no cache."""
     step_cache_bytes_per_row: _builtins.int
     """Bytes one guided request's cache holds at most (at the largest size the stage accepts)."""
+    quantization: _builtins.str
+    """Weight quantization of the transformer blocks: "none", "int8" (int8 weights) or "fp8"
+    (fp8 weights and activations, on GPUs with fp8 kernels). Numbered apart from the fields
+    above so that other additions to this message do not collide with it.
+    """
+    compile: _builtins.str
+    """Compilation: "off" or "blocks" (each repeated transformer block compiled, shapes dynamic,
+    warmed up at start over the sizes the stage serves).
+    """
     max_loras: _builtins.int
     """Adapters resident at once, and the rank their slots are padded to."""
     max_lora_rank: _builtins.int
@@ -411,6 +422,8 @@ class DescribeDitResponse(_message.Message):
         step_cache_max_skips: _builtins.int = ...,
         max_step_cache_threshold: _builtins.float = ...,
         step_cache_bytes_per_row: _builtins.int = ...,
+        quantization: _builtins.str = ...,
+        compile: _builtins.str = ...,
         lora_names: _abc.Iterable[_builtins.str] | None = ...,
         max_loras: _builtins.int = ...,
         max_lora_rank: _builtins.int = ...,
@@ -419,7 +432,7 @@ class DescribeDitResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_steps", b"min_steps", "quantization", b"quantization", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
