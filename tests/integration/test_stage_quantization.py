@@ -17,7 +17,8 @@ from PIL import Image
 
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
-from stagemesh.gateway.image_params import ImageRequest
+from stagemesh.gateway.images.pipeline import generate_images, prepare_images
+from stagemesh.gateway.images.protocol import ImageRequest
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.proto.v1 import (
     dit_service_pb2,
@@ -62,9 +63,9 @@ async def _image(stages: dict[str, RunningStage], model_dir: Path,
     recipe = make_image_recipe({n: s.address for n, s in stages.items()}, model_dir)
     core: GatewayCore
     async with open_gateway({"tiny": recipe}) as core:
-        job = await core.prepare_images(ImageRequest(prompt="a red circle", width=64, height=64,
-                                                     seed=3))
-        (image,) = await core.generate_images(job, RequestContext.create(None, 60))
+        job = await prepare_images(core, ImageRequest(prompt="a red circle", width=64,
+                                                      height=64, seed=3))
+        (image,) = await generate_images(core, job, RequestContext.create(None, 60))
     return np.asarray(Image.open(io.BytesIO(image.png)).convert("RGB"), dtype=np.float64)
 
 
