@@ -96,6 +96,7 @@ class Task(enum.StrEnum):
     IMAGE_EDIT = "image-edit"
     TEXT_TO_VIDEO = "text-to-video"
     IMAGE_TO_VIDEO = "image-to-video"
+    SPEECH_TO_TEXT = "speech-to-text"
 
 
 #: Stages each task needs, in the order a request travels through them.
@@ -106,6 +107,7 @@ TASK_STAGES: dict[Task, tuple[str, ...]] = {
     Task.IMAGE_EDIT: ("tokenizer", "dit", "vae"),
     Task.TEXT_TO_VIDEO: ("tokenizer", "dit", "vae"),
     Task.IMAGE_TO_VIDEO: ("tokenizer", "dit", "vae"),
+    Task.SPEECH_TO_TEXT: ("transcriber",),
 }
 
 #: Tasks whose requests take ImageDefaults (the rest of the Tokenizer/DiT/VAE tasks take
@@ -125,7 +127,7 @@ MOVED_LIMITS: dict[str, str | None] = {
     "max_ref_audio_bytes": None,
 }
 
-_RECIPE_KEYS = frozenset({"name", "task", "model", "stages", "defaults", "speech"})
+_RECIPE_KEYS = frozenset({"name", "task", "model", "stages", "defaults", "speech", "listen"})
 _ENDPOINT_KEYS = frozenset({"address", "metrics_port", "options"})
 
 
@@ -227,6 +229,8 @@ class Recipe:
     video_defaults: VideoDefaults = VideoDefaults()
     #: chat: the text-to-speech recipe that speaks its answers ("" = the default one).
     speech: str = ""
+    #: chat: the speech-to-text recipe that hears `input_audio` parts ("" = the default one).
+    listen: str = ""
 
     def stage(self, name: str) -> StageEndpoint:
         return self.stages[name]
@@ -405,25 +409,33 @@ def _build(entry: object, where: str) -> Recipe:
     return Recipe(name=name, task=task, model=model, stages=stages,
                   image_defaults=_image_defaults(entry.get("defaults"), task, where),
                   video_defaults=_video_defaults(entry.get("defaults"), task, where),
-                  speech=_speech_recipe(entry.get("speech"), task, where))
+                  speech=_chat_companion(entry.get("speech"), "speech", task, where),
+                  listen=_chat_companion(entry.get("listen"), "listen", task, where))
 
 
-def _speech_recipe(raw: object, task: Task, where: str) -> str:
-    """A chat recipe's `speech:`, the name of a text-to-speech recipe (checked once all are
-    loaded, by `_check_speech_recipes`)."""
+#: A chat recipe's companion keys -> the task of the recipe each one names.
+COMPANION_TASKS = {"speech": Task.TEXT_TO_SPEECH, "listen": Task.SPEECH_TO_TEXT}
+
+
+def _chat_companion(raw: object, key: str, task: Task, where: str) -> str:
+    """A chat recipe's `speech:` or `listen:`, the name of another recipe (checked once all
+    are loaded, by `_check_companions`)."""
     if raw is None:
         return ""
     if task is not Task.CHAT or not isinstance(raw, str):
-        raise RecipeError(f"{where}.speech: a chat recipe's speech recipe name, got {raw!r}")
+        raise RecipeError(f"{where}.{key}: a chat recipe's {key} recipe name, got {raw!r} "
+                          f"(it names a {COMPANION_TASKS[key].value} recipe)")
     return raw
 
 
-def _check_speech_recipes(recipes: Mapping[str, Recipe], path: Path | str) -> None:
+def _check_companions(recipes: Mapping[str, Recipe], path: Path | str) -> None:
     for recipe in recipes.values():
-        named = recipes.get(recipe.speech) if recipe.speech else None
-        if recipe.speech and (named is None or named.task is not Task.TEXT_TO_SPEECH):
-            raise RecipeError(f"{path}: recipe {recipe.name!r}: speech {recipe.speech!r} is not "
-                              "a text-to-speech recipe of this file")
+        for key, task in COMPANION_TASKS.items():
+            name: str = getattr(recipe, key)
+            named = recipes.get(name) if name else None
+            if name and (named is None or named.task is not task):
+                raise RecipeError(f"{path}: recipe {recipe.name!r}: {key} {name!r} is not "
+                                  f"a {task.value} recipe of this file")
 
 
 def load_recipes(path: Path | str = DEFAULT_RECIPES) -> dict[str, Recipe]:
@@ -438,7 +450,7 @@ def load_recipes(path: Path | str = DEFAULT_RECIPES) -> dict[str, Recipe]:
         if recipe.name in recipes:
             raise RecipeError(f"{path}: recipe name {recipe.name!r} appears twice")
         recipes[recipe.name] = recipe
-    _check_speech_recipes(recipes, path)
+    _check_companions(recipes, path)
     return recipes
 
 

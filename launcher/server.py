@@ -40,8 +40,9 @@ PRELOADED = (
     "stagemesh.models.registry", "stagemesh.services.registry",
     "stagemesh.services.tokenizer.servicer", "stagemesh.services.dit.servicer",
     "stagemesh.services.vae.servicer", "stagemesh.services.thinker.servicer",
-    "stagemesh.services.talker", "stagemesh.services.talker.servicer",
-    "stagemesh.services.codec", "stagemesh.services.codec.servicer",
+    # the CSM family's builders (services.registry.STAGE_BUILDERS), their generic servicers
+    # with them
+    "stagemesh.services.talker.csm_servicer", "stagemesh.services.codec.csm_servicer",
 )
 #: A child gets the signal handlers a fresh interpreter has, not the launcher's.
 CHILD_SIGNALS: dict[int, Callable[[int, FrameType | None], object] | int] = {

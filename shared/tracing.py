@@ -35,8 +35,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from stagemesh.shared.interception import HandlerInterceptor, HttpMiddleware
 from stagemesh.shared.mesh_auth import is_infrastructure
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ def traced_stage_call(
 # -- gateway: a server span per REST request ------------------------------------------------
 
 
-class TracingMiddleware:
+class TracingMiddleware(HttpMiddleware):
     """A server span per HTTP request, continuing the client's `traceparent` if it sent one.
 
     Sits inside the request-id middleware (it reads the id from `scope["state"]`) and names the
@@ -209,11 +210,8 @@ class TracingMiddleware:
     paths stay out of span names.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if _tracer is None or scope["type"] != "http":
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if _tracer is None:
             await self.app(scope, receive, send)
             return
         method = str(scope.get("method", "GET"))
@@ -280,20 +278,16 @@ _HANDLER_KINDS = {
 }
 
 
-class GrpcServerSpans(grpc.aio.ServerInterceptor):
+class GrpcServerSpans(HandlerInterceptor):
     """A grpc.aio server interceptor: a server span around every call of the gateway's API.
 
     Pass it (with any other interceptors) to `start_server`; while traces are off it hands the
     handler back untouched. Health and reflection calls get no span.
     """
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               Awaitable[grpc.RpcMethodHandler[RequestT, ResponseT] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
-        handler = await continuation(handler_call_details)
+    def intercept(self, handler: grpc.RpcMethodHandler[RequestT, ResponseT] | None,
+                  handler_call_details: grpc.HandlerCallDetails,
+                  ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
         method = handler_call_details.method
         if _tracer is None or handler is None or is_infrastructure(method):
             return handler

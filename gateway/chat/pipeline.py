@@ -30,6 +30,8 @@ from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.gateway.speech.audio import AudioFormat, Samples, StreamEncoder
 from stagemesh.gateway.speech.pipeline import AudioPiece, SpeechJob, prepare_speech, speak
 from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.gateway.transcriptions.pipeline import TranscriptionJob, listen, prepare_audio
+from stagemesh.gateway.transcriptions.protocol import decode_base64_audio
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as gateway_pb
 from stagemesh.shared.proto.v1 import thinker_service_pb2 as pb
@@ -59,6 +61,8 @@ class ChatJob:
     sampling: pb.TokenSamplingParams
     priority: int
     speech: SpeechJob | None
+    #: Each `input_audio` part, checked against the listener: (message index, its audio).
+    heard: tuple[tuple[int, TranscriptionJob], ...] = ()
 
 
 def chat_recipe(core: GatewayCore, model: str) -> Recipe | None:
@@ -81,7 +85,34 @@ async def prepare_chat(core: GatewayCore, recipe: Recipe, request: ChatRequest) 
     speech = None
     if request.audio is not None:
         speech = await _speech_job(core, recipe, request.audio, request.seed)
-    return ChatJob(recipe, request.messages, sampling, request.priority, speech)
+    heard = await _audio_jobs(core, recipe, request.messages)
+    return ChatJob(recipe, request.messages, sampling, request.priority, speech, heard)
+
+
+async def _audio_jobs(core: GatewayCore, recipe: Recipe, messages: tuple[ChatTurn, ...]
+                      ) -> tuple[tuple[int, TranscriptionJob], ...]:
+    """Every `input_audio` part decoded and checked against the recipe's listener (its
+    `listen:` recipe, or the first speech-to-text one), before any stage runs."""
+    parts = [(index, part) for index, turn in enumerate(messages) for part in turn.audio]
+    if not parts:
+        return ()
+    listener = core.mesh.recipe(recipe.listen, Task.SPEECH_TO_TEXT)
+    jobs = []
+    for index, part in parts:
+        audio = await asyncio.to_thread(decode_base64_audio, part.data, part.field)
+        jobs.append((index, await prepare_audio(core, listener, audio, part.field)))
+    return tuple(jobs)
+
+
+async def _heard_messages(core: GatewayCore, job: ChatJob,
+                          scope: CancelScope) -> tuple[ChatTurn, ...]:
+    """The conversation with each spoken part transcribed and appended to its message's text
+    (a cascade: listener -> thinker)."""
+    texts = [[turn.content] if turn.content else [] for turn in job.messages]
+    for index, heard in job.heard:
+        texts[index].append((await listen(heard, scope, core)).text)
+    return tuple(dataclasses.replace(turn, content=" ".join(texts[i]), audio=())
+                 for i, turn in enumerate(job.messages))
 
 
 def _check_messages(messages: tuple[ChatTurn, ...],
@@ -224,10 +255,11 @@ def thinker_stub(core: GatewayCore, recipe: Recipe) -> ThinkerServiceAsyncStub:
     return thinker_service_pb2_grpc.ThinkerServiceStub(core.mesh.channel(recipe.stage("thinker")))
 
 
-def _thinker_start(scope: CancelScope, job: ChatJob) -> pb.GenerateTokensRequest:
+def _thinker_start(scope: CancelScope, job: ChatJob,
+                   messages: tuple[ChatTurn, ...]) -> pb.GenerateTokensRequest:
     return pb.GenerateTokensRequest(start=pb.GenerateTokensStart(
         request_id=scope.stage_request_id, sampling=job.sampling, priority=job.priority,
-        messages=[pb.ChatMessage(role=t.role, content=t.content) for t in job.messages]))
+        messages=[pb.ChatMessage(role=t.role, content=t.content) for t in messages]))
 
 
 class _Voice:
@@ -277,9 +309,11 @@ async def run_chat(core: GatewayCore, job: ChatJob, scope: CancelScope,
                 for sentence in splitter.push(response.delta.text):
                     voice.sentences.put_nowait(sentence)
 
+    messages = await _heard_messages(core, job, scope) if job.heard else job.messages
+
     async def think() -> pb.GenerateTokensResult:
         answered = await call_stage(scope, "thinker", thinker_stub(core, job.recipe).GenerateTokens,
-                                    _thinker_start(scope, job), pb.GenerateTokensRequest,
+                                    _thinker_start(scope, job, messages), pb.GenerateTokensRequest,
                                     on_event=on_delta)
         if voice is not None:
             for sentence in splitter.flush():

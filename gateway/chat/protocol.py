@@ -24,6 +24,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 #: OpenAI's audio output formats that stagemesh encodes -> its own format names.
 AUDIO_FORMATS = {"wav": AudioFormat.WAV, "pcm16": AudioFormat.PCM, "pcm": AudioFormat.PCM,
                  "flac": AudioFormat.FLAC}
+#: The formats of a user message's `input_audio` parts (OpenAI's; libsndfile decodes both).
+INPUT_AUDIO_FORMATS = ("wav", "mp3")
 #: OpenAI fields stagemesh cannot honour: refused rather than silently ignored.
 UNSUPPORTED_FIELDS = ("stop", "tools", "functions", "logprobs", "response_format")
 
@@ -37,9 +39,20 @@ class ChatOptions:
 
 
 @dataclass(frozen=True)
+class AudioPart:
+    """A user message's `input_audio` part, still base64 (decoded when the request is
+    prepared, off the event loop); `field` names it in errors."""
+
+    data: str
+    field: str  # messages[i].content[j].input_audio
+
+
+@dataclass(frozen=True)
 class ChatTurn:
     role: str  # "system", "user" or "assistant"
     content: str
+    #: Spoken parts, heard by the chat recipe's listener and appended to `content` in order.
+    audio: tuple[AudioPart, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,19 +80,39 @@ class ChatRequest:
 # -- the body -------------------------------------------------------------------------------
 
 
-def _content(value: object, index: int) -> str:
-    """A message's text: a string, or the text parts of a content list."""
+def _audio_part(part: Mapping[str, object], index: int, position: int) -> AudioPart:
+    """OpenAI's `{"type": "input_audio", "input_audio": {"data": base64, "format": ...}}`."""
+    where = f"messages[{index}].content[{position}].input_audio"
+    raw = part.get("input_audio")
+    if not isinstance(raw, dict):
+        raise InvalidRequest(where, f'{where} must be {{"data": <base64>, "format": "wav"}}')
+    fmt = raw.get("format")
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise InvalidRequest(f"{where}.format", f"{where}.format must be one of "
+                             f"{list(INPUT_AUDIO_FORMATS)}, got {fmt!r}")
+    data = raw.get("data")
+    if not isinstance(data, str) or not data:
+        raise InvalidRequest(f"{where}.data", f"{where}.data must be base64 audio")
+    return AudioPart(data, where)
+
+
+def _content(value: object, index: int, role: str) -> tuple[str, tuple[AudioPart, ...]]:
+    """A message's text (a string, or the text parts of a content list) and its spoken parts
+    (a user message's `input_audio` parts)."""
     if isinstance(value, str):
-        return value
+        return value, ()
     if isinstance(value, list):
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"messages.[{index}].content",
-                                     "only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
+        texts, audio = [], []
+        for position, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(part, dict) and kind == "input_audio" and role == "user":
+                audio.append(_audio_part(part, index, position))
+            elif isinstance(part, dict) and kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise InvalidRequest(f"messages.[{index}].content", "only text content parts "
+                                     "(and input_audio parts in user messages) are supported")
+        return "".join(texts), tuple(audio)
     raise InvalidRequest(f"messages.[{index}].content", "content must be a string or a list")
 
 
@@ -92,7 +125,8 @@ def _turns(messages: object) -> tuple[ChatTurn, ...]:
         if not isinstance(role, str) or role not in ROLES:
             raise InvalidRequest(f"messages.[{index}].role",
                                  f"role must be one of {sorted(ROLES)}, got {role!r}")
-        turns.append(ChatTurn(ROLES[role], _content(message.get("content"), index)))
+        text, audio = _content(message.get("content"), index, ROLES[role])
+        turns.append(ChatTurn(ROLES[role], text, audio))
     return tuple(turns)
 
 

@@ -116,6 +116,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         return self.api.SynthesizeSpeech(request, context)
 
     @streaming_rpc()
+    def TranscribeAudio(self, request: pb.TranscribeAudioRequest, context: RequestContext
+                        ) -> AsyncGenerator[pb.TranscribeAudioResponse, None]:
+        return self.api.TranscribeAudio(request, context)
+
+    @streaming_rpc()
     def Chat(self, request: pb.ChatRequest, context: RequestContext
              ) -> AsyncGenerator[pb.ChatResponse, None]:
         return self.api.Chat(request, context)

@@ -18,6 +18,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from stagemesh.shared.errors import build_status
+from stagemesh.shared.interception import HandlerInterceptor
 from stagemesh.shared.proto.v1 import gateway_service_pb2
 
 RequestT = TypeVar("RequestT")
@@ -129,16 +130,12 @@ def _unary_stream(behavior: Callable[[object, Context], AsyncIterator[object]]
     return handle
 
 
-class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+class DecodeErrorInterceptor(HandlerInterceptor):
     """Wraps every GatewayService handler (unary requests: all of them) as the module says."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               Awaitable[grpc.RpcMethodHandler[RequestT, ResponseT] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
-        handler = await continuation(handler_call_details)
+    def intercept(self, handler: grpc.RpcMethodHandler[RequestT, ResponseT] | None,
+                  handler_call_details: grpc.HandlerCallDetails,
+                  ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
         service, _, name = handler_call_details.method.lstrip("/").partition("/")
         method = SERVICE.methods_by_name.get(name) if service == SERVICE.full_name else None
         if (handler is None or method is None or method.input_type is None

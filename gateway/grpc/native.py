@@ -25,11 +25,14 @@ from stagemesh.gateway.images.pipeline import (
 )
 from stagemesh.gateway.images.protocol import ImageRequest, PreviewAsk
 from stagemesh.gateway.mesh.events import Done, Output, StageEvent
+from stagemesh.gateway.mesh.lora import lora_from_proto
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech.audio import StreamEncoder
 from stagemesh.gateway.speech.pipeline import prepare_speech, speech_events
 from stagemesh.gateway.speech.protocol import SpeechRequest
+from stagemesh.gateway.transcriptions.pipeline import prepare_transcription, transcript_events
+from stagemesh.gateway.transcriptions.protocol import TranscriptionRequest
 from stagemesh.gateway.videos.jobs import new_video_id, page, video_jobs
 from stagemesh.gateway.videos.pipeline import prepare_video
 from stagemesh.gateway.videos.protocol import VideoRequest
@@ -59,7 +62,8 @@ def image_request(request: pb.GenerateImageRequest | pb.EditImageRequest) -> Ima
         step_cache_threshold=(request.step_cache_threshold
                               if request.HasField("step_cache_threshold") else None),
         preview=(PreviewAsk(request.preview.every, request.preview.size or None)
-                 if request.HasField("preview") else None))
+                 if request.HasField("preview") else None),
+        lora=lora_from_proto(request.lora))
 
 
 def edit_request(request: pb.EditImageRequest) -> EditRequest:
@@ -151,6 +155,29 @@ class NativeApi:
                 if audio:
                     yield pb.SynthesizeSpeechResponse(request_id=context.request_id, audio=audio,
                                                       sample_rate=encoder.sample_rate)
+
+    async def TranscribeAudio(
+        self, request: pb.TranscribeAudioRequest, context: RequestContext,
+    ) -> AsyncGenerator[pb.TranscribeAudioResponse, None]:
+        """What POST /v1/audio/transcriptions streams: each final segment, then the whole
+        transcript (transcriptions/pipeline.py)."""
+        job = await prepare_transcription(self.core, TranscriptionRequest(
+            audio=request.audio, model=request.model,
+            language=request.language.strip().lower(), prompt=request.prompt))
+        context = context.for_request(check_request_id(request.request_id, "request_id"))
+        async with contextlib.aclosing(transcript_events(self.core, job, context)) as items:
+            async for item in items:
+                if isinstance(item, Output):
+                    s = item.value
+                    yield pb.TranscribeAudioResponse(
+                        request_id=context.request_id, segment=pb.TranscribedSegment(
+                            index=s.index, text=s.text, start_ms=s.start_ms, end_ms=s.end_ms,
+                            no_speech_prob=s.no_speech_prob))
+                elif isinstance(item, Done):
+                    yield pb.TranscribeAudioResponse(
+                        request_id=context.request_id, result=pb.TranscribeAudioResult(
+                            text=item.result.text, duration_seconds=item.result.seconds,
+                            language=item.result.language))
 
     def Chat(
         self, request: pb.ChatRequest, context: RequestContext,
@@ -249,7 +276,7 @@ def video_request(request: pb.CreateVideoRequest) -> VideoRequest:
         seed=request.seed if request.HasField("seed") else None,
         step_cache_threshold=(request.step_cache_threshold
                               if request.HasField("step_cache_threshold") else None),
-        image=request.input_reference or None)
+        image=request.input_reference or None, lora=lora_from_proto(request.lora))
 
 
 #: A job's state as the proto names it.

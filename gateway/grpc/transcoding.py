@@ -220,6 +220,8 @@ def annotated_routes(api: NativeApi) -> list[Route]:
                                                    api.DownloadVideo),
         "SynthesizeSpeech": lambda b: stream_endpoint(b, pb.SynthesizeSpeechRequest,
                                                       api.SynthesizeSpeech),
+        "TranscribeAudio": lambda b: stream_endpoint(b, pb.TranscribeAudioRequest,
+                                                     api.TranscribeAudio),
         "Chat": lambda b: stream_endpoint(b, pb.ChatRequest, api.Chat),
         "CancelRequest": lambda b: unary_endpoint(b, pb.CancelRequestRequest,
                                                   api.CancelRequest),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import GatewayError, InvalidRequest
@@ -28,6 +28,7 @@ from stagemesh.gateway.wire.requests import (
     ClientGone,
     error_response,
 )
+from stagemesh.shared.interception import HttpMiddleware
 from stagemesh.shared.tracing import TracingMiddleware
 
 
@@ -44,18 +45,12 @@ async def _client_gone(request: Request, error: Exception) -> Response:
 EXCEPTION_HANDLERS = {GatewayError: _gateway_error, ClientGone: _client_gone}
 
 
-class RequestIdMiddleware:
+class RequestIdMiddleware(HttpMiddleware):
     """Every response carries x-request-id: the client's own, or a new one when it sent none.
     An x-request-id the client did send that breaks the rule (request_ids.py) is a 400
     naming `x-request-id`: never replaced, so the client can cancel by its own id."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = header(scope, REQUEST_ID_HEADER.encode()) or ""
         try:
             request_id = check_request_id(given, REQUEST_ID_HEADER) or new_request_id()

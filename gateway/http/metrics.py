@@ -8,9 +8,10 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from stagemesh.gateway.wire.streams import BUCKETS
+from stagemesh.shared.interception import HttpMiddleware
 
 REQUEST_SECONDS = Histogram(
     "stagemesh_gateway_request_seconds",
@@ -18,16 +19,10 @@ REQUEST_SECONDS = Histogram(
     ["route", "status"], buckets=BUCKETS)
 
 
-class RequestMetricsMiddleware:
+class RequestMetricsMiddleware(HttpMiddleware):
     """Times every HTTP request under its route template (not the raw path: ids stay out)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
         status = {"code": 500}
 

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from stagemesh.gateway.chat.protocol import ROLES
 from stagemesh.gateway.grpc.transcoding import SERVICE, HttpBinding, http_bindings
 from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
+from stagemesh.gateway.transcriptions.protocol import TRANSCRIPTION_FIELDS, ResponseFormat
 
 Schema = dict[str, object]
 
@@ -169,6 +170,13 @@ def _body(operation_id: str, properties: Schema, required: list[str]) -> Schema:
         "example": OPENAI_EXAMPLES[operation_id]}}}
 
 
+#: `lora`: the DiT's adapters (GET the DiT's Describe lora_names) and their scales (default 1).
+_LORA: Schema = {"type": "array", "items": {
+    "type": "object", "required": ["name"],
+    "properties": {"name": _STRING, "scale": _NUMBER}}}
+#: In a multipart form, `lora` is that array as one JSON text field.
+_LORA_TEXT: Schema = {"type": "string",
+                      "description": 'a JSON array: [{"name": ..., "scale": ...}]'}
 _IMAGE_FIELDS: Schema = {
     "prompt": _STRING, "model": _STRING, "negative_prompt": _STRING, "n": _INTEGER,
     "size": _STRING, "width": _INTEGER, "height": _INTEGER, "num_inference_steps": _INTEGER,
@@ -182,6 +190,7 @@ _IMAGE_FIELDS: Schema = {
     "preview": {"type": "object", "description": "step previews on SSE progress events "
                 "(`preview`: a PNG data URL) every `every` steps, `size` px on the long side",
                 "properties": {"every": _INTEGER, "size": _INTEGER}},
+    "lora": _LORA,
 }
 _SPEECH_FIELDS: Schema = {
     "input": _STRING, "model": _STRING, "voice": _STRING,
@@ -223,6 +232,7 @@ _VIDEO_FIELDS: Schema = {
     "num_inference_steps": _INTEGER, "guidance_scale": _NUMBER,
     "guidance_scale_2": _NUMBER, "boundary_ratio": _NUMBER, "flow_shift": _NUMBER,
     "seed": _INTEGER, "step_cache_threshold": _IMAGE_FIELDS["step_cache_threshold"],
+    "lora": {"oneOf": [_LORA, _LORA_TEXT]},
     "image_reference": {"type": "object", "properties": {"image_url": {
         "type": "string", "description": "a data URL (data:image/png;base64,...)"}}},
 }
@@ -244,7 +254,7 @@ _EDIT_TYPES: Schema = {
     "size": {"type": "string", "description": "WxH, or auto (the recipe's or the input's)"},
     "stream": _BOOLEAN, "execution_mode": _IMAGE_FIELDS["execution_mode"],
     "response_format": _IMAGE_FIELDS["response_format"],
-    "output_format": {"type": "string", "enum": ["png"]},
+    "output_format": {"type": "string", "enum": ["png"]}, "lora": _LORA_TEXT,
 }
 _JOB_ID: list[Schema] = [{"name": "id", "in": "path", "required": True, "schema": _STRING}]
 _LIST_QUERY: list[Schema] = [
@@ -269,6 +279,26 @@ def _edit_path() -> Schema:
     form: Schema = {"type": "object", "required": ["image", "prompt"], "properties": {
         name: _EDIT_TYPES.get(name, _STRING) for name in sorted(EDIT_FIELDS)}}
     return {"post": {"operationId": "openai.images.edits", "tags": ["openai"],
+                     "requestBody": {"required": True,
+                                     "content": {"multipart/form-data": {"schema": form}}},
+                     "responses": _responses(_OBJECT)}}
+
+
+#: POST /v1/audio/transcriptions: OpenAI's multipart form (transcriptions/protocol.py).
+_TRANSCRIPTION_TYPES: Schema = {
+    "file": {"type": "string", "contentEncoding": "binary",
+             "description": "a WAV, MP3, FLAC or OGG file"},
+    "response_format": {"type": "string", "enum": [f.value for f in ResponseFormat]},
+    "stream": _BOOLEAN, **dict.fromkeys(("temperature", "timeout"), _NUMBER),
+    **{name: {"type": "string", "enum": ["segment"], "description": "word: a 400"}
+       for name in ("timestamp_granularities", "timestamp_granularities[]")},
+}
+
+
+def _transcription_path() -> Schema:
+    form: Schema = {"type": "object", "required": ["file"], "properties": {
+        name: _TRANSCRIPTION_TYPES.get(name, _STRING) for name in sorted(TRANSCRIPTION_FIELDS)}}
+    return {"post": {"operationId": "openai.audio.transcriptions", "tags": ["openai"],
                      "requestBody": {"required": True,
                                      "content": {"multipart/form-data": {"schema": form}}},
                      "responses": _responses(_OBJECT)}}
@@ -318,6 +348,7 @@ def _openai_paths() -> dict[str, Schema]:
         "/v1/audio/speech": post("openai.speech", _SPEECH_FIELDS, "input",
                                  {"type": "string", "contentEncoding": "binary"}, "audio/wav"),
         "/v1/audio/voices": get("openai.voices"),
+        "/v1/audio/transcriptions": _transcription_path(),
         "/v1/models": get("openai.models"),
         "/health": get("health"),
         **_video_paths(),

@@ -12,8 +12,9 @@ from stagemesh.gateway.http.metrics import metrics_endpoint
 from stagemesh.gateway.http.models import ModelRoutes
 from stagemesh.gateway.http.openapi import openapi_endpoint
 from stagemesh.gateway.images.routes import ImageRoutes
-from stagemesh.gateway.playground import playground_routes
+from stagemesh.gateway.playground.routes import playground_routes
 from stagemesh.gateway.speech.routes import AudioRoutes
+from stagemesh.gateway.transcriptions.routes import TranscriptionRoutes
 from stagemesh.gateway.videos.routes import VideoRoutes
 
 
@@ -23,13 +24,14 @@ def rest_routes(core: GatewayCore) -> list[Route]:
     document of all of them (gateway/openapi.py)."""
     images, chat = ImageRoutes(core), ChatRoutes(core)
     audio, models = AudioRoutes(core), ModelRoutes(core)
-    videos = VideoRoutes(core)
+    videos, listening = VideoRoutes(core), TranscriptionRoutes(core)
     return [
         Route("/v1/images/generations", images.generations, methods=["POST"]),
         Route("/v1/images/edits", images.edits, methods=["POST"]),
         Route("/v1/chat/completions", chat.completions, methods=["POST"]),
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/voices", audio.voices, methods=["GET"]),
+        Route("/v1/audio/transcriptions", listening.transcriptions, methods=["POST"]),
         Route("/v1/videos", videos.create, methods=["POST"]),
         Route("/v1/videos", videos.list, methods=["GET"]),
         Route("/v1/videos/sync", videos.sync, methods=["POST"]),

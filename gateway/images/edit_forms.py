@@ -4,6 +4,7 @@ OpenAI's fields (`image` files, also `image[]` as the openai SDK sends a list, `
 `model`, `n`, `size`, `response_format`, `output_format`, `user`, `stream`) plus stagemesh's
 image extensions (`seed`, `num_inference_steps`, `true_cfg_scale` alias `guidance_scale`,
 `negative_prompt`, `width`/`height`, `execution_mode`, `priority`, `step_cache_threshold`,
+`preview_every`, `preview_size`, `lora`,
 `timeout`). Only the form's
 shape is checked here; limits are checked against what the stages publish when the request is
 prepared (edit_protocol.py). Every refusal names its field.
@@ -20,13 +21,14 @@ from stagemesh.gateway.images.protocol import (
     parse_size,
 )
 from stagemesh.gateway.wire.forms import Form, FormFields
+from stagemesh.gateway.wire.lora import parse_lora_text
 
 #: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
 EDIT_FIELDS = frozenset({
     "image", "prompt", "model", "n", "size", "response_format", "output_format", "user",
     "stream", "seed", "num_inference_steps", "true_cfg_scale", "guidance_scale",
     "negative_prompt", "width", "height", "execution_mode", "priority", "timeout", "mask",
-    "step_cache_threshold", "preview_every", "preview_size"})
+    "step_cache_threshold", "preview_every", "preview_size", "lora"})
 #: `size` values that mean "the size derived from the input image".
 AUTO_SIZES = frozenset({"auto", ""})
 
@@ -76,6 +78,6 @@ def edit_request(form: Form) -> tuple[EditRequest, bool]:
         execution_mode=execution_mode(fields.string("execution_mode")),
         priority=fields.integer("priority"),
         step_cache_threshold=fields.number("step_cache_threshold"),
-        preview=_preview(fields))
+        preview=_preview(fields), lora=parse_lora_text(fields.string("lora")))
     images = tuple(file.data for file in form.file_list("image"))
     return EditRequest(image=image, images=images), fields.boolean("stream")

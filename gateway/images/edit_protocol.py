@@ -27,8 +27,10 @@ from stagemesh.gateway.recipes import ImageDefaults
 
 #: The pixel area Qwen-Image-Edit resizes its input image to before encoding it (VAE) and
 #: reading it (the text encoder): the stock QwenImageEditPipeline's `calculate_dimensions(1024 *
-#: 1024, width / height)`. Its default output size is the same. Mirrored here because the
-#: gateway never imports torch; tests/unit/test_edit_params.py checks it against diffusers.
+#: 1024, width / height)`. Its default output size is the same. A model that conditions at its
+#: own area has its VAE publish it (EditFacts.condition_area); this is the area of a VAE that
+#: does not say. Mirrored here because the gateway never imports torch;
+#: tests/unit/test_edit_validation.py checks the rule against diffusers.
 CONDITION_AREA = 1024 * 1024
 #: ... with each side rounded to a multiple of this.
 CONDITION_ROUNDING = 32
@@ -58,12 +60,12 @@ class EditParams:
     condition_height: int
 
 
-def condition_size(width: int, height: int) -> tuple[int, int]:
-    """The size an input image of `width` x `height` is resized to: CONDITION_AREA pixels at
-    its aspect ratio, each side rounded to CONDITION_ROUNDING (diffusers' calculate_dimensions,
+def condition_size(width: int, height: int, area: int = CONDITION_AREA) -> tuple[int, int]:
+    """The size an input image of `width` x `height` is resized to: `area` pixels at its
+    aspect ratio, each side rounded to CONDITION_ROUNDING (diffusers' calculate_dimensions,
     Python's round included)."""
     ratio = width / height
-    scaled_width = math.sqrt(CONDITION_AREA * ratio)
+    scaled_width = math.sqrt(area * ratio)
     scaled_height = scaled_width / ratio
     return (round(scaled_width / CONDITION_ROUNDING) * CONDITION_ROUNDING,
             round(scaled_height / CONDITION_ROUNDING) * CONDITION_ROUNDING)
@@ -104,7 +106,7 @@ def _condition(first: RgbImage, facts: EditFacts) -> tuple[int, int]:
     """The size the input image is encoded at; refused (naming `image`) when the model's
     stages cannot take it (an extreme aspect ratio)."""
     height, width = first.shape[:2]
-    size = condition_size(width, height)
+    size = condition_size(width, height, facts.condition_area or CONDITION_AREA)
     multiple, max_side = facts.encode_size_multiple, facts.encode_max_side
     if min(size) <= 0 or any(side % multiple for side in size) or (
             max_side and max(size) > max_side):

@@ -24,6 +24,7 @@ from stagemesh.gateway.images.edit_protocol import EditParams, EditRequest, reso
 from stagemesh.gateway.images.protocol import ImageParams, ImageRequest, resolve_image_request
 from stagemesh.gateway.mesh.calls import CancelScope, call_stage, side_by_side
 from stagemesh.gateway.mesh.events import Done, Emit, Output, Part, StageEvent, stream_pipeline
+from stagemesh.gateway.mesh.lora import lora_to_proto
 from stagemesh.gateway.mesh.stubs import ImageStubs
 from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.shared.proto.v1 import (
@@ -166,7 +167,7 @@ async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.
         num_inference_steps=params.num_inference_steps,
         true_cfg_scale=params.true_cfg_scale, seed=part.seed,
         execution_mode=params.execution_mode, priority=params.priority,
-        condition_latents=condition)
+        condition_latents=condition, lora=lora_to_proto(params.lora))
     if params.step_cache_threshold is not None:
         start.step_cache_threshold = params.step_cache_threshold
     if params.preview is not None:

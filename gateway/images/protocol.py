@@ -15,8 +15,10 @@ import numpy as np
 
 from stagemesh.gateway.core import random_seed
 from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.mesh.lora import LoraChoice
 from stagemesh.gateway.mesh.stages import ExecutionMode, ImageFacts
 from stagemesh.gateway.recipes import ImageDefaults
+from stagemesh.gateway.wire.lora import parse_lora
 from stagemesh.gateway.wire.requests import TEXT_BODY_BYTES, JsonFields
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import common_pb2
@@ -60,6 +62,7 @@ class ImageRequest:
     priority: int | None = None
     step_cache_threshold: float | None = None
     preview: PreviewAsk | None = None
+    lora: tuple[LoraChoice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class ImageParams:
     priority: int = 0  # in the DiT's queue: lower runs sooner
     step_cache_threshold: float | None = None  # None: the DiT's own setting; 0: off
     preview: PreviewAsk | None = None  # step previews (every and size concrete); None: none
+    lora: tuple[LoraChoice, ...] = ()  # checked against the DiT's published adapters
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -186,6 +190,7 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
     if not 0 <= seed <= MAX_SEED - n:
         raise InvalidRequest("seed", f"seed must be between 0 and {MAX_SEED - n}, got {seed}")
     _check_mode(request.execution_mode, facts)
+    facts.lora.check(request.lora)
     negative = defaults.negative_prompt if request.negative_prompt is None \
         else request.negative_prompt
     return ImageParams(prompt=request.prompt, negative_prompt=negative, n=n, width=width,
@@ -194,7 +199,7 @@ def resolve_image_request(request: ImageRequest, defaults: ImageDefaults,
                        priority=_priority(request.priority),
                        step_cache_threshold=step_cache_threshold(request.step_cache_threshold,
                                                                  facts),
-                       preview=resolve_preview(request.preview, facts))
+                       preview=resolve_preview(request.preview, facts), lora=request.lora)
 
 
 def execution_mode(value: str | None) -> common_pb2.ExecutionMode.ValueType:
@@ -225,7 +230,7 @@ def image_request(body: Mapping[str, object]) -> ImageRequest:
         execution_mode=execution_mode(fields.string("execution_mode")),
         priority=fields.integer("priority"),
         step_cache_threshold=fields.number("step_cache_threshold"),
-        preview=_preview(body.get("preview")))
+        preview=_preview(body.get("preview")), lora=parse_lora(body.get("lora")))
 
 
 def _preview(value: object) -> PreviewAsk | None:

@@ -29,7 +29,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Generic, Self, TypeVar
+from typing import Generic, Self, TypedDict, TypeVar, Unpack
 
 import grpc
 from grpc.aio import Metadata
@@ -351,6 +351,16 @@ class NoReplica(Exception):
 # -- the channel the stubs are built on ---------------------------------------------------------
 
 
+class CallOptions(TypedDict, total=False):
+    """The keyword options of a grpc.aio call, passed through to the picked replica."""
+
+    timeout: float | None
+    metadata: Metadata | Sequence[tuple[str, str | bytes]] | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
 class _Routed(Generic[RequestT, ResponseT]):
     """One RPC method over a ReplicaSet."""
 
@@ -391,20 +401,11 @@ class RoutedUnaryUnary(_Routed[RequestT, ResponseT],
     """A unary RPC (Describe) over a ReplicaSet: each call goes to one picked replica (every
     replica of a stage runs with the same options, so any one answers for all)."""
 
-    def __call__(
-        self,
-        request: RequestT,
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | Sequence[tuple[str, str | bytes]] | None = None,
-        credentials: grpc.CallCredentials | None = None,
-        wait_for_ready: bool | None = None,
-        compression: grpc.Compression | None = None,
-    ) -> grpc.aio.UnaryUnaryCall[RequestT, ResponseT]:
+    def __call__(self, request: RequestT, **options: Unpack[CallOptions]
+                 ) -> grpc.aio.UnaryUnaryCall[RequestT, ResponseT]:
         channel = self.replicas.any_replica().channel
         rpc = channel.unary_unary(self._method, self._serializer, self._deserializer)
-        return rpc(request, timeout=timeout, metadata=metadata, credentials=credentials,
-                   wait_for_ready=wait_for_ready, compression=compression)
+        return rpc(request, **options)
 
 
 class ReplicaChannel(grpc.aio.Channel):

@@ -38,6 +38,7 @@ from stagemesh.gateway.mesh.balancer import (
     ReplicaSet,
     ReplicaState,
 )
+from stagemesh.gateway.mesh.lora import NO_LORAS, LoraFacts
 from stagemesh.gateway.mesh.stubs import (
     ImageStubs,
     SpeechStubs,
@@ -45,6 +46,7 @@ from stagemesh.gateway.mesh.stubs import (
     dit_stub,
     talker_stub,
     tokenizer_stub,
+    transcriber_stub,
     vae_stub,
 )
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, TargetKind, Task, default_recipe
@@ -60,6 +62,7 @@ from stagemesh.shared.proto.v1 import (
     thinker_service_pb2,
     thinker_service_pb2_grpc,
     tokenizer_service_pb2,
+    transcriber_service_pb2,
     vae_service_pb2,
 )
 
@@ -277,6 +280,7 @@ class ImageFacts:
     max_preview_size: int = 0
     default_preview_size: int = 0
     min_preview_every: int = 0
+    lora: LoraFacts = NO_LORAS  # the DiT's adapters
 
     @classmethod
     def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
@@ -295,7 +299,8 @@ class ImageFacts:
                    max_step_cache_threshold=dit.max_step_cache_threshold,
                    max_preview_size=dit.max_preview_size,
                    default_preview_size=dit.default_preview_size,
-                   min_preview_every=dit.min_preview_every)
+                   min_preview_every=dit.min_preview_every,
+                   lora=LoraFacts.published(dit))
 
 
 @dataclass(frozen=True)
@@ -310,6 +315,9 @@ class EditFacts:
     #: The VAE's limits on the size an input image is encoded at (the output's are `image`'s).
     encode_size_multiple: int
     encode_max_side: int
+    #: The area the VAE encodes an input image at (a folder's own `condition_area`);
+    #: 0: it did not say, the stock pipeline's (images/edit_protocol.CONDITION_AREA).
+    condition_area: int = 0
 
     @classmethod
     def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
@@ -319,7 +327,7 @@ class EditFacts:
                    max_images=min(tokenizer.max_images, dit.max_condition_images),
                    max_image_pixels=tokenizer.max_image_pixels, can_encode=vae.can_encode,
                    task=dit.task, encode_size_multiple=max(1, vae.size_multiple),
-                   encode_max_side=vae.max_side)
+                   encode_max_side=vae.max_side, condition_area=vae.condition_area)
 
 
 @dataclass(frozen=True)
@@ -432,6 +440,9 @@ class StageCatalog:
             "thinker", lambda channel: thinker_service_pb2_grpc.ThinkerServiceStub(
                 channel).DescribeThinker(thinker_service_pb2.DescribeThinkerRequest(),
                                          timeout=DESCRIBE_TIMEOUT_S))
+        self.transcriber = DescribeCache(
+            "transcriber", lambda channel: transcriber_stub(channel).DescribeTranscriber(
+                transcriber_service_pb2.DescribeTranscriberRequest(), timeout=DESCRIBE_TIMEOUT_S))
         self._watching = False
 
     def start(self) -> None:
@@ -453,7 +464,7 @@ class StageCatalog:
     def drop(self, address: str) -> None:
         """Forget what the stage at `address` published (it is read again when needed)."""
         for cache in (self.tokenizer, self.dit, self.vae, self.talker, self.codec,
-                      self.thinker):
+                      self.thinker, self.transcriber):
             cache.drop(address)
 
     async def description(self, endpoint: StageEndpoint) -> common_pb2.StageDescription | None:
@@ -474,6 +485,8 @@ class StageCatalog:
                     return (await self.codec.get(endpoint.address, channel)).stage
                 case "thinker":
                     return (await self.thinker.get(endpoint.address, channel)).stage
+                case "transcriber":
+                    return (await self.transcriber.get(endpoint.address, channel)).stage
         except (grpc.aio.AioRpcError, NoReplica):
             return None
         return None

@@ -16,6 +16,7 @@ from stagemesh.shared.proto.v1 import (
     dit_service_pb2_grpc,
     talker_service_pb2_grpc,
     tokenizer_service_pb2_grpc,
+    transcriber_service_pb2_grpc,
     vae_service_pb2_grpc,
 )
 
@@ -24,6 +25,9 @@ if TYPE_CHECKING:  # the async stub classes exist only in the generated .pyi fil
     from stagemesh.shared.proto.v1.dit_service_pb2_grpc import DitServiceAsyncStub
     from stagemesh.shared.proto.v1.talker_service_pb2_grpc import TalkerServiceAsyncStub
     from stagemesh.shared.proto.v1.tokenizer_service_pb2_grpc import TokenizerServiceAsyncStub
+    from stagemesh.shared.proto.v1.transcriber_service_pb2_grpc import (
+        TranscriberServiceAsyncStub,
+    )
     from stagemesh.shared.proto.v1.vae_service_pb2_grpc import VaeServiceAsyncStub
 
 
@@ -63,3 +67,7 @@ def talker_stub(channel: grpc.aio.Channel) -> TalkerServiceAsyncStub:
 
 def codec_stub(channel: grpc.aio.Channel) -> CodecServiceAsyncStub:
     return codec_service_pb2_grpc.CodecServiceStub(channel)
+
+
+def transcriber_stub(channel: grpc.aio.Channel) -> TranscriberServiceAsyncStub:
+    return transcriber_service_pb2_grpc.TranscriberServiceStub(channel)

@@ -24,6 +24,7 @@ import numpy as np
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.mesh.calls import CancelScope, StageCallError, call_stage, side_by_side
+from stagemesh.gateway.mesh.lora import lora_to_proto
 from stagemesh.gateway.mesh.stubs import ImageStubs
 from stagemesh.gateway.recipes import VIDEO_TASKS, Recipe, Task
 from stagemesh.gateway.videos.mux import Frames, Mp4Writer, check_encoder
@@ -149,7 +150,7 @@ def denoise_start(params: VideoParams, request_id: str,
         negative_prompt_embeds_mask=encoded.negative_prompt_embeds_mask,
         height=params.height, width=params.width, num_frames=params.num_frames,
         num_inference_steps=params.num_inference_steps, true_cfg_scale=params.guidance_scale,
-        seed=params.seed, condition_latents=condition)
+        seed=params.seed, condition_latents=condition, lora=lora_to_proto(params.lora))
     if params.guidance_scale_2 is not None:
         start.guidance_scale_2 = params.guidance_scale_2
     if params.boundary_ratio is not None:

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image
 from stagemesh.gateway.images.protocol import ImageRequest, parse_size, resolve_image_request
+from stagemesh.gateway.mesh.lora import LoraChoice
 from stagemesh.gateway.mesh.stages import VideoFacts
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
 from stagemesh.gateway.wire.forms import Form, FormFields
+from stagemesh.gateway.wire.lora import parse_lora_text
 from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, image_data_url
 from stagemesh.shared.limits import MAX_FLOW_SHIFT
 
@@ -40,7 +42,7 @@ INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
 NUMBER_FIELDS = ("seconds", "guidance_scale", "guidance_scale_2", "boundary_ratio", "flow_shift",
                  "step_cache_threshold")
 TEXT_FIELDS = ("model", "prompt", "negative_prompt", "size", "image_reference")
-FORM_FIELDS = {*INTEGER_FIELDS, *NUMBER_FIELDS, *TEXT_FIELDS, "input_reference"}
+FORM_FIELDS = {*INTEGER_FIELDS, *NUMBER_FIELDS, *TEXT_FIELDS, "input_reference", "lora"}
 #: image_reference carries a whole image as a data URL.
 LARGE_FIELDS = {"image_reference": 24 * 1024 * 1024}
 
@@ -67,6 +69,7 @@ class VideoRequest:
     image: bytes | None = None
     #: Which field the image came in (`input_reference` or `image_reference`), for errors.
     image_field: str = "input_reference"
+    lora: tuple[LoraChoice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class VideoParams:
     step_cache_threshold: float | None = None  # None: the DiT's own setting; 0: off
     #: Image-to-video: the decoded first frame, uint8 RGB [H, W, 3] as the client sent it.
     image: RgbImage | None = None
+    lora: tuple[LoraChoice, ...] = ()  # checked against the DiT's published adapters
 
     @property
     def seconds(self) -> float:
@@ -211,7 +215,7 @@ def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
         ImageRequest(prompt=request.prompt, negative_prompt=request.negative_prompt,
                      width=request.width, height=request.height,
                      num_inference_steps=request.num_inference_steps, seed=request.seed,
-                     step_cache_threshold=request.step_cache_threshold),
+                     step_cache_threshold=request.step_cache_threshold, lora=request.lora),
         ImageDefaults(width=defaults.width, height=defaults.height,
                       num_inference_steps=defaults.num_inference_steps, true_cfg_scale=0.0,
                       negative_prompt=defaults.negative_prompt), facts.image)
@@ -234,7 +238,8 @@ def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
         num_inference_steps=image.num_inference_steps, guidance_scale=guidance, seed=image.seed,
         guidance_scale_2=scale_2, boundary_ratio=ratio,
         flow_shift=_flow_shift(request, defaults, facts),
-        step_cache_threshold=image.step_cache_threshold, image=_image(request, facts))
+        step_cache_threshold=image.step_cache_threshold, image=_image(request, facts),
+        lora=image.lora)
 
 
 # -- the OpenAI form ------------------------------------------------------------------------------
@@ -274,7 +279,7 @@ def video_request(form: Form) -> VideoRequest:
         guidance_scale_2=fields.number("guidance_scale_2"),
         boundary_ratio=fields.number("boundary_ratio"), flow_shift=fields.number("flow_shift"),
         seed=fields.integer("seed"), step_cache_threshold=fields.number("step_cache_threshold"),
-        image=image, image_field=image_field)
+        image=image, image_field=image_field, lora=parse_lora_text(form.text("lora")))
 
 
 def form_from_json(body: dict[str, object]) -> Form:
@@ -287,7 +292,7 @@ def form_from_json(body: dict[str, object]) -> Form:
         if name == "input_reference":
             raise InvalidRequest(name, "input_reference is a file: send a multipart form, or "
                                  "image_reference with a data URL")
-        if isinstance(value, bool | list) or (
+        if isinstance(value, bool) or (isinstance(value, list) and name != "lora") or (
                 isinstance(value, dict) and name != "image_reference"):
             raise InvalidRequest(name, f"{name} must be a string or a number")
         form.fields[name] = [value if isinstance(value, str) else json.dumps(value)]

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import Overloaded
 from stagemesh.gateway.wire.requests import error_response
+from stagemesh.shared.interception import HttpMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -127,18 +128,15 @@ def starts_work(scope: Scope) -> bool:
     return scope["method"] == "POST" and not scope["path"].endswith("/cancel")
 
 
-class AdmissionMiddleware:
+class AdmissionMiddleware(HttpMiddleware):
     """REST: every request that starts work holds a slot until its response (a stream too)
     has been sent; every 429 leaving the gateway carries Retry-After."""
 
     def __init__(self, app: ASGIApp, admission: Admission) -> None:
-        self.app = app
+        super().__init__(app)
         self.admission = admission
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def send_with_retry_after(message: Message) -> None:
             if message["type"] == "http.response.start" and message["status"] == 429:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -31,7 +31,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stagemesh.gateway.errors import Unauthenticated
-from stagemesh.gateway.playground import is_playground_path
+from stagemesh.gateway.playground.routes import is_playground_path
+from stagemesh.shared.interception import HandlerInterceptor, HttpMiddleware
 from stagemesh.shared.mesh_auth import is_infrastructure
 
 log = logging.getLogger(__name__)
@@ -142,17 +143,17 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-class ApiKeyMiddleware:
+class ApiKeyMiddleware(HttpMiddleware):
     """REST: 401 (OpenAI's error body, WWW-Authenticate: Bearer) without a valid key; the
     caller's owner id goes to `scope["state"]["owner"]`."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
-        self.app = app
+        super().__init__(app)
         self.keys = keys
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
-                or is_playground_path(scope["path"])):  # the page's own calls carry the key
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] in OPEN_PATHS or is_playground_path(scope["path"]):
+            # the page's own calls carry the key
             await self.app(scope, receive, send)
             return
         try:
@@ -175,7 +176,7 @@ def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, name: str
     return None
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+class ApiKeyInterceptor(HandlerInterceptor):
     """gRPC: UNAUTHENTICATED without a valid `authorization: Bearer KEY` metadata entry,
     before the request message is read (an unauthenticated message is never parsed).
 
@@ -186,13 +187,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, keys: ApiKeys) -> None:
         self.keys = keys
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails],
-                               Awaitable[grpc.RpcMethodHandler[RequestT, ResponseT] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
-        handler = await continuation(handler_call_details)
+    def intercept(self, handler: grpc.RpcMethodHandler[RequestT, ResponseT] | None,
+                  handler_call_details: grpc.HandlerCallDetails,
+                  ) -> grpc.RpcMethodHandler[RequestT, ResponseT] | None:
         if handler is None or is_infrastructure(handler_call_details.method):
             return handler
         try:

@@ -12,7 +12,7 @@ layout (ours):
       tokenizer.json     the model's BPE (Hugging Face `tokenizers` format)
       vocabulary.txt
       silero_vad.onnx    Silero VAD v6 (MIT): 512-sample windows at 16 kHz with 64 samples of
-                         context, LSTM state h/c carried between calls
+                         context, LSTM state [2, 1, 128] carried between calls
 
 This module reads the folder; it never builds one (see `stagemesh.models.whisper`).
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Protocol, TypeVar
@@ -37,11 +38,30 @@ class Branch(enum.Enum):
 
 
 @dataclass(frozen=True)
+class SlotUse:
+    """A LoRA adapter a row runs under: its resident slot and the request's scale."""
+
+    slot: int
+    scale: float
+
+
+@dataclass(frozen=True)
 class RowMeta:
-    """What a forward knows of one of its rows (later: its adapters)."""
+    """What a forward knows of one of its rows: request, CFG branch, LoRA adapters (a guided
+    request's unconditional row carries its conditional row's, as in diffusers)."""
 
     request_id: str
     branch: Branch
+    adapters: tuple[SlotUse, ...] = ()
+
+
+class RowAdapters(Protocol):
+    """Per-row module state of one forward (the LoRA slot product, services/dit/lora_slots.py):
+    bound to the rows for the whole forward, narrowed to the rows that run a block subset."""
+
+    def bind(self, rows: Sequence[RowMeta]) -> AbstractContextManager[None]: ...
+
+    def narrowed(self, rows: torch.Tensor) -> AbstractContextManager[None]: ...
 
 
 class RowHooks(Protocol):
@@ -77,9 +97,11 @@ def run_blocks(
     blocks: torch.nn.ModuleList | Sequence[torch.nn.Module],
     stream: _Stream,
     hooks: RowHooks | None,
+    adapters: RowAdapters | None = None,
 ) -> torch.Tensor:
     """Every block over the batch, or with `hooks` the first over all rows and the others over
-    the rows the hooks keep; the image hidden states of every row after the last block."""
+    the rows the hooks keep (and `adapters` narrowed to them); the image hidden states of every
+    row after the last block."""
     if hooks is None or len(blocks) < 2:  # a cache needs a head block and a tail
         for block in blocks:
             stream.run(block)
@@ -90,11 +112,16 @@ def run_blocks(
     rows = hooks.after_first_block(before, head)
     if not rows:
         return hooks.after_last_block(head, rows, None)
-    rest = stream
+    rest: _Stream = stream
+    narrowed: AbstractContextManager[None] = nullcontext()
     if len(rows) < head.shape[0]:
-        rest = stream.select(torch.tensor(rows, device=head.device))
-    for block in blocks[1:]:
-        rest.run(block)
+        kept = torch.tensor(rows, device=head.device)
+        rest = stream.select(kept)
+        if adapters is not None:
+            narrowed = adapters.narrowed(kept)
+    with narrowed:
+        for block in blocks[1:]:
+            rest.run(block)
     return hooks.after_last_block(head, rows, rest.hidden)
 
 
@@ -144,30 +171,33 @@ def qwen_image_forward(
     img_shapes: list[list[tuple[int, int, int]]],
     rows: Sequence[RowMeta],
     hooks: RowHooks | None = None,
+    adapters: RowAdapters | None = None,
 ) -> torch.Tensor:
-    """`QwenImageTransformer2DModel.forward(..., guidance=None, return_dict=False)[0]`."""
+    """`QwenImageTransformer2DModel.forward(..., guidance=None, return_dict=False)[0]`, with
+    each row's LoRA adapters when `adapters` is given."""
     _check_rows(rows, hidden_states)
-    t = transformer
-    hidden = t.img_in(hidden_states)
-    timestep = timestep.to(hidden.dtype)
-    modulate_index = None
-    if t.zero_cond_t:
-        timestep = torch.cat([timestep, timestep * 0], dim=0)
-        modulate_index = torch.tensor(
-            [[0] * prod(s[0]) + [1] * sum(prod(x) for x in s[1:]) for s in img_shapes],
-            device=timestep.device,
-            dtype=torch.int,
-        )
-    encoder = t.txt_in(t.txt_norm(encoder_hidden_states))
-    text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, encoder_hidden_states_mask)
-    temb = t.time_text_embed(timestep, hidden, None)
-    rotary = t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
-    stream = _QwenStream(hidden, encoder, mask, temb, rotary, modulate_index)
-    hidden = run_blocks(t.transformer_blocks, stream, hooks)
-    if t.zero_cond_t:
-        temb = temb.chunk(2, dim=0)[0]
-    output: torch.Tensor = t.proj_out(t.norm_out(hidden, temb))
-    return output
+    with _bound(adapters, rows):
+        t = transformer
+        hidden = t.img_in(hidden_states)
+        timestep = timestep.to(hidden.dtype)
+        modulate_index = None
+        if t.zero_cond_t:
+            timestep = torch.cat([timestep, timestep * 0], dim=0)
+            modulate_index = torch.tensor(
+                [[0] * prod(s[0]) + [1] * sum(prod(x) for x in s[1:]) for s in img_shapes],
+                device=timestep.device,
+                dtype=torch.int,
+            )
+        encoder = t.txt_in(t.txt_norm(encoder_hidden_states))
+        text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, encoder_hidden_states_mask)
+        temb = t.time_text_embed(timestep, hidden, None)
+        rotary = t.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
+        stream = _QwenStream(hidden, encoder, mask, temb, rotary, modulate_index)
+        hidden = run_blocks(t.transformer_blocks, stream, hooks, adapters)
+        if t.zero_cond_t:
+            temb = temb.chunk(2, dim=0)[0]
+        output: torch.Tensor = t.proj_out(t.norm_out(hidden, temb))
+        return output
 
 
 @dataclass
@@ -197,28 +227,41 @@ def wan_forward(
     encoder_hidden_states: torch.Tensor,
     rows: Sequence[RowMeta],
     hooks: RowHooks | None = None,
+    adapters: RowAdapters | None = None,
 ) -> torch.Tensor:
     """`WanTransformer3DModel.forward(..., return_dict=False)[0]` for one timestep per row and
-    no image embeddings (the Wan models we serve)."""
+    no image embeddings (the Wan models we serve), with each row's LoRA adapters when
+    `adapters` is given."""
     _check_rows(rows, hidden_states)
     if timestep.ndim != 1:
         raise ValueError("one timestep per row (Wan 2.2 TI2V's per-token timesteps are not served)")
-    t = transformer
-    batch, _, frames, height, width = hidden_states.shape
-    p_t, p_h, p_w = t.config["patch_size"]
-    rotary = t.rope(hidden_states)
-    hidden = t.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
-    temb, timestep_proj, encoder, _ = t.condition_embedder(timestep, encoder_hidden_states, None)
-    timestep_proj = timestep_proj.unflatten(1, (6, -1))
-    hidden = run_blocks(t.blocks, _WanStream(hidden, encoder, timestep_proj, rotary), hooks)
-    shift, scale = (t.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    shift, scale = shift.to(hidden.device), scale.to(hidden.device)
-    hidden = (t.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-    hidden = t.proj_out(hidden)
-    hidden = hidden.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
-    hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
-    output: torch.Tensor = hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
-    return output
+    with _bound(adapters, rows):
+        t = transformer
+        batch, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = t.config["patch_size"]
+        rotary = t.rope(hidden_states)
+        hidden = t.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+        temb, timestep_proj, encoder, _ = t.condition_embedder(
+            timestep, encoder_hidden_states, None
+        )
+        timestep_proj = timestep_proj.unflatten(1, (6, -1))
+        hidden = run_blocks(
+            t.blocks, _WanStream(hidden, encoder, timestep_proj, rotary), hooks, adapters
+        )
+        shift, scale = (t.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift, scale = shift.to(hidden.device), scale.to(hidden.device)
+        hidden = (t.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        hidden = t.proj_out(hidden)
+        hidden = hidden.reshape(
+            batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1
+        )
+        hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        output: torch.Tensor = hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        return output
+
+
+def _bound(adapters: RowAdapters | None, rows: Sequence[RowMeta]) -> AbstractContextManager[None]:
+    return nullcontext() if adapters is None else adapters.bind(rows)
 
 
 def _check_rows(rows: Sequence[RowMeta], hidden_states: torch.Tensor) -> None:

@@ -70,6 +70,8 @@ from stagemesh.services.dit.limits import MAX_TRUE_CFG_SCALE as MAX_TRUE_CFG_SCA
 from stagemesh.services.dit.limits import DitLimits as DitLimits
 from stagemesh.services.dit.limits import image_limits
 from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
+from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
+from stagemesh.services.dit.lora_slots import SlotBank
 from stagemesh.services.dit.preview import (
     Preview,
     Previewer,
@@ -131,6 +133,8 @@ class DenoiseInput:
     step_cache_threshold: float | None = None
     #: Step previews (None: none).
     preview: PreviewOptions | None = None
+    #: The request's LoRA adapters and scales (names from the stage's `lora_dir`).
+    lora: tuple[LoraUse, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,12 +193,13 @@ class DenoiseAdapter:
         max_images_per_request: int = 4,
         placement: Placement = CPU_FLOAT32,
         step_cache: StepCacheConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """placement: where the transformer computes, and in what dtype; latents, timesteps and
         embeddings of a request live there, latents leave on the CPU in that dtype.
         max_pixels: None = DEFAULT_MAX_PIXELS, or for an edit model every size its pipeline's
         default-size rule makes within max_side (`edit_pixels_bound`).
-        step_cache: the stage's step cache (None: off)."""
+        step_cache: the stage's step cache (None: off). lora: its adapters (None: off)."""
         transformer = QwenImageTransformer2DModel.from_pretrained(
             model_dir,
             subfolder="transformer",
@@ -218,7 +223,7 @@ class DenoiseAdapter:
             max_true_cfg_scale=max_true_cfg_scale,
             max_images_per_request=max_images_per_request,
         )
-        self._setup(transformer, scheduler, factor, limits, step_cache)
+        self._setup(transformer, scheduler, factor, limits, step_cache, lora)
         self.projection = Projection.load(model_dir)
 
     @classmethod
@@ -228,11 +233,12 @@ class DenoiseAdapter:
         scheduler: FlowMatchEulerDiscreteScheduler,
         limits: DitLimits,
         step_cache: StepCacheConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> DenoiseAdapter:
         """An adapter over a transformer already built, on its device in its dtype: e.g. a
         real-size one with random weights (`stagemesh bench gpu`), which no folder holds."""
         adapter = cls.__new__(cls)
-        adapter._setup(transformer, scheduler, limits.size_multiple, limits, step_cache)
+        adapter._setup(transformer, scheduler, limits.size_multiple, limits, step_cache, lora)
         return adapter
 
     def _setup(
@@ -242,6 +248,7 @@ class DenoiseAdapter:
         factor: int,
         limits: DitLimits,
         step_cache: StepCacheConfig | None,
+        lora: LoraConfig | None,
     ) -> None:
         if transformer.config["guidance_embeds"]:
             raise ValueError("guidance-distilled Qwen-Image transformers are not supported")
@@ -265,6 +272,8 @@ class DenoiseAdapter:
         self.limits = limits
         self.step_cache = StepCache(step_cache or StepCacheConfig())
         self.projection = None  # a folder's is loaded after setup
+        self.loras = LoraCatalog(lora or LoraConfig())
+        self.lora_slots = SlotBank([transformer], self.loras) if self.loras.config.enabled else None
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -281,6 +290,7 @@ class DenoiseAdapter:
         self._check_conditions(payload.condition_latents)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
         check_options(payload.preview, self.projection)
+        self.loras.check(payload.lora)
 
     def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
         dim, most = self._text_dim, self._max_text_tokens
@@ -346,12 +356,14 @@ class DenoiseAdapter:
         )
         condition = torch.cat([packed for packed, _ in conditions], dim=1) if conditions else None
         threshold = self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        lora = self.lora_slots.hold(payload.lora) if self.lora_slots else None
         return DenoiseState(
             plan=plan,
             work=_Work(latents, embeddings, scheduler, condition),
             request_id=request.request_id,
             cache=self.step_cache.new_row(threshold),
             preview=self._previewer(payload, scheduler),
+            lora=lora,
         )
 
     def _previewer(self, payload: DenoiseInput,
@@ -379,6 +391,11 @@ class DenoiseAdapter:
         so the engine may retry them one by one.
         """
         check_one_batch(states, _image_shapes, "image size")
+        if self.lora_slots is not None:  # states whose adapters are not attached yet wait
+            return self.lora_slots.step_attached(states, self._step)
+        return self._step(states)
+
+    def _step(self, states: Sequence[DenoiseState]) -> list[StepOutput[Preview]]:
         return step_batch(states, self._predict, self._device)
 
     def finish(self, state: DenoiseState) -> DenoisedLatents:
@@ -388,9 +405,7 @@ class DenoiseAdapter:
         return DenoisedLatents(latents, state.plan.height, state.plan.width)
 
     def release(self, state: DenoiseState) -> None:
-        self.step_cache.free(state.cache)
-        state.cache = None
-        state.work = None
+        state.release(self.step_cache, self.lora_slots)
 
     def batch_key(self, state: DenoiseState) -> Hashable:
         """The image size, and each condition image's: rows of one forward must share them
@@ -503,6 +518,7 @@ class DenoiseAdapter:
             img_shapes=[list(rows[0].img_shapes)] * len(rows),
             rows=[row.meta for row in rows],
             hooks=hooks,
+            adapters=self.lora_slots,
         )
         return prediction[:, :tokens]
 
@@ -545,7 +561,11 @@ def _row(state: DenoiseState, *, negative: bool) -> _Row:
         mask,
         plan.img_shapes,
         work.condition,
-        RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND),
+        RowMeta(
+            state.request_id,
+            Branch.UNCOND if negative else Branch.COND,
+            state.lora.slots or () if state.lora else (),
+        ),
     )
 
 

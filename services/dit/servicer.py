@@ -22,6 +22,9 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
+from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
+from stagemesh.services.dit.compile import from_options as compile_from_options
+from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
 from stagemesh.services.dit.preview import (
     DEFAULT_PREVIEW_SIZE,
     MAX_PREVIEW_SIZE,
@@ -43,12 +46,12 @@ from stagemesh.services.dit.step_cache import (
 )
 from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
-    WAN_TASKS,
     VideoDenoiseInput,
     VideoDenoiseState,
     WanDenoiseAdapter,
 )
 from stagemesh.services.folders import folder_class
+from stagemesh.services.registry import DIFFUSION_FAMILIES, WAN, ModelFamily, served_family
 from stagemesh.shared.devices import DeviceOptions, Placement, resolve_placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -66,6 +69,8 @@ from stagemesh.shared.engine.scheduler import (
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
+from stagemesh.shared.quantization import Quantization, QuantizationOptions, quantize
+from stagemesh.shared.quantization import from_options as quantization_from_options
 from stagemesh.shared.stage_runtime import StageBundle, servicer_bundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.tensors import array_to_proto
@@ -98,9 +103,12 @@ DEFAULT_ADMISSION_WINDOW_MS = BURST_ADMISSION_WINDOW_SECONDS * 1000
 MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
-class DitModeOptions(StepCacheOptions, total=False):
-    """How the stage runs a request by default (step execution unless set false), and its
-    step cache (`StepCacheOptions`: off unless set)."""
+class DitModeOptions(StepCacheOptions, LoraOptions, QuantizationOptions, CompileOptions,
+                     total=False):
+    """How the stage runs a request by default (step execution unless set false), its step
+    cache (`StepCacheOptions`: off unless set), its LoRA adapters (`LoraOptions`: none unless
+    `lora_dir` is set), weight quantization and compilation of its blocks (none and off unless
+    set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -197,7 +205,7 @@ def _request(message: pb.DenoiseRequest, deadline: float | None) -> EngineReques
                            true_cfg_scale=start.true_cfg_scale, seed=start.seed, sigmas=sigmas,
                            condition_latents=_condition_latents(start),
                            step_cache_threshold=_threshold(start),
-                           preview=_preview_options(start))
+                           preview=_preview_options(start), lora=_lora(start))
     return _engine_request(start, deadline, total, payload)
 
 
@@ -215,7 +223,8 @@ def _video_request(message: pb.DenoiseRequest,
         condition_latents=_condition_latents(start),
         guidance_scale_2=_optional(start, "guidance_scale_2"),
         boundary_ratio=_optional(start, "boundary_ratio"),
-        flow_shift=_optional(start, "flow_shift"), step_cache_threshold=_threshold(start))
+        flow_shift=_optional(start, "flow_shift"), step_cache_threshold=_threshold(start),
+        lora=_lora(start))
     return _engine_request(start, deadline, start.num_inference_steps, payload)
 
 
@@ -230,6 +239,12 @@ def _preview_options(start: pb.DenoiseStart) -> PreviewOptions | None:
 def _threshold(start: pb.DenoiseStart) -> float | None:
     """The request's step_cache_threshold; None (unset) = the stage's setting."""
     return start.step_cache_threshold if start.HasField("step_cache_threshold") else None
+
+
+def _lora(start: pb.DenoiseStart) -> tuple[LoraUse, ...]:
+    """The request's adapters; a scale left unset is 1.0 (diffusers' set_adapters default)."""
+    return tuple(LoraUse(use.name, use.scale if use.HasField("scale") else 1.0)
+                 for use in start.lora)
 
 
 def _result(latents: DenoisedLatents) -> pb.DenoiseResult:
@@ -282,20 +297,25 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, State
 
 @dataclass(frozen=True)
 class CacheFacts:
-    """The step cache a DiT stage runs, and what a guided request's cache holds at most."""
+    """The step cache a DiT stage runs, what a guided request's cache holds at most, and how
+    its blocks are quantized and compiled."""
 
     config: StepCacheConfig
     bytes_per_row: int
+    quantization: Quantization = Quantization.NONE
+    compile: CompileMode = CompileMode.OFF
 
 
 #: A stage without a step cache.
 NO_CACHE = CacheFacts(StepCacheConfig(), 0)
+#: A stage without LoRA adapters.
+NO_LORAS = LoraCatalog(LoraConfig())
 
 
 def _describe(
     model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, mode: ExecutionMode, placement: Placement, request_mode: bool = False,
-    cache: CacheFacts = NO_CACHE, previews: bool = False,
+    cache: CacheFacts = NO_CACHE, loras: LoraCatalog = NO_LORAS, previews: bool = False,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first, and REQUEST only
     when it is the default or the `request_mode` option allows it."""
@@ -303,7 +323,7 @@ def _describe(
     modes = [mode, *(other for other in ExecutionMode
                      if other is not mode and (other is not ExecutionMode.REQUEST
                                                or request_mode))]
-    return pb.DescribeDitResponse(
+    description = pb.DescribeDitResponse(
         stage=stage_description("dit", model_dir, engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side,
         max_pixels=limits.max_pixels, max_steps=limits.max_steps, min_steps=limits.min_steps,
@@ -319,10 +339,25 @@ def _describe(
         step_cache_interval=config.interval, step_cache_warmup_steps=config.warmup_steps,
         step_cache_final_steps=config.final_steps, step_cache_max_skips=config.max_skips,
         max_step_cache_threshold=config.published_max_threshold,
-        step_cache_bytes_per_row=cache.bytes_per_row,
+        step_cache_bytes_per_row=cache.bytes_per_row, quantization=cache.quantization.value,
+        compile=cache.compile.value,
         max_preview_size=MAX_PREVIEW_SIZE if previews else 0,
         default_preview_size=DEFAULT_PREVIEW_SIZE if previews else 0,
         min_preview_every=MIN_PREVIEW_EVERY if previews else 0)
+    _describe_loras(description, loras)
+    return description
+
+
+def _describe_loras(description: pb.DescribeDitResponse, loras: LoraCatalog) -> None:
+    """Describe's LoRA fields: the names a request may use, the limits it is checked by (all
+    zero when the stage serves none)."""
+    lora = loras.config
+    if not lora.enabled:
+        return
+    description.lora_names.extend(loras.names)
+    description.max_loras, description.max_lora_rank = lora.max_loras, lora.max_lora_rank
+    description.max_loras_per_request = lora.max_loras_per_request
+    description.max_lora_scale = lora.max_lora_scale
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -334,14 +369,16 @@ def admission_window_seconds(options: DitEngineOptions) -> float:
     return window / 1000
 
 
+def pipeline_family(model_dir: Path) -> ModelFamily:
+    """The folder's family (services.registry): it picks the adapter. Qwen-Image folders run
+    on DenoiseAdapter, Wan ones on WanDenoiseAdapter."""
+    return served_family("dit", model_dir, DIFFUSION_FAMILIES)
+
+
 def pipeline_class(model_dir: Path) -> str:
-    """The folder's diffusers pipeline class (model_index.json `_class_name`): it picks the
-    adapter. QwenImage* folders run on DenoiseAdapter, Wan* (`WAN_TASKS`) on WanDenoiseAdapter."""
-    name = folder_class(model_dir)
-    if name is None or not (name.startswith("QwenImage") or name in WAN_TASKS):
-        raise ValueError(f"{model_dir}: the DiT stage serves QwenImage* and {sorted(WAN_TASKS)} "
-                         f"pipelines, not {name!r}")
-    return name
+    """The diffusers pipeline class the folder names, one the stage serves."""
+    pipeline_family(model_dir)
+    return str(folder_class(model_dir))
 
 
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
@@ -351,22 +388,39 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     # a bad key, device or dtype fails before the model folder is read
     first_options, *_, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, AnyLimitOptions, DeviceOptions)
-    resolve_placement("dit", device_options, CPU_DTYPE)
+    quantization = quantization_from_options(
+        "dit", first_options, resolve_placement("dit", device_options, CPU_DTYPE).device)
     cache = StepCacheConfig.from_options(first_options)
-    if pipeline_class(model_dir) in WAN_TASKS:
+    lora = LoraConfig.from_options(first_options)
+    compile_mode = compile_from_options(first_options)
+    if compile_mode is not CompileMode.OFF and lora.enabled:
+        # the slots' per-row hooks change every step: they would recompile the blocks' graphs
+        raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
+    if pipeline_family(model_dir).name == WAN:
+        if compile_mode is not CompileMode.OFF:
+            raise ValueError("stage dit: option compile=blocks is not offered for Wan models yet")
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
         video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
-                                  step_cache=cache)
+                                  step_cache=cache, lora=lora)
+        quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
-                       placement, CacheFacts(cache, video.step_cache_bytes_per_row()))
+                       placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
+                                             quantization), video.loras)
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache)
+    image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache,
+                           lora=lora)
+    quantize(image.transformer.transformer_blocks, quantization)
+    if compile_mode is CompileMode.BLOCKS:
+        compiler = BlockCompiler()
+        compiler.compile(image.transformer.transformer_blocks)
+        warm_up(image, compiler)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
-                   CacheFacts(cache, image.step_cache_bytes_per_row()),
+                   CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
+                              compile_mode), image.loras,
                    previews=image.projection is not None)
 
 
@@ -374,7 +428,7 @@ def _bundle(
     model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
-    previews: bool = False,
+    loras: LoraCatalog = NO_LORAS, previews: bool = False,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
     running request's step cache must fit (`check_capacity`)."""
@@ -389,9 +443,11 @@ def _bundle(
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
     servicer = DitServicer(engine, wire, _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache, previews))
+        cache, loras, previews))
     return servicer_bundle("dit", model_dir, [engine], servicer,
                            dit_service_pb2_grpc.add_DitServiceServicer_to_server, SERVICE_NAME,
                            {**placement.facts(), "mode": mode.value,
                             "max_batch": str(engine.max_batch),
-                            "step_cache": cache.config.method.value})
+                            "step_cache": cache.config.method.value,
+                            "quantization": cache.quantization.value,
+                            "compile": cache.compile.value})

@@ -18,8 +18,9 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from stagemesh.services.dit.lora_slots import LoraHold, SlotBank
 from stagemesh.services.dit.preview import Preview, Previewer
-from stagemesh.services.dit.step_cache import RowCache
+from stagemesh.services.dit.step_cache import RowCache, StepCache
 from stagemesh.shared.devices import synchronize
 from stagemesh.shared.engine.adapter import StepOutput
 
@@ -57,6 +58,17 @@ class StepState(Generic[PlanT, WorkT]):
     request_id: str = ""
     cache: RowCache | None = None  # the row's step cache (None: off); freed on release
     preview: Previewer | None = None  # the request's step previews (None: it asked for none)
+    lora: LoraHold | None = None  # its LoRA adapters' slots (None: none); freed on release
+
+    def release(self, step_cache: StepCache, lora_slots: SlotBank | None) -> None:
+        """Free what the row holds (its step cache, its adapters' slots, its work): the
+        request left the stage."""
+        step_cache.free(self.cache)
+        self.cache = None
+        if lora_slots is not None:
+            lora_slots.release(self.lora)
+        self.lora = None
+        self.work = None
 
     def live(self) -> WorkT:
         if self.work is None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import assert_never
 
 import torch
+from diffusers.loaders.lora_pipeline import WanLoraLoaderMixin
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
 
@@ -58,6 +59,8 @@ from stagemesh.services.dit import checks
 from stagemesh.services.dit.forward import Branch, RowHooks, RowMeta, wan_forward
 from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min_steps
+from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
+from stagemesh.services.dit.lora_slots import SlotBank
 from stagemesh.services.dit.preview import Preview
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
@@ -69,6 +72,7 @@ from stagemesh.services.dit.stepping import (
 )
 from stagemesh.services.dit.types import CPU, DenoisedLatents
 from stagemesh.services.folders import folder_class
+from stagemesh.services.registry import WAN, classes_of
 from stagemesh.shared.devices import CPU_FLOAT32, LaunchPacer, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -83,7 +87,7 @@ from stagemesh.shared.limits import MAX_FLOW_SHIFT
 logger = logging.getLogger(__name__)
 
 #: model_index.json `_class_name` -> the task the folder serves (DescribeDitResponse.task).
-WAN_TASKS = {"WanPipeline": "text-to-video", "WanImageToVideoPipeline": "image-to-video"}
+WAN_TASKS = {name: family.task for name, family in classes_of(WAN).items()}
 #: Frames unless the recipe sets `max_frames` (Wan's default clip: 81 frames, 5 s at 16 fps).
 DEFAULT_MAX_FRAMES = 81
 #: frames x height x width unless the recipe sets `max_video_pixels` (or max_frames x max_pixels
@@ -156,6 +160,7 @@ class VideoDenoiseInput:
     boundary_ratio: float | None = None
     flow_shift: float | None = None
     step_cache_threshold: float | None = None  # None = the stage's setting, 0 = off
+    lora: tuple[LoraUse, ...] = ()  # adapters from the stage's `lora_dir`, on both transformers
 
 
 @dataclass(frozen=True)
@@ -221,11 +226,13 @@ class WanDenoiseAdapter:
         max_video_pixels: int | None = None,
         placement: Placement = CPU_FLOAT32,
         step_cache: StepCacheConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """max_video_pixels: frames x height x width; None: DEFAULT_MAX_VIDEO_PIXELS or, if
         less, what max_frames and max_pixels allow. placement: where the transformers compute,
         and in what dtype; the latents stay in float32 there (as in the pipelines) and leave on
-        the CPU. step_cache: the stage's step cache (None: off)."""
+        the CPU. step_cache: the stage's step cache (None: off). lora: its adapters (None: off;
+        each goes into every transformer, as diffusers' `load_into_transformer_2`)."""
         folder = WanFolder.read(model_dir)
         names = ["transformer", SECOND_TRANSFORMER][: 1 + folder.has_second_transformer]
         transformers = [
@@ -251,6 +258,12 @@ class WanDenoiseAdapter:
         self._pacer = LaunchPacer(self._device)
         self._hooks = BlockInterruptHooks(self._pacer)
         self.step_cache = StepCache(step_cache or StepCacheConfig())
+        self.loras = LoraCatalog(lora or LoraConfig())
+        self.lora_slots = (
+            SlotBank(self.transformers, self.loras, WanLoraLoaderMixin.lora_state_dict)
+            if self.loras.config.enabled
+            else None
+        )
         self.limits = self._limits(
             max_steps=max_steps,
             max_pixels=max_pixels,
@@ -341,6 +354,7 @@ class WanDenoiseAdapter:
         self._check_embeddings(payload)
         self._check_conditions(payload)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        self.loras.check(payload.lora)
 
     def _check_frames(self, payload: VideoDenoiseInput) -> None:
         """4k+1 frames, at most max_frames, and frames x pixels at most max_video_pixels."""
@@ -472,6 +486,7 @@ class WanDenoiseAdapter:
             work=work,
             request_id=request.request_id,
             cache=self.step_cache.new_row(threshold),
+            lora=self.lora_slots.hold(payload.lora) if self.lora_slots else None,
         )
 
     def add_input(self, state: VideoDenoiseState, payload: NoStream) -> None:
@@ -484,6 +499,11 @@ class WanDenoiseAdapter:
         Nothing is written to a state until every forward is done: one that raises
         (StepInterrupted included) leaves all states as they were."""
         check_one_batch(states, _video_shape, "video shape")
+        if self.lora_slots is not None:  # states whose adapters are not attached yet wait
+            return self.lora_slots.step_attached(states, self._step)
+        return self._step(states)
+
+    def _step(self, states: Sequence[VideoDenoiseState]) -> list[StepOutput[Preview]]:
         return step_batch(states, self._predict, self._device)
 
     def finish(self, state: VideoDenoiseState) -> DenoisedLatents:
@@ -493,9 +513,7 @@ class WanDenoiseAdapter:
         return DenoisedLatents(latents, plan.height, plan.width, num_frames=plan.num_frames)
 
     def release(self, state: VideoDenoiseState) -> None:
-        self.step_cache.free(state.cache)
-        state.cache = None
-        state.work = None
+        state.release(self.step_cache, self.lora_slots)
 
     def batch_key(self, state: VideoDenoiseState) -> Hashable:
         """The video shape: rows of one forward must share it."""
@@ -594,7 +612,11 @@ class WanDenoiseAdapter:
             raise RuntimeError("guidance planned without negative embeddings")
         return _Row(
             state=index,
-            meta=RowMeta(state.request_id, Branch.UNCOND if negative else Branch.COND),
+            meta=RowMeta(
+                state.request_id,
+                Branch.UNCOND if negative else Branch.COND,
+                state.lora.slots or () if state.lora else (),
+            ),
             model=self._model(state),
             hidden=latents.to(self._dtype),
             timestep=state.timestep(),
@@ -616,6 +638,7 @@ class WanDenoiseAdapter:
             encoder_hidden_states=torch.cat([row.embeds for row in rows]),
             rows=[row.meta for row in rows],
             hooks=hooks,
+            adapters=self.lora_slots,
         )
 
     def step_cache_bytes_per_row(self) -> int:

@@ -148,6 +148,11 @@ class PromptAdapterBase(abc.ABC):
     limits: TokenizerLimits
     placement: Placement
 
+    @property
+    @abc.abstractmethod
+    def text_encoder(self) -> torch.nn.Module:
+        """The model that encodes prompts (what the `quantization` option quantizes)."""
+
     # -- validation ---------------------------------------------------------------------------
 
     def check_inputs(self, payload: PromptInput) -> None:

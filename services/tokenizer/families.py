@@ -1,7 +1,7 @@
 """Which Tokenizer adapter serves a model folder: one engine, one adapter per model family.
 
-The folder's `model_index.json` names its diffusers pipeline (`_class_name`); the family of that
-pipeline decides how prompts (and images) are encoded. Every adapter takes the same options and
+The folder's family (`services.registry`, from the pipeline class its `model_index.json` names)
+decides how prompts (and images) are encoded. Every adapter takes the same options and
 hands the engine the same records (`PromptInput` in, `PromptEmbeddings` out), so the servicer
 and the wire do not change with the family.
 """
@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import TypedDict
 
-from stagemesh.services.folders import folder_class
+from stagemesh.services import registry
 from stagemesh.services.tokenizer.base import PromptAdapterBase
 from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.services.tokenizer.qwen_image_edit_adapter import EditPromptAdapter
@@ -37,32 +37,16 @@ class TokenizerOptions(TextOptions, total=False):
 
 
 class Family(enum.Enum):
-    """How a pipeline encodes its prompt."""
+    """How a family encodes its prompt (the values: services.registry's family names)."""
 
-    QWEN_IMAGE = "qwen-image"  # Qwen2.5-VL over the prompt alone
-    QWEN_IMAGE_EDIT = "qwen-image-edit"  # Qwen2.5-VL over the prompt and the input image
-    WAN = "wan"  # UMT5 over the prompt, padded to max_sequence_length
-
-
-#: diffusers pipeline class (model_index.json `_class_name`) -> its family.
-PIPELINE_FAMILIES: dict[str, Family] = {
-    "QwenImagePipeline": Family.QWEN_IMAGE,
-    "QwenImageEditPipeline": Family.QWEN_IMAGE_EDIT,
-    "WanPipeline": Family.WAN,
-    "WanImageToVideoPipeline": Family.WAN,
-}
+    QWEN_IMAGE = registry.QWEN_IMAGE  # Qwen2.5-VL over the prompt alone
+    QWEN_IMAGE_EDIT = registry.QWEN_IMAGE_EDIT  # Qwen2.5-VL over the prompt and the input image
+    WAN = registry.WAN  # UMT5 over the prompt, padded to max_sequence_length
 
 
 def family_of(model_dir: Path) -> Family:
-    """The family of the folder's pipeline; ValueError for a pipeline the stage cannot serve."""
-    class_name = folder_class(model_dir)
-    family = PIPELINE_FAMILIES.get(class_name) if class_name is not None else None
-    if family is None:
-        raise ValueError(
-            f"{model_dir}/model_index.json: the tokenizer stage serves "
-            f"{sorted(PIPELINE_FAMILIES)}, not {class_name!r}"
-        )
-    return family
+    """The folder's family; ValueError for one the stage cannot serve."""
+    return Family(registry.served_family("tokenizer", model_dir, registry.DIFFUSION_FAMILIES).name)
 
 
 def build_adapter(

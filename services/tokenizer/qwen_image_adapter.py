@@ -69,6 +69,11 @@ class PromptEncoderAdapter(PromptAdapterBase):
             max_prompt_chars, max_sequence_length, PROMPT_MAX_TOKENS
         )
 
+    @property
+    def text_encoder(self) -> torch.nn.Module:
+        encoder: torch.nn.Module = self._pipeline.text_encoder
+        return encoder
+
     def prompt_token_count(self, text: str) -> int:
         """Tokens the text encoder keeps for `text` (the template's suffix included)."""
         n_ids = self._counter.count(self._template.format(text))

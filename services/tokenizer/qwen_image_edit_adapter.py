@@ -92,6 +92,11 @@ class EditPromptAdapter(PromptAdapterBase):
         self._template: str = self._pipeline.prompt_template_encode
         self._template_start: int = self._pipeline.prompt_template_encode_start_idx
 
+    @property
+    def text_encoder(self) -> torch.nn.Module:
+        encoder: torch.nn.Module = self._pipeline.text_encoder
+        return encoder
+
     def prompt_token_count(self, text: str) -> int:
         """Text tokens the encoder keeps for `text`: the template's image markers (the image's
         place holder counted once) and suffix included, the image's own tokens not (the

@@ -27,6 +27,8 @@ from stagemesh.shared.engine.scheduler import BURST_ADMISSION_WINDOW_SECONDS
 from stagemesh.shared.options import parse_options
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2 as pb
 from stagemesh.shared.proto.v1 import tokenizer_service_pb2_grpc
+from stagemesh.shared.quantization import Quantization, QuantizationOptions, quantize
+from stagemesh.shared.quantization import from_options as quantization_from_options
 from stagemesh.shared.stage_runtime import StageBundle, servicer_bundle, stage_description
 from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.tensors import TensorDecodeError, array_from_proto
@@ -119,14 +121,20 @@ class TokenizerServicer(tokenizer_service_pb2_grpc.TokenizerServiceServicer):
 def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     """options: TokenizerOptions (each capped by the model) and DeviceOptions. The folder's
     pipeline class picks the adapter (`families`)."""
-    limit_options, device_options = parse_options("tokenizer", options, TokenizerOptions,
-                                                  DeviceOptions)
+    limit_options, quantization_options, device_options = parse_options(
+        "tokenizer", options, TokenizerOptions, QuantizationOptions, DeviceOptions)
     placement = resolve_placement("tokenizer", device_options, CPU_DTYPE)
-    return stage_bundle(build_adapter(model_dir, limit_options, placement), model_dir)
+    # checked before the model loads: fp8 on a device without it stops here
+    quantization = quantization_from_options("tokenizer", quantization_options, placement.device)
+    adapter = build_adapter(model_dir, limit_options, placement)
+    quantize([adapter.text_encoder], quantization)
+    return stage_bundle(adapter, model_dir, quantization)
 
 
-def stage_bundle(adapter: PromptAdapterBase, model_dir: Path) -> StageBundle:
-    """The stage around a loaded adapter (of `model_dir`): its engine, servicer and limits."""
+def stage_bundle(adapter: PromptAdapterBase, model_dir: Path,
+                 quantization: Quantization = Quantization.NONE) -> StageBundle:
+    """The stage around a loaded adapter (of `model_dir`, its text encoder quantized with
+    `quantization`): its engine, servicer and limits."""
     placement = adapter.placement
     engine: TokenizerEngine = StepEngine(adapter, max_running=DEFAULT_MAX_RUNNING,
                                          admission_window=BURST_ADMISSION_WINDOW_SECONDS)
@@ -134,12 +142,14 @@ def stage_bundle(adapter: PromptAdapterBase, model_dir: Path) -> StageBundle:
     description = pb.DescribeTokenizerResponse(
         stage=stage_description("tokenizer", model_dir, engine, placement),
         max_prompt_chars=limits.max_prompt_chars, max_sequence_length=limits.max_sequence_length,
-        max_images=limits.max_images, max_image_pixels=limits.max_image_pixels)
+        max_images=limits.max_images, max_image_pixels=limits.max_image_pixels,
+        quantization=quantization.value)
     servicer = TokenizerServicer(engine, description)
     return servicer_bundle(
         "tokenizer", model_dir, [engine], servicer,
         tokenizer_service_pb2_grpc.add_TokenizerServiceServicer_to_server, SERVICE_NAME,
-        {"family": family_of(model_dir).value, **placement.facts(), **_limit_facts(limits)},
+        {"family": family_of(model_dir).value, **placement.facts(), **_limit_facts(limits),
+         "quantization": quantization.value},
         max_receive_bytes=max_request_bytes(limits.max_prompt_chars, limits.max_images,
                                             limits.max_image_pixels))
 

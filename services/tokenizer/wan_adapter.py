@@ -81,6 +81,11 @@ class WanPromptAdapter(PromptAdapterBase):
         # Counts on the encoder's own Rust tokenizer, padding and truncation off (see there).
         self._counter = TokenCounter(tokenizer)
 
+    @property
+    def text_encoder(self) -> torch.nn.Module:
+        encoder: torch.nn.Module = self._pipeline.text_encoder
+        return encoder
+
     def prompt_token_count(self, text: str) -> int:
         """Tokens the pipeline keeps for `text`: the cleaned text's, end-of-sequence included."""
         return self._counter.count(prompt_clean(text))

@@ -22,8 +22,9 @@ Floats = npt.NDArray[np.float32]
 #: of audio per decode, log-mel floored 8 (log10 units) below its peak.
 N_FFT, HOP = 400, 160
 WINDOW_SECONDS = 30
-#: Silero VAD v6 at 16 kHz: 512 new samples per window, after 64 of the previous one.
-VAD_WINDOW, VAD_CONTEXT, VAD_STATE = 512, 64, (1, 1, 128)
+#: Silero VAD v6 at 16 kHz (the silero-vad wheel's graph): 512 new samples per window, after 64
+#: of the previous one; the LSTM's h and c stacked as one `state` [2, batch=1, 128].
+VAD_RATE, VAD_WINDOW, VAD_CONTEXT, VAD_STATE = 16_000, 512, 64, (2, 1, 128)
 
 
 class StreamResampler:
@@ -113,10 +114,9 @@ def log_mel(audio: Floats, n_mels: int) -> Floats:
 
 @dataclass
 class VadStream:
-    """One stream's detector state: the LSTM's h and c and the last window's context."""
+    """One stream's detector state: the LSTM's (h, c) and the last window's context."""
 
-    h: Floats = field(default_factory=lambda: np.zeros(VAD_STATE, np.float32))
-    c: Floats = field(default_factory=lambda: np.zeros(VAD_STATE, np.float32))
+    state: Floats = field(default_factory=lambda: np.zeros(VAD_STATE, np.float32))
     context: Floats = field(default_factory=lambda: np.zeros(VAD_CONTEXT, np.float32))
 
 
@@ -129,13 +129,19 @@ class SileroVad:
         options.log_severity_level = 4
         self._session = onnxruntime.InferenceSession(
             str(graph), sess_options=options, providers=["CPUExecutionProvider"])
+        self._rate = np.array(VAD_RATE, np.int64)
 
     def probabilities(self, stream: VadStream, audio: Floats) -> tuple[Floats, VadStream]:
         """One probability per whole window of `audio` (a multiple of 512 samples), and the
         stream's next state (the given one is left as it was)."""
         windows = audio.reshape(-1, VAD_WINDOW)
         contexts = np.concatenate([stream.context[None], windows[:-1, -VAD_CONTEXT:]])
-        batch = np.concatenate([contexts, windows], axis=1)
-        probs, h, c = self._session.run(None, {"input": batch, "h": stream.h, "c": stream.c})
-        after = VadStream(h=h, c=c, context=windows[-1, -VAD_CONTEXT:].copy())
-        return np.asarray(probs, np.float32).reshape(-1), after
+        inputs = np.concatenate([contexts, windows], axis=1)
+        # The graph's batch axis is independent streams, so one stream's windows run in turn,
+        # each carrying the state (~0.1 ms a window).
+        state, probs = stream.state, np.empty(len(windows), np.float32)
+        for i, window in enumerate(inputs):
+            prob, state = self._session.run(
+                None, {"input": window[None], "state": state, "sr": self._rate})
+            probs[i] = float(np.asarray(prob).reshape(-1)[0])
+        return probs, VadStream(state=state, context=windows[-1, -VAD_CONTEXT:].copy())

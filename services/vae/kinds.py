@@ -14,7 +14,6 @@ they normalize the latents, and that is all an `ImageEncoding` holds:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeAlias
@@ -28,7 +27,6 @@ from diffusers.video_processor import VideoProcessor
 
 from stagemesh.models.families.qwen_image import EDIT_IMAGE_AREA, edit_image_size
 from stagemesh.models.families.wan import WanGeometry
-from stagemesh.services.folders import folder_class
 from stagemesh.shared.devices import Placement
 
 #: Either VAE; their encoders share one interface (`encoder(x, feat_cache, feat_idx)`).
@@ -38,23 +36,6 @@ VaeModel: TypeAlias = AutoencoderKLQwenImage | AutoencoderKLWan
 #: chunk) or the last frames it saw. The models fill slots by assignment only, never in place,
 #: so a shallow copy of the list is a snapshot: a step that stops part-way leaves it as it was.
 FeatureCache: TypeAlias = list[torch.Tensor | str | None]
-
-
-class VaeKind(enum.Enum):
-    """Which VAE a folder holds: its `vae/config.json` `_class_name`."""
-
-    QWEN_IMAGE = "AutoencoderKLQwenImage"
-    WAN = "AutoencoderKLWan"
-
-
-def vae_kind(model_dir: str | Path) -> VaeKind:
-    """The folder's VAE; ValueError for one this stage does not serve."""
-    name = folder_class(model_dir, "vae")
-    try:
-        return VaeKind(name)
-    except ValueError:
-        served = ", ".join(kind.value for kind in VaeKind)
-        raise ValueError(f"{model_dir}: the VAE stage serves {served}, not {name!r}") from None
 
 
 def load_wan_vae(model_dir: str | Path, placement: Placement) -> AutoencoderKLWan:

@@ -1,10 +1,10 @@
 """VAE stage servicer: DecodeLatents and EncodeImage, each on its own engine, and DescribeVae.
 
-The folder's VAE picks the adapters (`kinds.vae_kind`):
+The folder's family (`services.registry`) picks the adapters:
 
-- AutoencoderKLQwenImage (Qwen-Image, Qwen-Image-Edit): DecodeLatents decodes images in one
+- Qwen-Image, Qwen-Image-Edit (AutoencoderKLQwenImage): DecodeLatents decodes images in one
   batched step (`qwen_image_adapter.LatentDecoderAdapter`); a `num_frames` is refused.
-- AutoencoderKLWan (Wan video): DecodeLatents decodes a video chunk by chunk and streams its
+- Wan video (AutoencoderKLWan): DecodeLatents decodes a video chunk by chunk and streams its
   frames (`video.VideoDecoderAdapter`); `num_frames` is required.
 
 Both encode images (`encode.ImageEncoderAdapter`, as their stock pipelines do).
@@ -29,13 +29,12 @@ import torch
 
 from stagemesh.models.families.qwen_image import condition_area
 from stagemesh.models.families.wan import WanGeometry
+from stagemesh.services.registry import DIFFUSION_FAMILIES, WAN, served_family
 from stagemesh.services.vae.encode import MAX_SOURCE_PIXELS, EncodeInput, ImageEncoderAdapter
 from stagemesh.services.vae.kinds import (
     QwenEditEncoding,
-    VaeKind,
     WanI2VEncoding,
     load_wan_vae,
-    vae_kind,
 )
 from stagemesh.services.vae.limits import VaeLimits
 from stagemesh.services.vae.qwen_image_adapter import (
@@ -212,7 +211,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     # any VAE's keys, and where it computes, checked before the folder is read
     *_, device_options = parse_options("vae", options, EngineOptions, VideoOptions, DeviceOptions)
     resolve_placement("vae", device_options, CPU_DTYPE)
-    if vae_kind(model_dir) is VaeKind.WAN:
+    if served_family("vae", model_dir, DIFFUSION_FAMILIES).name == WAN:
         return _build_wan(model_dir, options)
     return _build_qwen_image(model_dir, options)
 
@@ -224,7 +223,8 @@ def _build_qwen_image(model_dir: Path, options: Mapping[str, object]) -> StageBu
                         admission_window=BURST_ADMISSION_WINDOW_SECONDS)
     encoding = QwenEditEncoding.of(decoder.vae, decoder.latent_factor, condition_area(model_dir))
     encoder = ImageEncoderAdapter(decoder.vae, encoding, decoder.limits, placement)
-    return _bundle(model_dir, placement, decoder.limits, engine, StageRoute(engine, WIRE), encoder)
+    return _bundle(model_dir, placement, decoder.limits, engine, StageRoute(engine, WIRE), encoder,
+                   condition_area=encoding.area)
 
 
 def _build_wan(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
@@ -249,13 +249,15 @@ def _bundle(
     decode_engine: StageEngine,
     decode: DecodeHandler,
     encoder: ImageEncoderAdapter,
+    condition_area: int = 0,
 ) -> StageBundle:
-    """The stage from its decode route and its encoder: the encode engine, Describe, bundle."""
+    """The stage from its decode route and its encoder: the encode engine, Describe, bundle.
+    `condition_area`: what an edit's input image is encoded at (0: the size asked)."""
     encode_engine = StepEngine(encoder, max_running=DEFAULT_ENCODE_MAX_RUNNING)
     description = pb.DescribeVaeResponse(
         stage=stage_description("vae", model_dir, decode_engine, placement),
         size_multiple=limits.size_multiple, max_side=limits.max_side, can_encode=True,
-        max_frames=limits.max_frames)
+        max_frames=limits.max_frames, condition_area=condition_area)
     servicer = VaeServicer(decode, StageRoute(encode_engine, encode_wire(encoder)), description)
     return servicer_bundle("vae", model_dir, [decode_engine, encode_engine], servicer,
                         vae_service_pb2_grpc.add_VaeServiceServicer_to_server, SERVICE_NAME,

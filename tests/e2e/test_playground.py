@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from stagemesh.gateway.playground import CSP, playground_routes
+from stagemesh.gateway.playground.routes import CSP, playground_routes
 from stagemesh.gateway.wire.streams import SSE_DONE, sse_event
 from stagemesh.serve import free_port
 

@@ -125,6 +125,7 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
     in_flight: int = 0
     most_in_flight: int = 0  # requests denoising at once, at most
     cancelled: list[str] = field(default_factory=list)  # request ids whose RPC was cancelled
+    lora_names: tuple[str, ...] = ("ink", "wax")  # two per request, |scale| <= 2
 
     async def DescribeDit(self, request: Any, context: Any) -> Any:
         self.describes += 1
@@ -136,7 +137,8 @@ class FakeDit(dit_service_pb2_grpc.DitServiceServicer):
             step_cache=self.step_cache, step_cache_threshold=self.step_cache_threshold,
             max_step_cache_threshold=self.max_step_cache_threshold,
             max_preview_size=self.max_preview_size, default_preview_size=self.max_preview_size // 2,
-            min_preview_every=1 if self.max_preview_size else 0)
+            min_preview_every=1 if self.max_preview_size else 0,
+            lora_names=self.lora_names, max_loras_per_request=2, max_lora_scale=2.0)
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await start_message(requests)
@@ -180,6 +182,7 @@ class FakeVae(vae_service_pb2_grpc.VaeServiceServicer):
     max_pending: int = 0
     can_encode: bool = False
     level: int = 200
+    condition_area: int = 0  # what it publishes: 0, the stock edit pipeline's
     encodes: list[Any] = field(default_factory=list)
     decodes: list[Any] = field(default_factory=list)
 
@@ -187,7 +190,7 @@ class FakeVae(vae_service_pb2_grpc.VaeServiceServicer):
         return vae_service_pb2.DescribeVaeResponse(
             stage=common_pb2.StageDescription(stage="vae", max_pending=self.max_pending),
             size_multiple=self.size_multiple, max_side=self.max_side,
-            can_encode=self.can_encode)
+            can_encode=self.can_encode, condition_area=self.condition_area)
 
     async def DecodeLatents(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await start_message(requests)

@@ -16,7 +16,7 @@ import contextlib
 import io
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -116,6 +116,7 @@ class Served:
     dit: EditDit
     vae: FakeVae
     http: httpx.AsyncClient
+    own_area_vae: FakeVae  # the "own-area" recipe's: it encodes at 32 x 32 pixels
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.http_url}/v1", api_key="unused",
@@ -144,6 +145,9 @@ async def served() -> AsyncIterator[Served]:
     wrong_servers, wrong = await serve_fakes({"tokenizer": edit_tokenizer(),
                                               "dit": EditDit(task="text-to-image"),
                                               "vae": edit_vae()})
+    own_area_vae = replace(edit_vae(), condition_area=32 * 32)
+    own_servers, own_area = await serve_fakes({"tokenizer": edit_tokenizer(), "dit": EditDit(),
+                                               "vae": own_area_vae})
 
     def stages(at: dict[str, str]) -> dict[str, StageEndpoint]:
         return {name: StageEndpoint(name, address) for name, address in at.items()}
@@ -155,6 +159,8 @@ async def served() -> AsyncIterator[Served]:
                        ImageDefaults(width=16, height=16, num_inference_steps=3)),
         "not-edit": Recipe("not-edit", Task.IMAGE_EDIT, "m", stages(wrong),
                            replace_steps(EDIT_DEFAULTS, 3)),
+        "own-area": Recipe("own-area", Task.IMAGE_EDIT, "m", stages(own_area),
+                           replace_steps(EDIT_DEFAULTS, 3)),
     }
     config = GatewayConfig(http_port=free_port(), grpc_port=free_port())
     ready, stop = asyncio.Event(), asyncio.Event()
@@ -163,10 +169,10 @@ async def served() -> AsyncIterator[Served]:
     url = f"http://127.0.0.1:{config.http_port}"
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         yield Served(url, f"127.0.0.1:{config.grpc_port}", servicers["tokenizer"],
-                     servicers["dit"], servicers["vae"], http)
+                     servicers["dit"], servicers["vae"], http, own_area_vae)
     stop.set()
     await gateway
-    for server in (*servers.values(), *wrong_servers.values()):
+    for server in (*servers.values(), *wrong_servers.values(), *own_servers.values()):
         await server.stop(0)
 
 
@@ -225,6 +231,20 @@ async def test_the_default_size_is_derived_from_the_input_image(served: Served) 
     width, height = size_of(base64.b64decode(result.data[0].b64_json))
     # the stock 1376x768, fitted to the DiT's published 128x128 at the same aspect ratio
     assert (width, height) == (128, 64) and served.vae.encodes[0].width == 1376
+
+
+@on_module_loop
+async def test_an_input_image_is_encoded_at_the_area_the_vae_publishes(served: Served) -> None:
+    """A model that conditions at its own area (tiny-shapes-edit: 32 x 32) says so in its
+    VAE's Describe; the gateway sizes the encode, and the default output, by it."""
+    served.own_area_vae.encodes.clear()
+    result = await served.client().images.edit(
+        model="own-area", image=("wide.png", png(160, 90), "image/png"), prompt="p")
+    assert result.data is not None and result.data[0].b64_json is not None
+    # calculate_dimensions(32 * 32, 16 / 9): sides of 42.7 and 24 rounded to 32
+    assert size_of(base64.b64decode(result.data[0].b64_json)) == (32, 32)
+    (encode,) = served.own_area_vae.encodes
+    assert (encode.width, encode.height) == (32, 32)
 
 
 def as_parts(fields: dict[str, str]) -> list[tuple[str, tuple[None, str]]]:

@@ -138,3 +138,10 @@ def test_the_gateways_size_rule_agrees_with_the_model_familys() -> None:
     check that the copy and the owner (which calls diffusers) agree."""
     for size in ((64, 64), (640, 480), (1920, 1080), (33, 17), (100, 700), (7, 3), (1000, 1)):
         assert tuple(edit_image_size(*size)) == condition_size(*size), size
+
+
+def test_the_gateways_size_rule_agrees_at_a_folders_own_area() -> None:
+    """tiny-shapes-edit conditions at 32 x 32 (its condition.json); its VAE publishes that
+    area and the gateway sizes the encode by it."""
+    for size in ((64, 64), (160, 90), (33, 17), (7, 3), (20, 100)):
+        assert tuple(edit_image_size(*size, area=32 * 32)) == condition_size(*size, 32 * 32)

@@ -104,7 +104,9 @@ def client_fields(case: Case[Any]) -> set[str]:
     if isinstance(case.body, dict):
         names |= set(case.body)  # an unknown field is refused naming it
     if isinstance(case.query, dict):
-        names |= set(case.query)  # so is an unknown query parameter
+        # so is an unknown query parameter (its name's first dotted part is what the check
+        # compares, as for a body path such as messages[0].content)
+        names |= set(case.query) | {name.split(".")[0] for name in case.query}
     return names
 
 

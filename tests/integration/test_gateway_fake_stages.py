@@ -475,3 +475,45 @@ async def test_previews_the_dit_cannot_make_are_a_400_naming_preview(
     assert response.status_code == 400, response.text
     assert error_of(response)["param"] == "preview"
     assert mesh.servicers["dit"].starts == []
+def _lora_of(start: Any) -> list[tuple[str, float]]:
+    return [(use.name, use.scale) for use in start.lora]
+
+
+async def test_lora_reaches_the_dit_from_json_and_grpc(mesh: Mesh) -> None:
+    response = await mesh.client.post("/v1/images/generations", json={
+        "prompt": "x", "n": 2, "lora": [{"name": "ink", "scale": -0.5}, {"name": "wax"}]})
+    assert response.status_code == 200, response.text
+    dit = mesh.servicers["dit"]
+    assert [_lora_of(s) for s in dit.starts] == [[("ink", -0.5), ("wax", 1.0)]] * 2
+    async with gateway_stub(mesh.core) as stub:
+        _ = [r async for r in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+            prompt="x", num_inference_steps=2, lora=[common_pb2.LoraAdapter(name="wax",
+                                                                            scale=1.5)]),
+            timeout=10)]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.GenerateImage(gateway_service_pb2.GenerateImageRequest(
+                    prompt="x", lora=[common_pb2.LoraAdapter(name="nope")]), timeout=10):
+                pass
+    assert _lora_of(dit.starts[-1]) == [("wax", 1.5)]
+    error = parse_rpc_error(refused.value)
+    assert (error.code, error.field_name) == (grpc.StatusCode.INVALID_ARGUMENT, "lora")
+
+
+@pytest.mark.parametrize(("lora", "message"), [
+    ([{"name": "nope"}], "unknown adapter 'nope'"),
+    ([{"name": "ink", "scale": 2.5}], "within ±2"),
+    ([{"name": "ink"}, {"name": "wax"}, {"name": "ink"}], "at most 2"),
+    ([{"name": "ink"}, {"name": "ink"}], "named twice"),
+    ({"name": "ink"}, "array"),
+    ([{"name": "ink", "weight": 1}], "optional"),
+    ([{"name": "ink", "scale": "high"}], "must be a number"),
+])
+async def test_a_bad_lora_is_a_400_naming_it_before_any_stage_runs(
+    mesh: Mesh, lora: Any, message: str
+) -> None:
+    response = await mesh.client.post("/v1/images/generations", json={"prompt": "x",
+                                                                      "lora": lora})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["param"] == "lora" and message in error["message"], error
+    assert mesh.servicers["dit"].starts == [] and mesh.servicers["tokenizer"].starts == []

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry as Registry
 
 from stagemesh.models import qwen_image
 from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.services.dit.compile import BlockCompiler
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
 from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.tokenizer.base import PromptInput
@@ -39,6 +40,7 @@ from stagemesh.shared.engine import (
     StepInterrupted,
     StepOutput,
 )
+from stagemesh.shared.quantization import Quantization, quantize
 
 #: Batched rows may differ from solo rows by float rounding only.
 TOLERANCE = 1e-5
@@ -55,10 +57,28 @@ def encoder(model_dir: Path) -> PromptEncoderAdapter:
     return PromptEncoderAdapter(model_dir)
 
 
+@pytest.fixture(scope="module")
+def block_compiler() -> BlockCompiler:
+    """One compiler for the module: its compiled block forward serves every fresh adapter."""
+    return BlockCompiler()
+
+
 @pytest.fixture
-def dit(model_dir: Path) -> DenoiseAdapter:
-    """A fresh adapter per test: interrupt hooks must not leak between tests."""
-    return DenoiseAdapter(model_dir)
+def dit(model_dir: Path, request: pytest.FixtureRequest) -> DenoiseAdapter:
+    """A fresh adapter per test: interrupt hooks must not leak between tests. A test
+    parametrized with `ACCELERATED` runs it also with int8 blocks and with compiled blocks."""
+    adapter = DenoiseAdapter(model_dir)
+    variant = getattr(request, "param", "eager")
+    if variant == "int8":
+        quantize(adapter.transformer.transformer_blocks, Quantization.INT8)
+    elif variant == "compile":
+        compiler: BlockCompiler = request.getfixturevalue("block_compiler")
+        compiler.compile(adapter.transformer.transformer_blocks)
+    return adapter
+
+
+#: Abort, cancel-in-batch, preemption and interrupt hold with the stage's accelerations too.
+ACCELERATED = pytest.mark.parametrize("dit", ["eager", "int8", "compile"], indirect=True)
 
 
 def _embed(encoder: PromptEncoderAdapter, prompt: str, negative: str | None) -> PromptEmbeddings:
@@ -246,6 +266,7 @@ def _armed(dit: DenoiseAdapter, *cancelled: str) -> StepInterrupt:
     return interrupt
 
 
+@ACCELERATED
 def test_cancelling_the_whole_batch_stops_the_forward_after_one_block(
     encoder: PromptEncoderAdapter, dit: DenoiseAdapter
 ) -> None:
@@ -274,6 +295,7 @@ def test_cancelling_the_whole_batch_stops_the_forward_after_one_block(
         assert torch.equal(state.live().latents, latents)
 
 
+@ACCELERATED
 def test_a_step_that_still_serves_someone_runs_to_its_end(
     encoder: PromptEncoderAdapter, dit: DenoiseAdapter
 ) -> None:
@@ -285,6 +307,7 @@ def test_a_step_that_still_serves_someone_runs_to_its_end(
     assert entered == list(range(len(dit.transformer.transformer_blocks)))
 
 
+@ACCELERATED
 def test_an_interrupted_state_steps_on_as_if_never_interrupted(
     encoder: PromptEncoderAdapter, dit: DenoiseAdapter
 ) -> None:
@@ -302,6 +325,7 @@ def test_an_interrupted_state_steps_on_as_if_never_interrupted(
         assert torch.equal(state.live().latents, want.live().latents)
 
 
+@ACCELERATED
 def test_binding_again_replaces_the_hooks(
     encoder: PromptEncoderAdapter, dit: DenoiseAdapter
 ) -> None:
@@ -386,6 +410,7 @@ async def test_the_engine_batches_dit_requests_of_one_size(
     assert max(len(sizes) for sizes in calls) == 4  # a full batch ran as one forward
 
 
+@ACCELERATED
 async def test_an_abort_stops_the_dit_forward_between_blocks(
     encoder: PromptEncoderAdapter, dit: DenoiseAdapter
 ) -> None:
@@ -412,6 +437,7 @@ async def test_an_abort_stops_the_dit_forward_between_blocks(
     assert interrupts == 1
 
 
+@ACCELERATED
 async def test_a_member_cancelled_mid_batch_leaves_the_others_unchanged(
     encoder: PromptEncoderAdapter, dit: DenoiseAdapter
 ) -> None:
@@ -445,6 +471,7 @@ async def test_a_member_cancelled_mid_batch_leaves_the_others_unchanged(
         assert (event.result.latents - _solo(dit, job)).abs().max().item() <= TOLERANCE
 
 
+@ACCELERATED
 async def test_a_preempted_request_resumes_and_gives_the_same_latents(
     encoder: PromptEncoderAdapter, dit: DenoiseAdapter
 ) -> None:

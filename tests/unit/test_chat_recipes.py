@@ -51,6 +51,35 @@ def test_a_bad_speech_recipe_fails_naming_it(tmp_path: Path, body: str, match: s
         load(tmp_path, body)
 
 
+LISTENER = """
+  - name: ears
+    task: speech-to-text
+    model: w
+    stages:
+      transcriber: {address: "127.0.0.1:1"}
+"""
+
+
+def test_the_default_mesh_chats_hearing_through_its_listener() -> None:
+    recipes = load_recipes()
+    assert recipes[recipes["smollm2"].listen].task is Task.SPEECH_TO_TEXT
+    assert tuple(recipes["smollm2"].stages) == ("thinker",)
+
+
+@pytest.mark.parametrize(("body", "match"), [
+    (chat("listen: ears") + SPEECH + LISTENER, None),
+    (chat("listen: talkative") + LISTENER, "'talkative' is not a speech-to-text recipe"),
+    (chat("listen: voice") + SPEECH, "'voice' is not a speech-to-text recipe"),
+    (LISTENER.replace("model: w", "model: w\n    listen: ears"), "a chat recipe's listen"),
+])
+def test_a_chat_recipe_names_its_listener(tmp_path: Path, body: str, match: str | None) -> None:
+    if match is None:
+        assert load(tmp_path, body)["talkative"].listen == "ears"
+        return
+    with pytest.raises(RecipeError, match=match):
+        load(tmp_path, body)
+
+
 def test_a_chat_recipe_may_leave_its_voice_to_the_default(tmp_path: Path) -> None:
     # No `speech:`: the gateway speaks through the first text-to-speech recipe.
     assert load(tmp_path, chat() + SPEECH)["talkative"].speech == ""

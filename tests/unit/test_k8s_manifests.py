@@ -44,10 +44,8 @@ IMAGE_AND_VIDEO_STAGES = tuple(
                                       "wan-i2v-tiny")
     for role in ("tokenizer", "dit", "vae"))
 STAGES = (*IMAGE_AND_VIDEO_STAGES, "piper-joe-talker", "piper-joe-codec", "csm-tiny-talker",
-          "csm-tiny-codec", "smollm2-thinker")
-#: Stage Deployments no recipe routes to yet (the transcription and realtime routes will).
-LISTENING_STAGES = ("whisper-tiny-en-transcriber",)
-ALL_STAGES = (*STAGES, *LISTENING_STAGES)
+          "csm-tiny-codec", "smollm2-thinker", "whisper-tiny-en-transcriber")
+ALL_STAGES = STAGES
 #: The stages that compute on a GPU in the gpu overlay (the real Qwen-Image and Wan text
 #: encoders are billions of parameters, so the tokenizers need one too; the codecs stay on CPU).
 GPU_STAGES = {*IMAGE_AND_VIDEO_STAGES, "csm-tiny-talker", "smollm2-thinker"}

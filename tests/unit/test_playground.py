@@ -8,7 +8,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from stagemesh.gateway.playground import CSP, is_playground_path, playground_routes
+from stagemesh.gateway.playground.routes import CSP, is_playground_path, playground_routes
 from stagemesh.gateway.wire.auth import ApiKeyMiddleware, ApiKeys
 
 KEY = "sk-unit"

@@ -85,6 +85,7 @@ def test_routes_are_derived_from_the_annotations() -> None:
         HttpBinding("WatchVideo", "GET", "/v1/videoJobs/{id}:watch", ""),
         HttpBinding("DownloadVideo", "GET", "/v1/videoJobs/{id}:download", ""),
         HttpBinding("SynthesizeSpeech", "POST", "/v1/speech:synthesize", "*"),
+        HttpBinding("TranscribeAudio", "POST", "/v1/audio:transcribe", "*"),
         HttpBinding("Chat", "POST", "/v1/chat:complete", "*"),
         HttpBinding("CancelRequest", "POST", "/v1/requests/{request_id}/cancel", ""),
         HttpBinding("ListStages", "GET", "/v1/stages", ""),

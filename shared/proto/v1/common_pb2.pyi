@@ -414,3 +414,32 @@ class StageDescription(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StageDescription: _TypeAlias = StageDescription  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """A LoRA adapter a request runs under (a name the DiT stage publishes in
+    DescribeDitResponse.lora_names) and its scale, as diffusers' set_adapters weight.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SCALE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    scale: _builtins.float
+    """Unset = 1.0; |scale| at most DescribeDitResponse.max_lora_scale."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        scale: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_scale", b"_scale", "scale", b"scale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_scale", b"_scale", "name", b"name", "scale", b"scale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__scale: _TypeAlias = _typing.Literal["scale"]  # noqa: Y015
+    _WhichOneofArgType__scale: _TypeAlias = _typing.Literal["_scale", b"_scale"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale) -> _WhichOneofReturnType__scale | None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015

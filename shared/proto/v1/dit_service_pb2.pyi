@@ -73,6 +73,7 @@ class DenoiseStart(_message.Message):
     FLOW_SHIFT_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     PREVIEW_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     height: _builtins.int
@@ -136,6 +137,13 @@ class DenoiseStart(_message.Message):
         when unset or 0; within DescribeDitResponse's min_preview_every and max_preview_size.
         """
 
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
+        """LoRA adapters of this request, at most DescribeDitResponse.max_loras_per_request; a guided
+        request's unconditional pass runs them too. An unknown name or a scale out of range is
+        INVALID_ARGUMENT naming `lora`.
+        """
+
     def __init__(
         self,
         *,
@@ -159,10 +167,11 @@ class DenoiseStart(_message.Message):
         flow_shift: _builtins.float | None = ...,
         step_cache_threshold: _builtins.float | None = ...,
         preview: _common_pb2.PreviewOptions | None = ...,
+        lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "preview", b"preview", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "condition_latents", b"condition_latents", "execution_mode", b"execution_mode", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale_2", b"_guidance_scale_2", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "condition_latents", b"condition_latents", "execution_mode", b"execution_mode", "flow_shift", b"flow_shift", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "lora", b"lora", "negative_prompt_embeds", b"negative_prompt_embeds", "negative_prompt_embeds_mask", b"negative_prompt_embeds_mask", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "priority", b"priority", "prompt_embeds", b"prompt_embeds", "prompt_embeds_mask", b"prompt_embeds_mask", "request_id", b"request_id", "seed", b"seed", "sigmas", b"sigmas", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
     _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
@@ -319,6 +328,13 @@ class DescribeDitResponse(_message.Message):
     MAX_PREVIEW_SIZE_FIELD_NUMBER: _builtins.int
     DEFAULT_PREVIEW_SIZE_FIELD_NUMBER: _builtins.int
     MIN_PREVIEW_EVERY_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    COMPILE_FIELD_NUMBER: _builtins.int
+    LORA_NAMES_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_PER_REQUEST_FIELD_NUMBER: _builtins.int
+    MAX_LORA_SCALE_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -376,6 +392,21 @@ class DescribeDitResponse(_message.Message):
     """
     default_preview_size: _builtins.int
     min_preview_every: _builtins.int
+    quantization: _builtins.str
+    """Weight quantization of the transformer blocks: "none", "int8" (int8 weights) or "fp8"
+    (fp8 weights and activations, on GPUs with fp8 kernels). Numbered apart from the fields
+    above so that other additions to this message do not collide with it.
+    """
+    compile: _builtins.str
+    """Compilation: "off" or "blocks" (each repeated transformer block compiled, shapes dynamic,
+    warmed up at start over the sizes the stage serves).
+    """
+    max_loras: _builtins.int
+    """Adapters resident at once, and the rank their slots are padded to."""
+    max_lora_rank: _builtins.int
+    max_loras_per_request: _builtins.int
+    """Most adapters one request may name, and the largest |scale|."""
+    max_lora_scale: _builtins.float
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -383,6 +414,10 @@ class DescribeDitResponse(_message.Message):
     @_builtins.property
     def execution_modes(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.ExecutionMode.ValueType]:
         """Execution modes a client may choose; the first is the default."""
+
+    @_builtins.property
+    def lora_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The LoRA adapters a request may name (empty: the stage serves none)."""
 
     def __init__(
         self,
@@ -414,10 +449,17 @@ class DescribeDitResponse(_message.Message):
         max_preview_size: _builtins.int = ...,
         default_preview_size: _builtins.int = ...,
         min_preview_every: _builtins.int = ...,
+        quantization: _builtins.str = ...,
+        compile: _builtins.str = ...,
+        lora_names: _abc.Iterable[_builtins.str] | None = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
+        max_loras_per_request: _builtins.int = ...,
+        max_lora_scale: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "quantization", b"quantization", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -77,6 +77,7 @@ class GenerateImageRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     PREVIEW_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default image recipe."""
     prompt: _builtins.str
@@ -106,6 +107,10 @@ class GenerateImageRequest(_message.Message):
     def preview(self) -> _common_pb2.PreviewOptions:
         """Step previews on the `progress` events (Progress.preview); off when unset."""
 
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
+        """LoRA adapters of the recipe's DiT (DescribeDit lora_names) and their scales (unset = 1)."""
+
     def __init__(
         self,
         *,
@@ -123,10 +128,11 @@ class GenerateImageRequest(_message.Message):
         priority: _builtins.int = ...,
         step_cache_threshold: _builtins.float | None = ...,
         preview: _common_pb2.PreviewOptions | None = ...,
+        lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "preview", b"preview", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "execution_mode", b"execution_mode", "height", b"height", "lora", b"lora", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
@@ -246,9 +252,136 @@ class GeneratedImage(_message.Message):
 Global___GeneratedImage: _TypeAlias = GeneratedImage  # noqa: Y015
 
 @_typing.final
-class SynthesizeSpeechRequest(_message.Message):
+class TranscribeAudioRequest(_message.Message):
     """Parameters of a speech synthesis."""
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    AUDIO_FIELD_NUMBER: _builtins.int
+    LANGUAGE_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Recipe (served model) name; empty = the default speech-to-text recipe."""
+    audio: _builtins.bytes
+    """The audio file's bytes (base64 in the REST twin's JSON)."""
+    language: _builtins.str
+    """Language code; empty = the model's default."""
+    prompt: _builtins.str
+    """Text that precedes the audio (names, spellings), as Whisper's previous-text context."""
+    request_id: _builtins.str
+    """Client-chosen request id (for CancelRequest); empty = one is assigned."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        audio: _builtins.bytes = ...,
+        language: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audio", b"audio", "language", b"language", "model", b"model", "prompt", b"prompt", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscribeAudioRequest: _TypeAlias = TranscribeAudioRequest  # noqa: Y015
+
+@_typing.final
+class TranscribedSegment(_message.Message):
+    """A final transcript segment: its text and where it lies in the audio."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    START_MS_FIELD_NUMBER: _builtins.int
+    END_MS_FIELD_NUMBER: _builtins.int
+    NO_SPEECH_PROB_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    text: _builtins.str
+    start_ms: _builtins.int
+    end_ms: _builtins.int
+    no_speech_prob: _builtins.float
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        text: _builtins.str = ...,
+        start_ms: _builtins.int = ...,
+        end_ms: _builtins.int = ...,
+        no_speech_prob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_ms", b"end_ms", "index", b"index", "no_speech_prob", b"no_speech_prob", "start_ms", b"start_ms", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscribedSegment: _TypeAlias = TranscribedSegment  # noqa: Y015
+
+@_typing.final
+class TranscribeAudioResult(_message.Message):
+    """The whole transcript."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    LANGUAGE_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    duration_seconds: _builtins.float
+    """The audio's length in seconds."""
+    language: _builtins.str
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        duration_seconds: _builtins.float = ...,
+        language: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_seconds", b"duration_seconds", "language", b"language", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscribeAudioResult: _TypeAlias = TranscribeAudioResult  # noqa: Y015
+
+@_typing.final
+class TranscribeAudioResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id."""
+    @_builtins.property
+    def segment(self) -> Global___TranscribedSegment: ...
+    @_builtins.property
+    def result(self) -> Global___TranscribeAudioResult: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        segment: Global___TranscribedSegment | None = ...,
+        result: Global___TranscribeAudioResult | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "result", b"result", "segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "request_id", b"request_id", "result", b"result", "segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["segment", "result"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___TranscribeAudioResponse: _TypeAlias = TranscribeAudioResponse  # noqa: Y015
+
+@_typing.final
+class SynthesizeSpeechRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
@@ -781,6 +914,7 @@ class EditImageRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     PREVIEW_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default image-edit recipe."""
     prompt: _builtins.str
@@ -810,6 +944,10 @@ class EditImageRequest(_message.Message):
     def preview(self) -> _common_pb2.PreviewOptions:
         """Step previews on the `progress` events (Progress.preview); off when unset."""
 
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
+        """LoRA adapters of the recipe's DiT (DescribeDit lora_names) and their scales (unset = 1)."""
+
     def __init__(
         self,
         *,
@@ -826,10 +964,11 @@ class EditImageRequest(_message.Message):
         request_id: _builtins.str = ...,
         step_cache_threshold: _builtins.float | None = ...,
         preview: _common_pb2.PreviewOptions | None = ...,
+        lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "negative_prompt", b"negative_prompt", "preview", b"preview", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "height", b"height", "images", b"images", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "_true_cfg_scale", b"_true_cfg_scale", "height", b"height", "images", b"images", "lora", b"lora", "model", b"model", "n", b"n", "negative_prompt", b"negative_prompt", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "true_cfg_scale", b"true_cfg_scale", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__negative_prompt: _TypeAlias = _typing.Literal["negative_prompt"]  # noqa: Y015
     _WhichOneofArgType__negative_prompt: _TypeAlias = _typing.Literal["_negative_prompt", b"_negative_prompt"]  # noqa: Y015
@@ -938,6 +1077,7 @@ class CreateVideoRequest(_message.Message):
     INPUT_REFERENCE_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default text-to-video recipe (image-to-video when
     an input image is given).
@@ -972,6 +1112,10 @@ class CreateVideoRequest(_message.Message):
     """Client-chosen job id; empty = the gateway assigns one."""
     step_cache_threshold: _builtins.float
     """The DiT's step cache for this request: unset = the stage's setting, 0 = off."""
+    @_builtins.property
+    def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
+        """LoRA adapters of the recipe's DiT (DescribeDit lora_names) and their scales (unset = 1)."""
+
     def __init__(
         self,
         *,
@@ -992,10 +1136,11 @@ class CreateVideoRequest(_message.Message):
         input_reference: _builtins.bytes = ...,
         request_id: _builtins.str = ...,
         step_cache_threshold: _builtins.float | None = ...,
+        lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "lora", b"lora", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
     _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015

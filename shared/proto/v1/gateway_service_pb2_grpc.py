@@ -80,6 +80,11 @@ class GatewayServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechResponse.FromString,
                 _registered_method=True)
+        self.TranscribeAudio = channel.unary_stream(
+                '/stagemesh.v1.GatewayService/TranscribeAudio',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.TranscribeAudioRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.TranscribeAudioResponse.FromString,
+                _registered_method=True)
         self.Chat = channel.unary_stream(
                 '/stagemesh.v1.GatewayService/Chat',
                 request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ChatRequest.SerializeToString,
@@ -172,6 +177,15 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TranscribeAudio(self, request, context):
+        """Transcribes an audio file (WAV, MP3, FLAC or OGG) with a speech-to-text recipe: each final
+        segment as it is decoded, then the whole transcript. (Named TranscribeAudio: the stage's
+        TranscriberService already owns TranscribeRequest in this package.)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Chat(self, request, context):
         """Answers a conversation with a chat recipe, streaming the text as it is written and, when
         audio is asked for, speech sentence by sentence while the text continues.
@@ -249,6 +263,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.SynthesizeSpeech,
                     request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechResponse.SerializeToString,
+            ),
+            'TranscribeAudio': grpc.unary_stream_rpc_method_handler(
+                    servicer.TranscribeAudio,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.TranscribeAudioRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.TranscribeAudioResponse.SerializeToString,
             ),
             'Chat': grpc.unary_stream_rpc_method_handler(
                     servicer.Chat,
@@ -515,6 +534,33 @@ class GatewayService:
             '/stagemesh.v1.GatewayService/SynthesizeSpeech',
             stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechRequest.SerializeToString,
             stagemesh_dot_v1_dot_gateway__service__pb2.SynthesizeSpeechResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TranscribeAudio(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/TranscribeAudio',
+            stagemesh_dot_v1_dot_gateway__service__pb2.TranscribeAudioRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.TranscribeAudioResponse.FromString,
             options,
             channel_credentials,
             insecure,

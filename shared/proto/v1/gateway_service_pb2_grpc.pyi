@@ -59,6 +59,11 @@ class GatewayServiceStub:
     """The MP4 of a finished video job, in chunks."""
     SynthesizeSpeech: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.SynthesizeSpeechRequest, _gateway_service_pb2.SynthesizeSpeechResponse]
     """Synthesizes speech from text, streaming audio as it is produced."""
+    TranscribeAudio: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.TranscribeAudioRequest, _gateway_service_pb2.TranscribeAudioResponse]
+    """Transcribes an audio file (WAV, MP3, FLAC or OGG) with a speech-to-text recipe: each final
+    segment as it is decoded, then the whole transcript. (Named TranscribeAudio: the stage's
+    TranscriberService already owns TranscribeRequest in this package.)
+    """
     Chat: _grpc.UnaryStreamMultiCallable[_gateway_service_pb2.ChatRequest, _gateway_service_pb2.ChatResponse]
     """Answers a conversation with a chat recipe, streaming the text as it is written and, when
     audio is asked for, speech sentence by sentence while the text continues.
@@ -101,6 +106,11 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """The MP4 of a finished video job, in chunks."""
     SynthesizeSpeech: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.SynthesizeSpeechRequest, _gateway_service_pb2.SynthesizeSpeechResponse]  # type: ignore[assignment]
     """Synthesizes speech from text, streaming audio as it is produced."""
+    TranscribeAudio: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.TranscribeAudioRequest, _gateway_service_pb2.TranscribeAudioResponse]  # type: ignore[assignment]
+    """Transcribes an audio file (WAV, MP3, FLAC or OGG) with a speech-to-text recipe: each final
+    segment as it is decoded, then the whole transcript. (Named TranscribeAudio: the stage's
+    TranscriberService already owns TranscribeRequest in this package.)
+    """
     Chat: _aio.UnaryStreamMultiCallable[_gateway_service_pb2.ChatRequest, _gateway_service_pb2.ChatResponse]  # type: ignore[assignment]
     """Answers a conversation with a chat recipe, streaming the text as it is written and, when
     audio is asked for, speech sentence by sentence while the text continues.
@@ -194,6 +204,17 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.SynthesizeSpeechResponse], _abc.AsyncIterator[_gateway_service_pb2.SynthesizeSpeechResponse]]:
         """Synthesizes speech from text, streaming audio as it is produced."""
+
+    @_abc_1.abstractmethod
+    def TranscribeAudio(
+        self,
+        request: _gateway_service_pb2.TranscribeAudioRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_service_pb2.TranscribeAudioResponse], _abc.AsyncIterator[_gateway_service_pb2.TranscribeAudioResponse]]:
+        """Transcribes an audio file (WAV, MP3, FLAC or OGG) with a speech-to-text recipe: each final
+        segment as it is decoded, then the whole transcript. (Named TranscribeAudio: the stage's
+        TranscriberService already owns TranscribeRequest in this package.)
+        """
 
     @_abc_1.abstractmethod
     def Chat(

@@ -200,6 +200,7 @@ class DescribeTokenizerResponse(_message.Message):
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _builtins.int
     MAX_IMAGES_FIELD_NUMBER: _builtins.int
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     max_prompt_chars: _builtins.int
     """Longest prompt (and negative prompt) accepted, in characters."""
     max_sequence_length: _builtins.int
@@ -208,6 +209,8 @@ class DescribeTokenizerResponse(_message.Message):
     """Most images one request may carry (0: the model reads text only)."""
     max_image_pixels: _builtins.int
     """Largest height x width of one input image, in pixels."""
+    quantization: _builtins.str
+    """Weight quantization of the text encoder: "none", "int8" or "fp8" (as the DiT's)."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -220,10 +223,11 @@ class DescribeTokenizerResponse(_message.Message):
         max_sequence_length: _builtins.int = ...,
         max_images: _builtins.int = ...,
         max_image_pixels: _builtins.int = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_image_pixels", b"max_image_pixels", "max_images", b"max_images", "max_prompt_chars", b"max_prompt_chars", "max_sequence_length", b"max_sequence_length", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_image_pixels", b"max_image_pixels", "max_images", b"max_images", "max_prompt_chars", b"max_prompt_chars", "max_sequence_length", b"max_sequence_length", "quantization", b"quantization", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -335,6 +335,7 @@ class DescribeVaeResponse(_message.Message):
     MAX_SIDE_FIELD_NUMBER: _builtins.int
     CAN_ENCODE_FIELD_NUMBER: _builtins.int
     MAX_FRAMES_FIELD_NUMBER: _builtins.int
+    CONDITION_AREA_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this."""
     max_side: _builtins.int
@@ -343,6 +344,12 @@ class DescribeVaeResponse(_message.Message):
     """True when the VAE can encode images (EncodeImage)."""
     max_frames: _builtins.int
     """Most video frames one request may decode or encode; 0 for an image VAE."""
+    condition_area: _builtins.int
+    """Pixel area an image VAE encodes an edit's input image at: the image keeps its aspect
+    ratio, each side rounded to 32 (the stock Qwen-Image-Edit pipeline's 1024 x 1024, or the
+    model folder's own `condition_area`). Clients size EncodeImage requests by it. 0 when
+    the VAE encodes at the size asked (a video VAE).
+    """
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -355,10 +362,11 @@ class DescribeVaeResponse(_message.Message):
         max_side: _builtins.int = ...,
         can_encode: _builtins.bool = ...,
         max_frames: _builtins.int = ...,
+        condition_area: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["can_encode", b"can_encode", "max_frames", b"max_frames", "max_side", b"max_side", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["can_encode", b"can_encode", "condition_area", b"condition_area", "max_frames", b"max_frames", "max_side", b"max_side", "size_multiple", b"size_multiple", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

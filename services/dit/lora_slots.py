@@ -1,0 +1,357 @@
+"""The per-row LoRA product: slot stacks on the transformer's Linears, and who holds which slot.
+
+Every Linear some adapter of the catalog targets gets, beside its base weight (never merged,
+never swapped), a down stack A [max_loras + 1, max_lora_rank, in] and an up stack
+B [max_loras + 1, out, max_lora_rank] of zeros; the last slot stays zero, and is what a row
+without an adapter (or with fewer than its batch mates) points at, so that no loaded slot ever
+enters its product. An adapter loaded into slot s writes its matrices
+into A[s] and B[s] (rank padded with zeros, PEFT's per-module alpha/r folded into B), so that a
+forward hook adds, per row b with adapters (s_k, w_k):
+
+    y[b] += sum_k w_k * B[s_k] @ A[s_k] @ x[b]
+
+as two batched matmuls over the gathered slots. Rows with other adapters, several adapters,
+other scales or none (scale 0) share the forward; a batch without any adapter adds nothing, so
+it is bit for bit the base model. Which slots and scales each row runs is bound for one forward
+(`bind`, from the rows' `RowMeta.adapters`) and narrowed with the rows that run a block subset
+(`narrowed`, the step cache's), so the product follows forward.py's row records (ARCHITECTURE
+§10).
+
+Slots are held by requests (`hold` in prepare, `release` with the state): a held slot is never
+evicted, so a running or preempted row keeps its adapters; a free slot is taken LRU. Files are
+read on a loader thread and written into their slots on the engine thread at a step boundary
+(`attach`); a request whose adapters are not attached yet (loading, or every slot it could
+take is held) waits while the others step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
+from peft.utils.other import get_pattern_key
+
+from stagemesh.services.dit.forward import RowMeta, SlotUse
+from stagemesh.services.dit.lora import DOWN, UP, AdapterFile, LoraCatalog, LoraUse
+from stagemesh.shared.engine.adapter import NoStream, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+#: The longest a step whose every state waits for its adapters blocks the engine thread.
+WAIT_SECONDS = 0.05
+
+#: An adapter's (A, B * alpha / r) per target module.
+Matrices = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class LoraHold:
+    """A request's adapters, and (once attached) their slots and scales: held until release."""
+
+    uses: tuple[LoraUse, ...]
+    slots: tuple[SlotUse, ...] | None = None  # None: waiting for a load or a slot
+    error: str | None = None  # an adapter file could not be read: the request fails
+
+    @property
+    def attached(self) -> bool:
+        return self.slots is not None or not self.uses
+
+
+#: A diffusers pipeline's `lora_state_dict` (its LoRA loader mixin's classmethod).
+LoraFiles = Callable[..., Any]
+
+
+class Holding(Protocol):
+    """A DiT state as `step_attached` sees it."""
+
+    @property
+    def step_index(self) -> int: ...
+
+    @property
+    def lora(self) -> LoraHold | None: ...
+
+
+HoldingT = TypeVar("HoldingT", bound=Holding)
+#: What a step streams besides its index (a DiT's preview); a waiting state streams nothing.
+PartialT = TypeVar("PartialT")
+
+
+@dataclass
+class _Rows:
+    """The slots [rows, k] and scales [rows, k] of the rows a forward runs now."""
+
+    slots: torch.Tensor
+    scales: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> _Rows:
+        return _Rows(self.slots[rows], self.scales[rows])
+
+
+class _Stacks:
+    """One LoRA'd Linear's slot stacks, applied by a forward hook while rows are bound."""
+
+    def __init__(self, bank: SlotBank, linear: torch.nn.Linear) -> None:
+        self.bank = bank
+        shape = (bank.max_loras + 1, bank.max_rank)
+        weight = linear.weight
+        self.down = torch.zeros(*shape, linear.in_features, device=weight.device, dtype=bank.dtype)
+        self.up = torch.zeros(
+            bank.max_loras + 1, linear.out_features, bank.max_rank, device=weight.device,
+            dtype=bank.dtype,
+        )  # fmt: skip
+
+    def hook(
+        self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> torch.Tensor:
+        rows = self.bank.rows
+        if rows is None:
+            return out
+        x = args[0]
+        flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
+        down = self.down[rows.slots]  # [rows, k, rank, in]
+        up = self.up[rows.slots]  # [rows, k, out, rank]
+        low = torch.einsum("bti,bkri->bktr", flat, down) * rows.scales[:, :, None, None]
+        delta = torch.einsum("bktr,bkor->bto", low, up)
+        return out + delta.reshape(out.shape).to(out.dtype)
+
+
+class SlotBank:
+    """`max_loras` slots on every Linear the catalog's adapters target, and their holders."""
+
+    def __init__(
+        self,
+        transformers: Sequence[torch.nn.Module],
+        catalog: LoraCatalog,
+        files: LoraFiles = QwenImageLoraLoaderMixin.lora_state_dict,
+    ) -> None:
+        """transformers: each gets the slots (Wan 2.2: both, as diffusers'
+        `load_into_transformer_2`); files: the pipeline's `lora_state_dict` (it converts the
+        layouts that pipeline's LoRAs come in)."""
+        config = catalog.config
+        self.catalog, self.files = catalog, files
+        self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
+        self.dtype = next(transformers[0].parameters()).dtype
+        self.device = next(transformers[0].parameters()).device
+        self.rows: _Rows | None = None
+        self.stacks: list[tuple[str, _Stacks]] = []  # (module name, its stacks), every model
+        for transformer in transformers:
+            modules = dict(transformer.named_modules())
+            for name in sorted(catalog.targets()):
+                linear = modules.get(name)
+                if not isinstance(linear, torch.nn.Linear):
+                    raise ValueError(f"LoRA target {name!r} is not a Linear of the transformer")
+                stacks = _Stacks(self, linear)
+                self.stacks.append((name, stacks))
+                linear.register_forward_hook(stacks.hook)
+        self._loaded: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
+        self._holders: dict[int, int] = {}  # slot -> requests holding it
+        self._pending: list[LoraHold] = []  # oldest first
+        self._loading: dict[str, futures.Future[Matrices]] = {}
+        # Files are read off the engine thread; one reader keeps disk and host memory calm.
+        self._loader = futures.ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
+
+    # -- holding ---------------------------------------------------------------------------
+
+    def hold(self, uses: Sequence[LoraUse]) -> LoraHold:
+        """A request's claim on its adapters' slots (made in prepare). The files of those not
+        resident start loading on the loader thread now; the hold is attached (`attach`, at a
+        step boundary) once every one is loaded and has a slot."""
+        hold = LoraHold(tuple(uses))
+        if uses:
+            self._pending.append(hold)
+            for use in uses:
+                self._load(use.name)
+            self.attach()
+        return hold
+
+    def attach(self) -> None:
+        """Attach every pending hold that can be (oldest first; one that cannot waits while the
+        others pass): its missing adapters are written into free or least recently used unheld
+        slots. Engine thread only, between forwards (the slot stacks are what they read)."""
+        for hold in list(self._pending):
+            missing = [u.name for u in hold.uses if u.name not in self._loaded]
+            for name in missing:  # evicted since it was held: read it again
+                self._load(name)
+            loads = [self._loading[name] for name in missing]
+            if not all(load.done() for load in loads):
+                continue
+            failed = next((load.exception() for load in loads if load.exception()), None)
+            if failed is not None:  # this request fails; the file is read again if named again
+                self._pending.remove(hold)
+                for name in missing:
+                    self._loading.pop(name, None)
+                hold.error = f"lora: {failed}"
+                continue
+            evictable = [n for n, s in self._loaded.items() if s not in self._holders]
+            free = self.max_loras - len(self._loaded)
+            mine = {u.name for u in hold.uses}
+            if len(missing) > free + len([n for n in evictable if n not in mine]):
+                continue  # every slot it could take is held: it waits
+            self._pending.remove(hold)
+            for name in missing:
+                self._write(self._free_slot(keep=mine), name, self._loading.pop(name).result())
+            slots = []
+            for use in hold.uses:
+                self._loaded.move_to_end(use.name)
+                slot = self._loaded[use.name]
+                self._holders[slot] = self._holders.get(slot, 0) + 1
+                slots.append(SlotUse(slot, use.scale))
+            hold.slots = tuple(slots)
+
+    def wait(self, timeout: float) -> None:
+        """Until some pending hold's file has loaded, or `timeout` seconds (nothing to attach
+        this tick: a short wait instead of a spinning engine)."""
+        loads = [self._loading[u.name] for h in self._pending for u in h.uses
+                 if u.name in self._loading]  # fmt: skip
+        if loads:
+            futures.wait(loads, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+
+    def release(self, hold: LoraHold | None) -> None:
+        """The request's slots are free to evict (or its pending claim is dropped)."""
+        if hold is None:
+            return
+        if hold in self._pending:
+            self._pending.remove(hold)
+            wanted = {u.name for h in self._pending for u in h.uses}
+            for use in hold.uses:
+                if use.name not in wanted and use.name in self._loading:
+                    self._loading.pop(use.name).cancel()
+        for held in hold.slots or ():
+            self._holders[held.slot] -= 1
+            if not self._holders[held.slot]:
+                del self._holders[held.slot]
+        hold.slots = None
+
+    def held(self, slot: int) -> bool:
+        return slot in self._holders
+
+    def resident(self) -> list[str]:
+        """The loaded adapters, least recently used first."""
+        return list(self._loaded)
+
+    def _load(self, name: str) -> None:
+        if name not in self._loaded and name not in self._loading:
+            adapter = self.catalog.adapters[name]
+            self._loading[name] = self._loader.submit(read_adapter, adapter, self.files)
+
+    def _free_slot(self, keep: set[str]) -> int:
+        used = set(self._loaded.values())
+        free = next((s for s in range(self.max_loras) if s not in used), None)
+        if free is not None:
+            return free
+        victim = next(
+            n for n, s in self._loaded.items() if s not in self._holders and n not in keep
+        )
+        logger.info("LoRA %s evicted", victim)
+        return self._loaded.pop(victim)
+
+    def step_attached(
+        self,
+        states: Sequence[HoldingT],
+        step: Callable[[Sequence[HoldingT]], list[StepOutput[PartialT]]],
+    ) -> list[StepOutput[PartialT]]:
+        """`step` over the states whose adapters are attached (pending holds attached first);
+        each other state waits, its output repeating its step index."""
+        self.attach()
+        ready = [state for state in states if state.lora is None or state.lora.attached]
+        if not ready:
+            self.wait(WAIT_SECONDS)
+        stepped = iter(step(ready) if ready else [])
+        chosen = {id(state) for state in ready}
+        outputs: list[StepOutput[PartialT]] = [
+            next(stepped) if id(state) in chosen else _waiting(state) for state in states]
+        return outputs
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _write(self, slot: int, name: str, matrices: Matrices) -> None:
+        """The adapter's matrices into `slot` of every stack (zeros where it targets nothing)."""
+        for module, stacks in self.stacks:
+            stacks.down[slot].zero_()
+            stacks.up[slot].zero_()
+            pair = matrices.get(module)
+            if pair is None:
+                continue
+            down, up = pair
+            rank = down.shape[0]
+            stacks.down[slot, :rank] = down.to(self.device, self.dtype)
+            stacks.up[slot, :, :rank] = up.to(self.device, self.dtype)
+        self._loaded[name] = slot
+        logger.info("LoRA %s loaded into slot %d", name, slot)
+
+    # -- one forward -----------------------------------------------------------------------
+
+    @contextmanager
+    def bind(self, rows: Sequence[RowMeta]) -> Iterator[None]:
+        """The rows' slots and scales for one forward; nothing added when no row has any."""
+        width = max((len(row.adapters) for row in rows), default=0)
+        if not width:
+            yield
+            return
+        slots = torch.full((len(rows), width), self.max_loras, dtype=torch.long)  # the zero slot
+        scales = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, row in enumerate(rows):
+            for k, use in enumerate(row.adapters):
+                slots[i, k], scales[i, k] = use.slot, use.scale
+        self.rows = _Rows(slots.to(self.device), scales.to(self.device, self.dtype))
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    @contextmanager
+    def narrowed(self, rows: torch.Tensor) -> Iterator[None]:
+        """Only `rows` (indices into the bound rows) run until the block returns."""
+        bound = self.rows
+        if bound is None:
+            yield
+            return
+        self.rows = bound.select(rows)
+        try:
+            yield
+        finally:
+            self.rows = bound
+
+
+def _waiting(state: Holding) -> StepOutput[NoStream]:
+    """A state whose adapters are not attached: it waits, or fails if one could not load."""
+    error = state.lora.error if state.lora is not None else None
+    return StepOutput(step_index=state.step_index, error=error)
+
+
+def read_adapter(adapter: AdapterFile, files: LoraFiles) -> Matrices:
+    """The adapter's (A, B * alpha / r) per target module, read through diffusers'
+    `lora_state_dict` (which converts non-diffusers layouts), scaled as PEFT's LoraConfig
+    from the file's metadata scales them (no metadata: alpha = rank, scale 1)."""
+    state, metadata = files(
+        str(adapter.path.parent), weight_name=adapter.path.name, return_lora_metadata=True
+    )
+    config = {key.removeprefix("transformer."): value for key, value in (metadata or {}).items()}
+    if config.get("use_dora") or any("lora_magnitude_vector" in k for k in state):
+        raise ValueError(f"LoRA {adapter.name}: DoRA is not served")
+    alpha_pattern: dict[str, float] = config.get("alpha_pattern") or {}
+    matrices: Matrices = {}
+    for key, down in state.items():
+        if DOWN not in key:
+            continue
+        module = key.split(DOWN)[0]
+        name = module.removeprefix("transformer.")
+        rank = down.shape[0]  # PEFT's rank_pattern names exactly this
+        alpha = float(config.get("lora_alpha", rank))
+        if alpha_pattern:
+            alpha = float(alpha_pattern.get(get_pattern_key(list(alpha_pattern), name), alpha))
+        scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
+        up = state[module + UP + "weight"] * scaling
+        if not (torch.isfinite(down).all() and torch.isfinite(up).all()):
+            raise ValueError(f"LoRA {adapter.name}: {name} holds non-finite weights")
+        matrices[name] = (down, up)
+    return matrices
