@@ -44,7 +44,7 @@ SERVE_THE_PLAYGROUND = """
 import pathlib, re, sys
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
-from stagemesh.gateway import playground
+from stagemesh.gateway.playground import routes as playground
 install = pathlib.Path(sys.argv[1]).resolve()
 assert install in pathlib.Path(playground.__file__).resolve().parents, playground.__file__
 client = TestClient(Starlette(routes=playground.playground_routes()))
