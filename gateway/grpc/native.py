@@ -25,7 +25,7 @@ from stagemesh.gateway.images.pipeline import (
 )
 from stagemesh.gateway.images.protocol import ImageRequest, PreviewAsk
 from stagemesh.gateway.mesh.events import Done, Output, StageEvent
-from stagemesh.gateway.mesh.lora import lora_from_proto
+from stagemesh.gateway.mesh.stages import lora_from_proto
 from stagemesh.gateway.recipes import TASK_STAGES
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.speech.audio import StreamEncoder

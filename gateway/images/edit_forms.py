@@ -21,7 +21,7 @@ from stagemesh.gateway.images.protocol import (
     parse_size,
 )
 from stagemesh.gateway.wire.forms import Form, FormFields
-from stagemesh.gateway.wire.lora import parse_lora_text
+from stagemesh.gateway.wire.requests import parse_lora_text
 
 #: Every field the route reads; any other is a 400 naming it (a misspelt field is not ignored).
 EDIT_FIELDS = frozenset({

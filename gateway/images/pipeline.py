@@ -24,7 +24,7 @@ from stagemesh.gateway.images.edit_protocol import EditParams, EditRequest, reso
 from stagemesh.gateway.images.protocol import ImageParams, ImageRequest, resolve_image_request
 from stagemesh.gateway.mesh.calls import CancelScope, call_stage, side_by_side
 from stagemesh.gateway.mesh.events import Done, Emit, Output, Part, StageEvent, stream_pipeline
-from stagemesh.gateway.mesh.lora import lora_to_proto
+from stagemesh.gateway.mesh.stages import lora_to_proto
 from stagemesh.gateway.mesh.stubs import ImageStubs
 from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.shared.proto.v1 import (

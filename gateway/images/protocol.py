@@ -15,11 +15,9 @@ import numpy as np
 
 from stagemesh.gateway.core import random_seed
 from stagemesh.gateway.errors import InvalidRequest
-from stagemesh.gateway.mesh.lora import LoraChoice
-from stagemesh.gateway.mesh.stages import ExecutionMode, ImageFacts
+from stagemesh.gateway.mesh.stages import ExecutionMode, ImageFacts, LoraChoice
 from stagemesh.gateway.recipes import ImageDefaults
-from stagemesh.gateway.wire.lora import parse_lora
-from stagemesh.gateway.wire.requests import TEXT_BODY_BYTES, JsonFields
+from stagemesh.gateway.wire.requests import TEXT_BODY_BYTES, JsonFields, parse_lora
 from stagemesh.shared.limits import MAX_SEED
 from stagemesh.shared.proto.v1 import common_pb2
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.mesh.calls import CancelScope, StageCallError, call_stage, side_by_side
-from stagemesh.gateway.mesh.lora import lora_to_proto
+from stagemesh.gateway.mesh.stages import lora_to_proto
 from stagemesh.gateway.mesh.stubs import ImageStubs
 from stagemesh.gateway.recipes import VIDEO_TASKS, Recipe, Task
 from stagemesh.gateway.videos.mux import Frames, Mp4Writer, check_encoder

@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image
 from stagemesh.gateway.images.protocol import ImageRequest, parse_size, resolve_image_request
-from stagemesh.gateway.mesh.lora import LoraChoice
-from stagemesh.gateway.mesh.stages import VideoFacts
+from stagemesh.gateway.mesh.stages import LoraChoice, VideoFacts
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
 from stagemesh.gateway.wire.forms import Form, FormFields
-from stagemesh.gateway.wire.lora import parse_lora_text
-from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, image_data_url
+from stagemesh.gateway.wire.requests import MAX_BODY_BYTES, image_data_url, parse_lora_text
 from stagemesh.shared.limits import MAX_FLOW_SHIFT
 
 #: Frames per second an MP4 may play at.

@@ -101,7 +101,8 @@ def test_reflection_lists_the_gateway_and_each_stage_service(served) -> None:
             channel).get_services()
     expected = {"tokenizer": "stagemesh.v1.TokenizerService", "dit": "stagemesh.v1.DitService",
                 "vae": "stagemesh.v1.VaeService", "talker": "stagemesh.v1.TalkerService",
-                "codec": "stagemesh.v1.CodecService", "thinker": "stagemesh.v1.ThinkerService"}
+                "codec": "stagemesh.v1.CodecService", "thinker": "stagemesh.v1.ThinkerService",
+                "transcriber": "stagemesh.v1.TranscriberService"}
     for name, stage in served.stages().items():
         assert stage["health"] == "SERVING"
         with grpc.insecure_channel(stage["address"]) as channel:
@@ -113,7 +114,7 @@ def test_stages_report_where_they_compute(served) -> None:
     on this CPU-only machine every stage computes on the CPU, in float32 except where the
     stage measured bfloat16 faster (the VAE, on a CPU with bfloat16 instructions)."""
     stages = served.stages()
-    assert set(stages) == {"tokenizer", "dit", "vae", "talker", "codec", "thinker"}
+    assert set(stages) == {"tokenizer", "dit", "vae", "talker", "codec", "thinker", "transcriber"}
     for name, stage in stages.items():
         assert stage["device"] == "cpu", name
         expected = {"float32", "bfloat16"} if name == "vae" else {"float32"}

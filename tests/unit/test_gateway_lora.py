@@ -10,11 +10,11 @@ from stagemesh.gateway.chat.protocol import chat_image_request
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.grpc.native import image_request, video_request
 from stagemesh.gateway.images.edit_forms import edit_request
-from stagemesh.gateway.mesh.lora import LoraChoice, LoraFacts
+from stagemesh.gateway.mesh.stages import LoraChoice, LoraFacts
 from stagemesh.gateway.videos.protocol import form_from_json
 from stagemesh.gateway.videos.protocol import video_request as video_form_request
 from stagemesh.gateway.wire.forms import Form
-from stagemesh.gateway.wire.lora import parse_lora_text
+from stagemesh.gateway.wire.requests import parse_lora_text
 from stagemesh.shared.proto.v1 import common_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
