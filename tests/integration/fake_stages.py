@@ -269,7 +269,9 @@ class FakeCodec(codec_service_pb2_grpc.CodecServiceServicer):
 async def serve_fake(kind: str, servicer: Any, port: int = 0) -> tuple[grpc.aio.Server, int]:
     """`servicer` (a stage of `kind`: a REGISTER key) served on 127.0.0.1:`port` (0: a free
     one); the server and its port."""
-    server = grpc.aio.server()
+    # gRPC shares a port between servers by default (SO_REUSEPORT): a second fake on a busy
+    # port must fail to bind, not answer half the calls meant for the first
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     REGISTER[kind](servicer, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     assert port in (0, bound), f"port {port} is taken"

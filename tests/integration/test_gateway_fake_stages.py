@@ -25,7 +25,6 @@ from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
-from stagemesh.serve import free_port
 from stagemesh.shared.errors import parse_rpc_error
 from stagemesh.shared.proto.v1 import (
     common_pb2,
@@ -74,9 +73,9 @@ def recipes(ports: dict[str, int]) -> dict[str, Recipe]:
 async def mesh() -> AsyncIterator[Mesh]:
     servicers = {"tokenizer": FakeTokenizer(), "dit": FakeDit(), "vae": FakeVae(),
                  "talker": FakeTalker(), "codec": FakeCodec()}
-    ports = {stage: free_port() for stage in servicers}
-    servers = {stage: (await serve_fake(stage, servicer, ports[stage]))[0]
-               for stage, servicer in servicers.items()}
+    servers, ports = {}, {}
+    for stage, servicer in servicers.items():  # each binds a free port itself: no probe race
+        servers[stage], ports[stage] = await serve_fake(stage, servicer)
     try:
         async with open_gateway(recipes(ports)) as core:
             transport = httpx.ASGITransport(app=build_rest_app(core))
