@@ -121,7 +121,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--vae-replicas", type=int, default=1,
                         help="VAE replicas in both arms: the last images of a burst finish "
                              "together on two DiT replicas and queue on a one-thread VAE (at "
-                             "256 px, 16 steps, a decode costs ~1/3 of a denoise); 2 takes "
+                             "256 px, 16 steps, a decode costs ~1/8 of a denoise); 2 takes "
                              "that tail out of the DiT comparison")
     parser.add_argument("--out", type=Path, default=Path("bench-results/replicas"))
     options = parser.parse_args(argv)

@@ -12,14 +12,13 @@ needs no glue code.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -33,10 +32,7 @@ import torch.nn.functional as F
 
 # Concrete module paths, not `from diffusers import ...`: the package's lazy __init__ makes type
 # checkers see the dummy placeholder classes instead of the real ones.
-from diffusers.models.autoencoders.autoencoder_kl_qwenimage import (
-    AutoencoderKLQwenImage,
-    QwenImageCausalConv3d,
-)
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
@@ -49,6 +45,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 
 from stagemesh.models.tiny_shapes.data import IMAGE_SIZE, all_specs, make_dataset
 from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, score
+from stagemesh.services.vae.single_frame import use_single_frame_convs
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -256,33 +253,6 @@ def build_scheduler() -> FlowMatchEulerDiscreteScheduler:
 # VAE
 
 
-@contextlib.contextmanager
-def single_frame_convs() -> Iterator[None]:
-    """Runs every causal 3-D convolution as the 2-D convolution it equals on one frame.
-
-    Causal padding puts two zero frames before a single frame, so only the kernel's last temporal
-    slice ever touches data; computing just that slice cuts the VAE's cost by about 3x. Classes
-    and weights are unchanged.
-    """
-    original = QwenImageCausalConv3d.forward
-
-    def forward(self: QwenImageCausalConv3d, x: torch.Tensor, cache_x: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        if x.shape[2] != 1 or cache_x is not None or self.stride[0] != 1:
-            return original(self, x, cache_x)
-        pad_w, _, pad_h = self._padding[:3]
-        if not isinstance(pad_w, int) or not isinstance(pad_h, int):  # a padding mode string
-            return original(self, x, cache_x)
-        weight = self.weight[:, :, -1]
-        return F.conv2d(x[:, :, 0], weight, self.bias, self.stride[1:], (pad_h, pad_w))[:, :, None]
-
-    QwenImageCausalConv3d.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        QwenImageCausalConv3d.forward = original  # type: ignore[method-assign]
-
-
 def to_tensor(images: np.ndarray) -> torch.Tensor:
     """uint8 (N, H, W, 3) -> float (N, 3, H, W) in [-1, 1]."""
     return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
@@ -323,8 +293,9 @@ def train_vae(vae: AutoencoderKLQwenImage, images: np.ndarray, cfg: TrainConfig,
               gen: torch.Generator) -> None:
     x_all, w_all = to_tensor(images), shape_weights(images, cfg.vae_shape_weight)
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    use_single_frame_convs(vae)
     vae.train()
-    with single_frame_convs(), _progress(cfg.vae_steps, "vae") as bar:
+    with _progress(cfg.vae_steps, "vae") as bar:
         for step in range(cfg.vae_steps):
             idx = torch.randint(0, len(x_all), (cfg.vae_batch,), generator=gen)
             x, w = x_all[idx], w_all[idx]
@@ -349,9 +320,9 @@ def train_vae(vae: AutoencoderKLQwenImage, images: np.ndarray, cfg: TrainConfig,
 def encode_latents(vae: AutoencoderKLQwenImage, images: np.ndarray, batch: int = 256
                    ) -> torch.Tensor:
     """Posterior means (N, z, h, w) of the whole dataset."""
-    with single_frame_convs():
-        return torch.cat([vae_forward(vae, to_tensor(images[i : i + batch]), sample=False)[1]
-                          for i in range(0, len(images), batch)])
+    use_single_frame_convs(vae)
+    return torch.cat([vae_forward(vae, to_tensor(images[i : i + batch]), sample=False)[1]
+                      for i in range(0, len(images), batch)])
 
 
 @torch.no_grad()
@@ -363,8 +334,8 @@ def vae_report(vae: AutoencoderKLQwenImage, images: np.ndarray, captions: list[s
     perfect latent will not be drawn from a generated one either.
     """
     x = to_tensor(images)
-    with single_frame_convs():
-        recon = vae_forward(vae, x, sample=False)[0].clamp(-1.0, 1.0)
+    use_single_frame_convs(vae)
+    recon = vae_forward(vae, x, sample=False)[0].clamp(-1.0, 1.0)
     mse = ((recon - x) / 2.0).pow(2).mean().item()
     pixels = recon.add(1.0).mul(127.5).round().byte().permute(0, 2, 3, 1).numpy()
     hits = [score(p, c) for p, c in zip(pixels, captions, strict=True)]

@@ -28,6 +28,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from stagemesh.models.families.qwen_image import MAX_IMAGE_SIDE, latent_factor
 from stagemesh.services.vae.kinds import latent_stats
 from stagemesh.services.vae.limits import VaeLimits, check_size
+from stagemesh.services.vae.single_frame import use_single_frame_convs
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -94,6 +95,7 @@ class LatentDecoderAdapter:
             dtype=placement.dtype,
             device_map=placement.device_name,  # straight onto the device, not via host memory
         ).eval()
+        use_single_frame_convs(self.vae)  # an image is one frame: 2-D convs, a third the cost
         self.placement = placement
         self.latent_factor = latent_factor(model_dir)
         self.vae_scale_factor = self.latent_factor // 2
