@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import struct
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -66,6 +67,14 @@ class StepCacheOptions(TypedDict, total=False):
     step_cache_final_steps: int  # last steps always computed
     step_cache_max_skips: int  # most reuses in a row; 0 = no limit
     max_step_cache_threshold: float  # the most a request may ask for
+
+
+def as_float32(value: float) -> float:
+    """`value` as a proto `float` field carries it. A request's threshold arrives so, the
+    stage's settings are Python floats: compared as they are, a request for exactly the stage's
+    maximum (0.2 -> 0.20000000298...) would be refused."""
+    rounded: float = struct.unpack("f", struct.pack("f", value))[0]
+    return rounded
 
 
 @dataclass(frozen=True)
@@ -133,19 +142,20 @@ class StepCacheConfig:
             raise InvalidInputError(THRESHOLD_FIELD, f"{THRESHOLD_FIELD} must be >= 0, got {asked}")
         if asked == 0:
             return 0.0
-        if asked > self.published_max_threshold:
+        if as_float32(asked) > as_float32(self.published_max_threshold):
             raise InvalidInputError(
                 THRESHOLD_FIELD,
                 f"{THRESHOLD_FIELD} must be at most {self.published_max_threshold} on this stage "
                 f"(step_cache={self.method.value}), got {asked}",
             )
-        if self.method is StepCacheMethod.TAYLORSEER and asked != self.threshold:
+        if (self.method is StepCacheMethod.TAYLORSEER
+                and as_float32(asked) != as_float32(self.threshold)):
             raise InvalidInputError(
                 THRESHOLD_FIELD,
                 f"this stage's taylorseer cache takes {THRESHOLD_FIELD} 0 (off) or its own "
                 f"{self.threshold}, got {asked}",
             )
-        return asked
+        return self.threshold if self.method is StepCacheMethod.TAYLORSEER else asked
 
     def bytes_per_row(self, tokens: int, hidden_dim: int, output_elems: int, itemsize: int) -> int:
         """What a guided row (two branches) caches at most: first_block keeps two residuals of

@@ -57,6 +57,7 @@ from stagemesh.shared.engine import (
     StepInterrupted,
     StepOutput,
 )
+from stagemesh.shared.proto.v1 import dit_service_pb2
 
 TOLERANCE = 1e-5
 #: No decision may lie this close (relative) to the threshold.
@@ -527,6 +528,16 @@ def test_the_request_threshold_is_checked(
         dit.check_inputs(_tiny(1, step_cache_threshold=asked))
     assert caught.value.field_name == "step_cache_threshold"
     dit.check_inputs(_tiny(1, step_cache_threshold=0.0))  # off is always allowed
+
+
+def test_a_threshold_at_the_maximum_is_taken_after_the_float32_wire() -> None:
+    """A proto float carries 0.2 as 0.20000000298...: still the stage's maximum, and still a
+    taylorseer stage's own setting."""
+    on_the_wire = dit_service_pb2.DenoiseStart(step_cache_threshold=0.2)
+    first_block = StepCacheConfig(method=StepCacheMethod.FIRST_BLOCK, max_threshold=0.2)
+    assert first_block.request_threshold(on_the_wire.step_cache_threshold) == pytest.approx(0.2)
+    taylorseer = StepCacheConfig(method=StepCacheMethod.TAYLORSEER, threshold=0.2)
+    assert taylorseer.request_threshold(on_the_wire.step_cache_threshold) == 0.2
 
 
 def test_rows_are_counted_by_pass(cached: DenoiseAdapter) -> None:
