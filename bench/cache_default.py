@@ -34,7 +34,6 @@ from stagemesh.bench.common import (
     write_bar_chart,
     write_json,
 )
-from stagemesh.services.dit.step_cache import StepCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +130,15 @@ def main(argv: list[str]) -> None:
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     thresholds = sorted({0.0, *(float(t) for t in options.thresholds.split(","))})
+    if len(thresholds) < 2 or thresholds[0] < 0:
+        parser.error("--thresholds: at least one threshold above 0, none below")
     seeds = [int(s) for s in options.seeds.split(",")]
     from stagemesh.models.tiny_shapes.evaluate import all_prompts, subset_prompts
 
     prompts = subset_prompts(options.subset) if options.subset else all_prompts()
     recipe = options.out / "recipe.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
-    recipe.write_text(RECIPE_YAML.format(name=RECIPE, low=StepCacheConfig().threshold,
+    recipe.write_text(RECIPE_YAML.format(name=RECIPE, low=min(t for t in thresholds if t > 0),
                                          high=max(thresholds)))
     before = machine_info()
     with serve_mesh(recipe, options.out / "serve.log") as mesh, httpx.Client(
