@@ -113,14 +113,16 @@ async def session(served) -> AsyncIterator[Session]:
 
 
 def _counts(served) -> dict[str, float]:
+    """Per chat stage: requests finished by status, running and waiting (one scrape each)."""
     counts = {}
     for recipe, stage in CHAT_STAGES:
+        samples = served.metrics(stage, recipe)
         for status in ("completed", "aborted", "failed"):
-            counts[f"{stage}/{status}"] = served.metric(
-                stage, "stagemesh_requests_finished_total", recipe=recipe, status=status)
+            counts[f"{stage}/{status}"] = samples.get(
+                f'stagemesh_requests_finished_total{{stage="{stage}",status="{status}"}}', 0.0)
         for gauge in ("running", "waiting"):
-            counts[f"{stage}/{gauge}"] = served.metric(stage, f"stagemesh_requests_{gauge}",
-                                                       recipe=recipe)
+            counts[f"{stage}/{gauge}"] = samples.get(
+                f'stagemesh_requests_{gauge}{{stage="{stage}"}}', 0.0)
     return counts
 
 
@@ -193,7 +195,11 @@ async def test_a_socket_closed_mid_answer_stops_every_stage(served, session: Ses
     await session.socket.send(json.dumps({"type": "response.create"}))
     await session.until("response.output_audio.delta")
     await session.socket.close()
+    at_close = await asyncio.to_thread(_counts, served)
     after = await _settled(served, before)
-    assert after["thinker/aborted"] == before["thinker/aborted"] + 1
+    # Whatever ran at the close ended aborted: nothing completed or failed afterwards.
     for _, stage in CHAT_STAGES:
+        assert after[f"{stage}/completed"] == at_close[f"{stage}/completed"], (stage, after)
         assert after[f"{stage}/failed"] == before[f"{stage}/failed"], stage
+    aborted = sum(after[f"{s}/aborted"] - before[f"{s}/aborted"] for _, s in CHAT_STAGES)
+    assert aborted >= 1, (before, at_close, after)
