@@ -203,3 +203,33 @@ async def test_a_socket_closed_mid_answer_stops_every_stage(served, session: Ses
         assert after[f"{stage}/failed"] == before[f"{stage}/failed"], stage
     aborted = sum(after[f"{s}/aborted"] - before[f"{s}/aborted"] for _, s in CHAT_STAGES)
     assert aborted >= 1, (before, at_close, after)
+
+
+async def test_response_cancel_stops_the_answer_and_truncate_cuts_what_was_heard(
+        served, session: Session) -> None:
+    await session.socket.send(json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG}]}}))
+    await session.socket.send(json.dumps({"type": "response.create"}))
+    first = await session.until("response.output_audio.delta")
+    await session.socket.send(json.dumps({"type": "response.cancel"}))
+    done = await session.until("response.done", first)
+    response = session.events[done][1]["response"]
+    assert isinstance(response, dict) and response["status"] == "cancelled", response
+    assert response["status_details"]["reason"] == "client_cancelled"
+    # The item keeps the sentences whose audio was sent: a prefix of the transcript written.
+    kept = response["output"][0]["content"][0]["transcript"]
+    written = "".join(str(e["delta"]) for _, e in session.of(
+        "response.output_audio_transcript.delta", 0, done))
+    assert kept and written.startswith(kept), (kept, written)
+    audio_ms = 1000 * _audio(session.of("response.output_audio.delta", 0, done)).shape[0] // RATE
+    item_id = response["output"][0]["id"]
+    await session.socket.send(json.dumps({"type": "conversation.item.truncate",
+                                          "item_id": item_id, "content_index": 0,
+                                          "audio_end_ms": audio_ms + 1000}))
+    refused = await session.until("error", done)
+    assert session.events[refused][1]["error"]["param"] == "audio_end_ms"
+    await session.socket.send(json.dumps({"type": "conversation.item.truncate",
+                                          "item_id": item_id, "content_index": 0,
+                                          "audio_end_ms": 0}))
+    truncated = await session.until("conversation.item.truncated", refused)
+    assert session.events[truncated][1]["audio_end_ms"] == 0
