@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 #: A listening call's time budget; it is replaced well before (CALL_MAX_AGE_S).
 CALL_TIMEOUT_S = 3600.0
 CALL_MAX_AGE_S = 3000.0
+#: After a failed call (the stage full or down), audio is dropped this long before the next
+#: call is tried: one error event a second at most, not one per append.
+RETRY_AFTER_S = 1.0
 #: PCM16 full scale.
 _INT16_SCALE = 32768.0
 
@@ -94,6 +97,7 @@ class VadListener:
         self._call: _Call | None = None
         #: Every call still running: the current one, and flushed ones still decoding.
         self._tasks: set[asyncio.Task[None]] = set()
+        self._failed_at = -RETRY_AFTER_S
 
     async def feed(self, pcm: Pcm16) -> None:
         facts = await self.core.catalog.read(self.core.catalog.transcriber, self.recipe)
@@ -103,6 +107,9 @@ class VadListener:
                                  or time.monotonic() - call.opened > CALL_MAX_AGE_S):
             self.flush()
             call = None
+        if call is None and time.monotonic() - self._failed_at < RETRY_AFTER_S:
+            self.received += pcm.shape[0]  # heard by no one: the failure was reported
+            return
         if call is None:
             rate = PCM_RATE if PCM_RATE in facts.sample_rates else facts.model_sample_rate
             call = self._call = _Call(round(1000 * self.received / PCM_RATE), rate)
@@ -153,6 +160,7 @@ class VadListener:
                                  pb.TranscribeRequest(start=start), pb.TranscribeRequest,
                                  on_event=on_event, pump_inputs=call.pump)
         except GatewayError as error:
+            self._failed_at = time.monotonic()
             log.info("realtime listening call failed: %s", error.message)
             await self.turns.listening_failed(error)
 

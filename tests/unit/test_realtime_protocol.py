@@ -211,3 +211,16 @@ def test_an_unknown_model_is_an_error_naming_model(
                                   headers={"Authorization": f"Bearer {KEY}"}) as socket:
         reply = socket.receive_json()
         assert reply["type"] == "error" and reply["error"]["param"] == "model"
+
+
+def test_a_silent_session_is_closed_after_the_idle_timeout(core: GatewayCore) -> None:
+    routes = RealtimeRoutes(core, ApiKeys(), Admission(None, 8), max_sessions=2,
+                            idle_timeout_s=0.2)
+    app = Starlette(routes=[WebSocketRoute("/v1/realtime", routes.realtime)])
+    with TestClient(app) as client, client.websocket_connect("/v1/realtime") as socket:
+        assert socket.receive_json()["type"] == "session.created"  # keys off: no key needed
+        idle = socket.receive_json()
+        assert idle["type"] == "error" and idle["error"]["code"] == "session_idle_timeout"
+        with pytest.raises(WebSocketDisconnect):
+            socket.receive_json()
+    assert routes.sessions == 0
