@@ -233,3 +233,20 @@ async def test_response_cancel_stops_the_answer_and_truncate_cuts_what_was_heard
                                           "audio_end_ms": 0}))
     truncated = await session.until("conversation.item.truncated", refused)
     assert session.events[truncated][1]["audio_end_ms"] == 0
+
+
+async def test_without_vad_a_commit_transcribes_the_buffer(served, session: Session) -> None:
+    question = await asyncio.to_thread(voice, served, FRANCE)
+    await session.socket.send(json.dumps({"type": "session.update", "session": {
+        "audio": {"input": {"turn_detection": None}}}}))
+    updated = await session.until("session.updated", 2)
+    await session.speaking.put(question)
+    await asyncio.sleep(question.shape[0] / RATE + 0.3)  # the microphone has sent it
+    await session.socket.send(json.dumps({"type": "input_audio_buffer.commit"}))
+    committed = await session.until("input_audio_buffer.committed", updated)
+    transcribed = await session.until("conversation.item.input_audio_transcription.completed",
+                                      committed)
+    event = session.events[transcribed][1]
+    assert event["item_id"] == session.events[committed][1]["item_id"]
+    assert "capital" in str(event["transcript"]).lower(), event
+    assert not session.of("input_audio_buffer.speech_started")  # the client ends turns
