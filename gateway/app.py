@@ -25,6 +25,7 @@ from stagemesh.gateway.grpc.decode import DecodeErrorInterceptor
 from stagemesh.gateway.grpc.native import NativeApi
 from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
+from stagemesh.gateway.realtime.protocol import WS_MAX_BYTES
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.gateway.videos.jobs import video_jobs
 from stagemesh.gateway.wire.admission import Admission
@@ -79,6 +80,7 @@ async def _serve_http(app: Starlette, config: GatewayConfig) -> tuple[uvicorn.Se
     """Start uvicorn and wait until it listens (a bind error surfaces here)."""
     http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port,
                                          log_level="warning", lifespan="on",
+                                         ws_max_size=WS_MAX_BYTES,
                                          timeout_graceful_shutdown=5))
     task = asyncio.create_task(http.serve())
     while not http.started:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import WebSocketRoute
 from starlette.types import Message, Receive, Scope, Send
 
 from stagemesh.gateway.core import GatewayCore
@@ -19,6 +20,7 @@ from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.http.metrics import RequestMetricsMiddleware
 from stagemesh.gateway.http.routes import rest_routes
 from stagemesh.gateway.mesh.calls import new_request_id
+from stagemesh.gateway.realtime.routes import RealtimeRoutes
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.wire.admission import Admission, AdmissionMiddleware
 from stagemesh.gateway.wire.auth import ApiKeyMiddleware, ApiKeys, header
@@ -79,7 +81,9 @@ def build_rest_app(core: GatewayCore, keys: ApiKeys | None = None,
     admission (a refused caller takes no slot)."""
     keys = ApiKeys() if keys is None else keys
     admission = Admission(core) if admission is None else admission
-    app = Starlette(routes=rest_routes(core), exception_handlers=EXCEPTION_HANDLERS)
+    realtime = RealtimeRoutes(core, keys, admission)  # checks keys and admits by itself
+    app = Starlette(routes=[*rest_routes(core), WebSocketRoute("/v1/realtime", realtime.realtime)],
+                    exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(RequestMetricsMiddleware)

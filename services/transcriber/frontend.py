@@ -1,4 +1,5 @@
-"""What the Transcriber hears, in numpy: a streaming resampler, Whisper's log-mel spectrogram
+"""What the Transcriber hears, in numpy: a streaming resampler (shared/resample.py, which the
+gateway's realtime route uses too), Whisper's log-mel spectrogram
 and the Silero voice activity detector (ONNX Runtime), each fed chunk by chunk.
 
 No torch, no PyAV: the stage's runtime is CTranslate2, ONNX Runtime and numpy (see
@@ -8,7 +9,6 @@ docs/speech-and-chat.md for why).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime  # type: ignore[import-untyped]  # ships no type information
 
-Floats = npt.NDArray[np.float32]
+from stagemesh.shared.resample import Floats
 
 #: Whisper's front end (openai/whisper audio.py): 25 ms windows every 10 ms at 16 kHz, 30 s
 #: of audio per decode, log-mel floored 8 (log10 units) below its peak.
@@ -25,54 +25,6 @@ WINDOW_SECONDS = 30
 #: Silero VAD v6 at 16 kHz (the silero-vad wheel's graph): 512 new samples per window, after 64
 #: of the previous one; the LSTM's h and c stacked as one `state` [2, batch=1, 128].
 VAD_RATE, VAD_WINDOW, VAD_CONTEXT, VAD_STATE = 16_000, 512, 64, (2, 1, 128)
-
-
-class StreamResampler:
-    """Band-limited resampling of a stream, chunk by chunk, as one pass over the whole signal.
-
-    Output sample n lies at input time n * orig / target; it is a Hann-windowed sinc (cutoff
-    0.97 of the lower Nyquist rate, `zero_crossings` on each side) over the input around it, so
-    it leaves once the input reaches `half_width` samples past it (or the input has ended).
-    Samples before the start and after the end are zeros.
-    """
-
-    def __init__(self, orig_rate: int, target_rate: int, zero_crossings: int = 16) -> None:
-        self.step = orig_rate / target_rate  # input samples per output sample
-        self.cutoff = 0.97 * min(1.0, target_rate / orig_rate) / 2  # cycles per input sample
-        self.half_width = zero_crossings / (2 * self.cutoff)  # in input samples
-        self.identity = orig_rate == target_rate
-        self._taps = np.arange(-math.ceil(self.half_width), math.ceil(self.half_width) + 1)
-        self._kept: Floats = np.zeros(0, np.float32)
-        self._base = 0  # input index of _kept[0]
-        self._next = 0  # next output index
-
-    def push(self, samples: Floats, final: bool = False) -> Floats:
-        """The output samples that `samples` (the next input) completes; all of them if
-        `final`."""
-        if self.identity:
-            return samples
-        self._kept = np.concatenate([self._kept, samples])
-        received = self._base + self._kept.shape[0]
-        end = (math.ceil(received / self.step) if final
-               else math.floor((received - 1 - self.half_width) / self.step) + 1)
-        if end <= self._next:
-            return np.zeros(0, np.float32)
-        times = np.arange(self._next, end) * self.step
-        index = np.floor(times).astype(np.int64)[:, None] + self._taps[None, :]
-        offset = times[:, None] - index  # output time minus input time, in input samples
-        window = np.where(np.abs(offset) <= self.half_width,
-                          0.5 + 0.5 * np.cos(np.pi * offset / self.half_width), 0.0)
-        weights = 2 * self.cutoff * np.sinc(2 * self.cutoff * offset) * window
-        local = index - self._base
-        inside = (local >= 0) & (local < self._kept.shape[0])
-        values = np.where(inside, self._kept[np.clip(local, 0, max(self._kept.shape[0] - 1, 0))],
-                          0.0) if self._kept.shape[0] else np.zeros_like(weights)
-        out: Floats = (weights * values).sum(axis=1).astype(np.float32)
-        self._next = end
-        keep_from = max(self._base, math.floor(end * self.step - self.half_width) - 1)
-        self._kept = self._kept[keep_from - self._base :]
-        self._base = keep_from
-        return out
 
 
 @functools.cache

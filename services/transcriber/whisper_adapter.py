@@ -33,9 +33,7 @@ import torch
 from stagemesh.models.families.whisper import WhisperFolder
 from stagemesh.services.transcriber.frontend import (
     VAD_WINDOW,
-    Floats,
     SileroVad,
-    StreamResampler,
     VadStream,
     log_mel,
 )
@@ -45,6 +43,7 @@ from stagemesh.shared.engine.adapter import (
     StageAdapter,
     StepOutput,
 )
+from stagemesh.shared.resample import Floats, StreamResampler
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stagemesh.services.transcriber.frontend import StreamResampler, log_mel
+from stagemesh.services.transcriber.frontend import log_mel
+from stagemesh.shared.resample import StreamResampler
 
 
 def tone(hz: float, rate: int, seconds: float) -> np.ndarray:

@@ -1,0 +1,281 @@
+"""`stagemesh bench voice`: a spoken conversation over `GET /v1/realtime`, timed the way a user
+hears it: from the last voiced sample of a question to the first audio of its answer.
+
+One mesh (`stagemesh serve` with the chat recipe, the speech recipe it speaks through and the
+listener it hears with). Questions are recorded once in our own voice (the mesh's Piper, 24 kHz
+PCM16) and replayed in real time, 100 ms a chunk, with server VAD on (silence_duration_ms 500),
+by c sessions at once (c = 1 and 4 by default). Per answer, from the client's clock:
+
+- VAD wait: last voiced sample -> `input_audio_buffer.speech_stopped`;
+- transcription: speech_stopped -> `...input_audio_transcription.completed`;
+- thinker to first sentence: transcript -> the answer's first transcript delta (a sentence is
+  spoken as soon as the thinker completes it);
+- talker + codec: first sentence -> first `response.output_audio.delta`;
+- total: last voiced sample -> first audio (p50, p99);
+- barge-in: our voice talks over a long answer 0.5 s after its first audio; the time from
+  `speech_started` to the last audio delta received (<= 0: nothing came after it);
+- transcription real-time factor: the listener's time for a recorded question / its duration.
+
+The machine's load average is recorded before and after (other work skews every timing).
+`--dry-run` checks the report and the chart with made-up samples, starting nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import yaml
+
+from stagemesh.bench.common import (
+    BarGroup,
+    machine_info,
+    markdown_table,
+    serve_mesh,
+    summarize,
+    write_bar_chart,
+    write_json,
+)
+from stagemesh.gateway.recipes import DEFAULT_RECIPES
+from stagemesh.shared.resample import StreamResampler
+
+log = logging.getLogger(__name__)
+
+RECIPE_NAME = "smollm2"
+RATE, CHUNK_S = 24_000, 0.1
+SILENCE_MS = 500
+QUESTIONS = ("What is the capital of France?", "How many legs does a spider have?",
+             "What colour is the sky on a clear day?")
+LONG_QUESTION = "Tell me a long story about a ship on the sea, in ten sentences."
+INTERRUPTION = "Wait, stop please."
+BARGE_IN_AFTER_S = 0.5
+#: A sample louder than this (of full scale) is voiced, for "the last voiced sample".
+VOICED = 0.01
+PHASES = ("vad_wait", "transcription", "thinker_first_sentence", "talker_codec", "total")
+
+Pcm16 = npt.NDArray[np.int16]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One answered question, in seconds (see the module docstring)."""
+
+    vad_wait: float
+    transcription: float
+    thinker_first_sentence: float
+    talker_codec: float
+    total: float
+
+
+def voice_recipes(path: Path) -> Path:
+    """A recipe file with the chat recipe and the speech and listening recipes it names."""
+    document = yaml.safe_load(DEFAULT_RECIPES.read_text())
+    chat = next(r for r in document["recipes"] if r["name"] == RECIPE_NAME)
+    wanted = {RECIPE_NAME, chat["speech"], chat["listen"]}
+    path.write_text(yaml.safe_dump({"recipes": [r for r in document["recipes"]
+                                                if r["name"] in wanted]}))
+    return path
+
+
+def record(client: httpx.Client, text: str) -> Pcm16:
+    """`text` in our own voice, at 24 kHz, followed by a second of silence."""
+    wav = client.post("/v1/audio/speech", json={"input": text, "voice": "default",
+                                                "response_format": "wav"})
+    wav.raise_for_status()
+    import soundfile
+
+    pcm, rate = soundfile.read(io.BytesIO(wav.content), dtype="float32")
+    resampled = StreamResampler(rate, RATE).push(np.asarray(pcm, np.float32), final=True)
+    voiced = np.round(np.clip(resampled, -1, 1) * 32767).astype(np.int16)
+    return np.concatenate([voiced, np.zeros(RATE, np.int16)])
+
+
+def last_voiced_s(pcm: Pcm16) -> float:
+    loud = np.flatnonzero(np.abs(pcm.astype(np.float32)) > VOICED * 32767)
+    return float(loud[-1] + 1) / RATE if loud.size else 0.0
+
+
+def transcription_rtf(client: httpx.Client, pcm: Pcm16) -> float:
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, pcm, RATE, format="WAV", subtype="PCM_16")
+    started = time.perf_counter()
+    client.post("/v1/audio/transcriptions", files={"file": ("q.wav", out.getvalue())}
+                ).raise_for_status()
+    return (time.perf_counter() - started) / (int(pcm.shape[0]) / RATE)
+
+
+class _Client:
+    """One realtime session: a microphone replaying audio in real time, events timed."""
+
+    def __init__(self, socket: Any) -> None:
+        self.socket = socket
+        self.events: list[tuple[float, dict[str, Any]]] = []
+
+    async def say(self, pcm: Pcm16) -> float:
+        """Stream `pcm` in real time; returns the clock time of its last voiced sample."""
+        size = int(RATE * CHUNK_S)
+        started = time.perf_counter()
+        for index, at in enumerate(range(0, pcm.shape[0], size)):
+            chunk = base64.b64encode(pcm[at:at + size].tobytes()).decode()
+            await self.socket.send(json.dumps({"type": "input_audio_buffer.append",
+                                               "audio": chunk}))
+            await asyncio.sleep(max(0.0, started + (index + 1) * CHUNK_S
+                                    - time.perf_counter()))
+        return started + last_voiced_s(pcm)
+
+    async def until(self, kind: str, after: int) -> tuple[int, float]:
+        while True:
+            for index in range(after, len(self.events)):
+                if self.events[index][1]["type"] == kind:
+                    return index, self.events[index][0]
+            after = len(self.events)
+            event = json.loads(await asyncio.wait_for(self.socket.recv(), 120))
+            self.events.append((time.perf_counter(), event))
+
+    async def ask(self, pcm: Pcm16) -> Turn:
+        mark = len(self.events)
+        voiced = await self.say(pcm)
+        _, stopped = await self.until("input_audio_buffer.speech_stopped", mark)
+        _, heard = await self.until(
+            "conversation.item.input_audio_transcription.completed", mark)
+        index, sentence = await self.until("response.output_audio_transcript.delta", mark)
+        _, audio = await self.until("response.output_audio.delta", mark)
+        await self.until("response.done", index)
+        return Turn(vad_wait=stopped - voiced, transcription=heard - stopped,
+                    thinker_first_sentence=sentence - heard, talker_codec=audio - sentence,
+                    total=audio - voiced)
+
+    async def barge_in(self, question: Pcm16, interruption: Pcm16) -> float:
+        """Talk over a long answer; seconds from speech_started to the last audio delta."""
+        mark = len(self.events)
+        asking = asyncio.create_task(self.say(question))
+        first, at = await self.until("response.output_audio.delta", mark)
+        await asyncio.sleep(max(0.0, at + BARGE_IN_AFTER_S - time.perf_counter()))
+        await asking
+        saying = asyncio.create_task(self.say(interruption))
+        started, heard_at = await self.until("input_audio_buffer.speech_started", first)
+        done, _ = await self.until("response.done", started)
+        await saying
+        deltas = [t for t, e in self.events[first:done]
+                  if e["type"] == "response.output_audio.delta"]
+        return max(deltas) - heard_at
+
+
+async def session(base_url: str, questions: list[Pcm16], long: Pcm16,
+                  interruption: Pcm16) -> tuple[list[Turn], float]:
+    from websockets.asyncio.client import connect
+
+    url = base_url.replace("http://", "ws://") + f"/v1/realtime?model={RECIPE_NAME}"
+    async with connect(url, max_size=2**24) as socket:
+        client = _Client(socket)
+        await socket.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "max_output_tokens": 400, "audio": {"input": {
+                "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS}}}}}))
+        await client.until("session.updated", 0)
+        turns = [await client.ask(pcm) for pcm in questions]
+        return turns, await client.barge_in(long, interruption)
+
+
+async def run_level(base_url: str, concurrency: int, questions: list[Pcm16], long: Pcm16,
+                    interruption: Pcm16) -> dict[str, Any]:
+    results = await asyncio.gather(*(session(base_url, questions, long, interruption)
+                                     for _ in range(concurrency)))
+    turns = [turn for session_turns, _ in results for turn in session_turns]
+    return level_report(concurrency, turns, [trail for _, trail in results])
+
+
+def level_report(concurrency: int, turns: list[Turn], trails: list[float]) -> dict[str, Any]:
+    return {"concurrency": concurrency,
+            **{phase: summarize([asdict(t)[phase] for t in turns]) for phase in PHASES},
+            "barge_in_last_delta_s": summarize(trails)}
+
+
+def dry_results(levels: list[int]) -> dict[str, Any]:
+    """Made-up samples of the right shape (--dry-run)."""
+    turn = Turn(0.55, 0.2, 0.3, 0.1, 1.15)
+    return {f"c{c}": level_report(c, [turn] * 3 * c, [0.0] * c) for c in levels}
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = [[r["concurrency"], *(f"{r[p]['p50']:.3f}" for p in PHASES),
+             f"{r['total']['p99']:.3f}", f"{r['barge_in_last_delta_s']['max']:.3f}"]
+            for r in results.values()]
+    return markdown_table(["concurrency", *(f"{p} p50 s" for p in PHASES), "total p99 s",
+                           "barge-in last delta max s"], rows)
+
+
+def chart(path: Path, results: dict[str, Any], title: str) -> Path:
+    categories = [f"c={r['concurrency']}" for r in results.values()]
+    rows = list(results.values())
+    return write_bar_chart(path, [
+        BarGroup("Last voiced sample to first answer audio (p50)", "seconds", categories,
+                 {phase: [r[phase]["p50"] for r in rows] for phase in PHASES}),
+        BarGroup("Barge-in: speech_started to the last audio delta", "seconds", categories,
+                 {"max": [r["barge_in_last_delta_s"]["max"] for r in rows]}),
+    ], suptitle=title)
+
+
+def measure(base_url: str, levels: list[int]) -> tuple[dict[str, Any], float]:
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        questions = [record(client, text) for text in QUESTIONS]
+        long, interruption = record(client, LONG_QUESTION), record(client, INTERRUPTION)
+        rtf = transcription_rtf(client, questions[0])
+    results = {}
+    for concurrency in levels:
+        results[f"c{concurrency}"] = asyncio.run(run_level(base_url, concurrency, questions,
+                                                           long, interruption))
+        log.info("c=%d: last voiced sample to first audio p50 %.3f s", concurrency,
+                 results[f"c{concurrency}"]["total"]["p50"])
+    return results, rtf
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="stagemesh bench voice", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,4", help="comma-separated session counts")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write the report and chart from made-up samples; start nothing")
+    parser.add_argument("--out", default="bench-results/voice", help="folder for JSON + PNG")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(list(argv or []))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.out)
+    load_before = machine_info()
+    if args.dry_run:
+        results, rtf = dry_results(levels), 0.0
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            recipes = voice_recipes(Path(tmp) / "recipes.yaml")
+            with serve_mesh(recipes, out / "serve.log") as mesh:
+                results, rtf = measure(mesh.base_url, levels)
+    report = {"benchmark": "voice", "created": datetime.now(UTC).isoformat(),
+              "dry_run": args.dry_run, "machine": load_before,
+              "load_average_after": machine_info()["load_average"], "recipe": RECIPE_NAME,
+              "questions": list(QUESTIONS), "silence_duration_ms": SILENCE_MS,
+              "transcription_rtf": rtf, "levels": levels, "results": results}
+    json_path = write_json(out / "voice.json", report)
+    png_path = chart(out / "voice.png", results,
+                     f"stagemesh bench voice — {RECIPE_NAME}, realtime, server VAD "
+                     f"{SILENCE_MS} ms" + (" (dry run)" if args.dry_run else ""))
+    log.info("results:\n%s", table(results))
+    log.info("wrote %s and %s", json_path, png_path)
