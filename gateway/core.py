@@ -28,7 +28,7 @@ from stagemesh.gateway.mesh.calls import (
     new_request_id,
     stage_request_id,
 )
-from stagemesh.gateway.mesh.stages import Mesh, StageCancel, StageCatalog
+from stagemesh.gateway.mesh.stages import LORA_FIELD, Mesh, StageCancel, StageCatalog
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_service_pb2
@@ -199,11 +199,19 @@ class GatewayCore:
         except DeadlineExceeded as error:
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, str(error)) from None
         except StageCallError as failed:
+            self._forget_stale_facts(recipe, failed)
             raise stage_error(recipe, failed) from None
         finally:
             scope.settle(state)
             self.scopes.close(scope)
             request_id_var.reset(token)
+
+    def _forget_stale_facts(self, recipe: Recipe, failed: StageCallError) -> None:
+        """A stage refused an adapter its published facts offered (unloaded since, or on one
+        of its replicas only): the next request reads its Describe again."""
+        endpoint = recipe.stages.get(failed.stage)
+        if failed.error.field_name == LORA_FIELD and endpoint is not None:
+            self.catalog.drop(endpoint.address)
 
 
 def remote_outcome(request_id: str, mesh: Mesh, replies: list[StageCancel]

@@ -20,6 +20,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -31,7 +32,8 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 
 #: OpenAI's error `type` for each HTTP status (anything else is a "server_error").
 OPENAI_ERROR_TYPE: dict[int, str] = {
-    400: "invalid_request_error", 401: "invalid_request_error", 413: "invalid_request_error",
+    400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+    413: "invalid_request_error",
     404: "invalid_request_error", 409: "invalid_request_error",
     429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout",
 }
@@ -98,6 +100,13 @@ class Unauthenticated(GatewayError):
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.UNAUTHENTICATED, message, reason="INVALID_API_KEY")
+
+
+class PermissionDenied(GatewayError):
+    """A valid key that may not do this (an admin route without an admin key): 403."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.PERMISSION_DENIED, message, reason="ADMIN_KEY_REQUIRED")
 
 
 class BodyTooLarge(GatewayError):

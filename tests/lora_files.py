@@ -8,24 +8,11 @@ import torch
 from diffusers import QwenImagePipeline
 from safetensors.torch import save_file
 
-#: The attention projections of both streams (what Qwen-Image LoRAs usually train).
-TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj")
+from stagemesh.bench.lora import TARGETS, lora_layers
+
 #: Wan's self- and cross-attention projections and the first feed-forward Linear.
 WAN_TARGETS = ("attn1.to_q", "attn1.to_v", "attn2.to_k", "attn2.to_out.0", "ffn.net.0.proj")
-
-
-def lora_layers(
-    transformer: torch.nn.Module, rank: int, seed: int, targets: tuple[str, ...] = TARGETS
-) -> dict[str, torch.Tensor]:
-    """Random A/B pairs (diffusers/PEFT keys, no `transformer.` prefix) on every target."""
-    generator = torch.Generator().manual_seed(seed)
-    layers: dict[str, torch.Tensor] = {}
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.endswith(targets):
-            a = torch.randn(rank, module.in_features, generator=generator) * 0.3
-            b = torch.randn(module.out_features, rank, generator=generator) * 0.3
-            layers[f"{name}.lora_A.weight"], layers[f"{name}.lora_B.weight"] = a, b
-    return layers
+__all__ = ["TARGETS", "WAN_TARGETS", "lora_layers", "write_adapter"]
 
 
 def write_adapter(

@@ -24,7 +24,9 @@ from starlette.responses import JSONResponse
 from stagemesh.gateway.chat.protocol import ROLES
 from stagemesh.gateway.grpc.transcoding import SERVICE, HttpBinding, http_bindings
 from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
+from stagemesh.gateway.loras.protocol import LOAD_FIELDS, UNLOAD_FIELDS
 from stagemesh.gateway.transcriptions.protocol import TRANSCRIPTION_FIELDS, ResponseFormat
+from stagemesh.gateway.wire.auth import LOAD_LORA_PATH, UNLOAD_LORA_PATH
 
 Schema = dict[str, object]
 
@@ -330,6 +332,36 @@ def _video_paths() -> dict[str, Schema]:
     }
 
 
+#: The LoRA admin routes (vLLM's bodies, plus the recipe): admin keys only (403 otherwise).
+_LORA_ADMIN_TYPES: Schema = {
+    "lora_name": {"type": "string", "description": "the name requests use in `lora`"},
+    "lora_path": {"type": "string", "description": "an adapter directory or .safetensors file "
+                  "inside the DiT's lora_dir (relative paths are read from it)"},
+    "model": {"type": "string", "description": "the recipe whose DiT changes; unset: every "
+              "DiT that loads adapters at run time"},
+}
+
+
+def _lora_paths() -> dict[str, Schema]:
+    def admin(operation_id: str, fields: frozenset[str], example: Schema) -> Schema:
+        schema: Schema = {"type": "object", "additionalProperties": False,
+                          "properties": {name: _LORA_ADMIN_TYPES[name] for name in sorted(fields)},
+                          "required": sorted(fields - {"model"})}
+        return {"post": {"operationId": operation_id, "tags": ["admin"],
+                         "requestBody": {"required": True, "content": {"application/json": {
+                             "schema": schema, "example": example}}},
+                         "responses": _responses(_OBJECT)}}
+
+    return {
+        LOAD_LORA_PATH: admin("admin.load_lora_adapter", LOAD_FIELDS,
+                              {"lora_name": "ink", "lora_path": "ink"}),
+        UNLOAD_LORA_PATH: admin("admin.unload_lora_adapter", UNLOAD_FIELDS,
+                                {"lora_name": "ink"}),
+        "/v1/loras": {"get": {"operationId": "loras", "tags": ["admin"],
+                              "responses": _responses(_OBJECT)}},
+    }
+
+
 def _openai_paths() -> dict[str, Schema]:
     def post(operation_id: str, fields: Schema, required: str, ok: Schema,
              media_type: str = "application/json") -> Schema:
@@ -352,6 +384,7 @@ def _openai_paths() -> dict[str, Schema]:
         "/v1/models": get("openai.models"),
         "/health": get("health"),
         **_video_paths(),
+        **_lora_paths(),
     }
 
 

@@ -12,10 +12,12 @@ from stagemesh.gateway.http.metrics import metrics_endpoint
 from stagemesh.gateway.http.models import ModelRoutes
 from stagemesh.gateway.http.openapi import openapi_endpoint
 from stagemesh.gateway.images.routes import ImageRoutes
+from stagemesh.gateway.loras.routes import LoraRoutes
 from stagemesh.gateway.playground.routes import playground_routes
 from stagemesh.gateway.speech.routes import AudioRoutes
 from stagemesh.gateway.transcriptions.routes import TranscriptionRoutes
 from stagemesh.gateway.videos.routes import VideoRoutes
+from stagemesh.gateway.wire.auth import LOAD_LORA_PATH, UNLOAD_LORA_PATH
 
 
 def rest_routes(core: GatewayCore) -> list[Route]:
@@ -25,6 +27,7 @@ def rest_routes(core: GatewayCore) -> list[Route]:
     images, chat = ImageRoutes(core), ChatRoutes(core)
     audio, models = AudioRoutes(core), ModelRoutes(core)
     videos, listening = VideoRoutes(core), TranscriptionRoutes(core)
+    loras = LoraRoutes(core)
     return [
         Route("/v1/images/generations", images.generations, methods=["POST"]),
         Route("/v1/images/edits", images.edits, methods=["POST"]),
@@ -39,6 +42,9 @@ def rest_routes(core: GatewayCore) -> list[Route]:
         Route("/v1/videos/{id}", videos.delete, methods=["DELETE"]),
         Route("/v1/videos/{id}/content", videos.content, methods=["GET"]),
         Route("/v1/models", models.models, methods=["GET"]),
+        Route("/v1/loras", loras.list, methods=["GET"]),
+        Route(LOAD_LORA_PATH, loras.load, methods=["POST"]),  # admin keys only
+        Route(UNLOAD_LORA_PATH, loras.unload, methods=["POST"]),
         Route("/health", models.health, methods=["GET"]),
         *annotated_routes(NativeApi(core)),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

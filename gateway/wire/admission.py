@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import Overloaded
+from stagemesh.gateway.wire.auth import ADMIN_PATHS
 from stagemesh.gateway.wire.requests import error_response
 from stagemesh.shared.interception import HttpMiddleware
 
@@ -124,8 +125,10 @@ class Admission:
 
 def starts_work(scope: Scope) -> bool:
     """Does this REST call start a request (and so take a slot)? Every POST but cancel-by-id,
-    which frees capacity instead."""
-    return scope["method"] == "POST" and not scope["path"].endswith("/cancel")
+    which frees capacity instead, and the admin routes (an operator's call must pass a busy
+    gateway)."""
+    path = scope["path"]
+    return scope["method"] == "POST" and not path.endswith("/cancel") and path not in ADMIN_PATHS
 
 
 class AdmissionMiddleware(HttpMiddleware):

@@ -14,6 +14,10 @@ its assets (a browser loads them without a key; every API call of the page sends
 Requests and their ids belong to the key that started them: the owner id is a short hash of
 the key (never the key itself, which is never logged), and cancel-by-id and id reuse are
 scoped to it (see core.py / mesh/calls.py).
+
+Admin keys (`STAGEMESH_ADMIN_KEYS`, the same comma-separated format) are API keys that may also
+change what the mesh serves: the ADMIN_PATHS (loading and unloading LoRA adapters). With keys
+on, any other key gets 403 there; with no key configured at all, anyone may (as everywhere).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import grpc
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stagemesh.gateway.errors import Unauthenticated
+from stagemesh.gateway.errors import PermissionDenied, Unauthenticated
 from stagemesh.gateway.playground.routes import is_playground_path
 from stagemesh.shared.interception import HandlerInterceptor, HttpMiddleware
 from stagemesh.shared.mesh_auth import is_infrastructure
@@ -41,6 +45,11 @@ RequestT = TypeVar("RequestT")
 ResponseT = TypeVar("ResponseT")
 
 API_KEYS_ENV = "STAGEMESH_API_KEYS"
+ADMIN_KEYS_ENV = "STAGEMESH_ADMIN_KEYS"
+#: The REST routes that change what the mesh serves: admin keys only (gateway/loras/).
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
+ADMIN_PATHS = frozenset({LOAD_LORA_PATH, UNLOAD_LORA_PATH})
 AUTHORIZATION = "authorization"
 BEARER = "bearer"
 #: REST paths any caller may read (probes, Prometheus).
@@ -64,6 +73,11 @@ def owner_id(key: str) -> str:
     return "key-" + label.hexdigest()[:OWNER_ID_HEX]
 
 
+def env_keys(environ: Mapping[str, str], name: str) -> list[str]:
+    """The keys of a comma-separated environment variable (absent: none)."""
+    return [key.strip() for key in environ.get(name, "").split(",") if key.strip()]
+
+
 def parse_keys(lines: Iterable[str]) -> list[str]:
     """Keys from the lines of a keys file: blank lines and `#` comments are skipped."""
     keys = []
@@ -85,23 +99,45 @@ def bearer_token(authorization: str | None) -> str | None:
     return token
 
 
+def _matches(presented: bytes, digests: Iterable[bytes]) -> bool:
+    """Whether `presented` is one of `digests`, compared with every one whatever matched (no
+    early exit: the timing says nothing about which key matched)."""
+    matched = False
+    for digest in digests:
+        matched |= hmac.compare_digest(presented, digest)
+    return matched
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who presented a valid key (or anyone, with auth off)."""
+
+    owner: str
+    admin: bool
+
+
 @dataclass(frozen=True)
 class ApiKeys:
-    """The configured keys (as digests) and the check of a presented one."""
+    """The configured keys (as digests; admin keys among them) and the check of a presented
+    one."""
 
     digests: tuple[bytes, ...] = ()
+    admin_digests: tuple[bytes, ...] = ()
 
     @classmethod
-    def of(cls, keys: Iterable[str]) -> ApiKeys:
-        return cls(tuple(_digest(key) for key in dict.fromkeys(keys)))
+    def of(cls, keys: Iterable[str], admin: Iterable[str] = ()) -> ApiKeys:
+        admins = list(dict.fromkeys(admin))
+        return cls(tuple(_digest(key) for key in dict.fromkeys([*keys, *admins])),
+                   tuple(_digest(key) for key in admins))
 
     @classmethod
     def load(cls, environ: Mapping[str, str], keys_file: Path | None = None) -> ApiKeys:
-        """Keys from STAGEMESH_API_KEYS and `keys_file` together (either may be absent)."""
-        keys = [key.strip() for key in environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+        """Keys from STAGEMESH_API_KEYS and `keys_file` together (either may be absent), and
+        the admin keys of STAGEMESH_ADMIN_KEYS."""
+        keys = env_keys(environ, API_KEYS_ENV)
         if keys_file is not None:
             keys += parse_keys(keys_file.read_text(encoding="utf-8").splitlines())
-        return cls.of(keys)
+        return cls.of(keys, env_keys(environ, ADMIN_KEYS_ENV))
 
     @property
     def enabled(self) -> bool:
@@ -112,23 +148,27 @@ class ApiKeys:
 
         Raises Unauthenticated for a missing or unknown key.
         """
+        return self.caller(authorization).owner
+
+    def caller(self, authorization: str | None) -> Caller:
+        """The caller presenting `authorization`: its owner id, and whether its key is an
+        admin key (everyone is, with auth off). Raises Unauthenticated for a missing or
+        unknown key."""
         if not self.enabled:
-            return ANONYMOUS
+            return Caller(ANONYMOUS, admin=True)
         token = bearer_token(authorization)
         if token is None:
             raise Unauthenticated("missing API key: send 'Authorization: Bearer YOUR_KEY'")
         presented = _digest(token)
-        matched = False
-        for digest in self.digests:  # every key, whatever matched: no early exit
-            matched |= hmac.compare_digest(presented, digest)
-        if not matched:
+        if not _matches(presented, self.digests):
             raise Unauthenticated("invalid API key")
-        return owner_id(token)
+        return Caller(owner_id(token), _matches(presented, self.admin_digests))
 
     def log_mode(self, where: str) -> None:
         """Say at start whether the gateway checks keys (never which keys)."""
         if self.enabled:
-            log.info("%s: API keys required (%d configured)", where, len(self.digests))
+            log.info("%s: API keys required (%d configured, %d of them admin keys)", where,
+                     len(self.digests), len(self.admin_digests))
         else:
             log.warning("%s: authentication is OFF: anyone who can reach the gateway can use "
                         "it; set %s or --api-keys-file to require API keys", where,
@@ -144,8 +184,9 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 
 class ApiKeyMiddleware(HttpMiddleware):
-    """REST: 401 (OpenAI's error body, WWW-Authenticate: Bearer) without a valid key; the
-    caller's owner id goes to `scope["state"]["owner"]`."""
+    """REST: 401 (OpenAI's error body, WWW-Authenticate: Bearer) without a valid key, 403 on
+    an ADMIN_PATH without an admin key; the caller's owner id goes to
+    `scope["state"]["owner"]`."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         super().__init__(app)
@@ -157,13 +198,17 @@ class ApiKeyMiddleware(HttpMiddleware):
             await self.app(scope, receive, send)
             return
         try:
-            owner = self.keys.owner(header(scope, AUTHORIZATION.encode()))
+            caller = self.keys.caller(header(scope, AUTHORIZATION.encode()))
         except Unauthenticated as error:
             response = JSONResponse(error.body(), status_code=error.http_status,
                                     headers={"www-authenticate": "Bearer"})
             await response(scope, receive, send)
             return
-        scope.setdefault("state", {})["owner"] = owner
+        if scope["path"] in ADMIN_PATHS and not caller.admin:
+            denied = PermissionDenied(f"{scope['path']} needs an admin key ({ADMIN_KEYS_ENV})")
+            await JSONResponse(denied.body(), status_code=denied.http_status)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["owner"] = caller.owner
         await self.app(scope, receive, send)
 
 

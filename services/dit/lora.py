@@ -44,6 +44,8 @@ class LoraOptions(TypedDict, total=False):
     max_lora_rank: int  # slots are padded to this rank; a file of a larger rank is refused
     max_loras_per_request: int
     max_lora_scale: float  # the largest |scale| a request may set
+    #: true = LoadLoraAdapter/UnloadLoraAdapter change the adapters at run time (needs lora_dir)
+    runtime_lora_updates: bool
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class LoraConfig:
     max_lora_rank: int = 64
     max_loras_per_request: int = 4
     max_lora_scale: float = 4.0
+    runtime_updates: bool = False
 
     @classmethod
     def from_options(cls, options: LoraOptions) -> LoraConfig:
@@ -69,6 +72,7 @@ class LoraConfig:
                 "max_loras_per_request", default.max_loras_per_request
             ),
             max_lora_scale=float(options.get("max_lora_scale", default.max_lora_scale)),
+            runtime_updates=options.get("runtime_lora_updates", default.runtime_updates),
         )
         for name, value in (
             ("max_loras", config.max_loras),
@@ -83,6 +87,9 @@ class LoraConfig:
             raise ValueError(f"option max_lora_scale must be > 0, got {config.max_lora_scale}")
         if config.directory is not None and not config.directory.is_dir():
             raise ValueError(f"option lora_dir: {directory} is not a directory")
+        if config.runtime_updates and config.directory is None:
+            raise ValueError("option runtime_lora_updates needs lora_dir (the only place "
+                             "adapters are loaded from)")
         return config
 
     @property
@@ -158,8 +165,25 @@ def weights_file(directory: Path, entry: Path) -> tuple[str, Path] | None:
     return None
 
 
+def find_adapter(directory: Path, name: str, given: str) -> AdapterFile:
+    """The adapter at `given` (absolute, or relative to `directory`), named `name`: it must
+    resolve inside the directory and be an adapter's directory or file; ValueError otherwise."""
+    entry = directory / given  # an absolute `given` stays itself
+    inside(directory, entry)
+    found = weights_file(directory, entry)
+    if found is None:
+        raise ValueError(
+            f"{given} is neither a directory holding {WEIGHTS_NAME} nor a {SUFFIX} file"
+        )
+    return inspect(name, found[1])
+
+
 class LoraCatalog:
-    """The adapters of `lora_dir` a request may name, checked against the stage's limits."""
+    """The adapters of `lora_dir` a request may name, checked against the stage's limits.
+
+    With runtime updates the names change while the stage serves: `publish` and `withdraw`
+    (event loop) replace the `adapters` mapping rather than change it, so the engine thread
+    (`resolve`, `current`) always reads a whole one."""
 
     def __init__(self, config: LoraConfig) -> None:
         self.config = config
@@ -176,18 +200,41 @@ class LoraCatalog:
                 if found is None:
                     continue
                 adapter = inspect(*found)
+                self.check_rank(adapter)
             except (OSError, ValueError) as exc:
                 logger.warning("LoRA %s skipped: %s", entry.name, exc)
                 continue
-            if adapter.rank > self.config.max_lora_rank:
-                logger.warning(
-                    "LoRA %s skipped: rank %d > max_lora_rank %d",
-                    adapter.name,
-                    adapter.rank,
-                    self.config.max_lora_rank,
-                )
-                continue
             self.adapters[adapter.name] = adapter
+
+    def check_rank(self, adapter: AdapterFile) -> None:
+        """ValueError when the adapter's rank does not fit the slots."""
+        if adapter.rank > self.config.max_lora_rank:
+            raise ValueError(
+                f"rank {adapter.rank} > max_lora_rank {self.config.max_lora_rank}"
+            )
+
+    def publish(self, adapter: AdapterFile) -> None:
+        """Requests may name `adapter` from now on (a runtime load)."""
+        self.adapters = {**self.adapters, adapter.name: adapter}
+
+    def withdraw(self, name: str) -> None:
+        """Requests may no longer name `name` (a runtime unload); rows holding it keep it."""
+        self.adapters = {key: value for key, value in self.adapters.items() if key != name}
+
+    def current(self, adapter: AdapterFile) -> bool:
+        """Whether a request naming `adapter.name` now gets this very file."""
+        return self.adapters.get(adapter.name) == adapter
+
+    def resolve(self, uses: Sequence[LoraUse]) -> tuple[AdapterFile, ...]:
+        """The files a request's adapters name now (in prepare): a name withdrawn since the
+        request was checked is InvalidInputError naming `lora`."""
+        adapters, files = self.adapters, []
+        for use in uses:
+            adapter = adapters.get(use.name)
+            if adapter is None:
+                raise InvalidInputError(FIELD, f"lora: adapter {use.name!r} was unloaded")
+            files.append(adapter)
+        return tuple(files)
 
     @property
     def names(self) -> list[str]:

@@ -22,6 +22,11 @@ evicted, so a running or preempted row keeps its adapters; a free slot is taken 
 read on a loader thread and written into their slots on the engine thread at a step boundary
 (`attach`); a request whose adapters are not attached yet (loading, or every slot it could
 take is held) waits while the others step.
+
+Runtime updates (services/dit/lora_updates.py) change the catalog, never the slots: a hold
+names the files its request resolved in prepare, slots are keyed by file, and a withdrawn
+file's slot is freed at the first boundary where no row holds it. A file that targets Linears
+without stacks yet gets them there too (zeros for every other slot).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class LoraHold:
     """A request's adapters, and (once attached) their slots and scales: held until release."""
 
     uses: tuple[LoraUse, ...]
+    files: tuple[AdapterFile, ...] = ()  # what `uses` named when the request was prepared
     slots: tuple[SlotUse, ...] | None = None  # None: waiting for a load or a slot
     error: str | None = None  # an adapter file could not be read: the request fails
 
@@ -142,21 +148,36 @@ class SlotBank:
         self.device = next(transformers[0].parameters()).device
         self.rows: _Rows | None = None
         self.stacks: list[tuple[str, _Stacks]] = []  # (module name, its stacks), every model
-        for transformer in transformers:
-            modules = dict(transformer.named_modules())
-            for name in sorted(catalog.targets()):
-                linear = modules.get(name)
-                if not isinstance(linear, torch.nn.Linear):
+        self._modules = [dict(transformer.named_modules()) for transformer in transformers]
+        self._stacked: set[str] = set()
+        self._add_stacks(catalog.targets())
+        self._loaded: OrderedDict[AdapterFile, int] = OrderedDict()  # least recent first
+        self._holders: dict[int, int] = {}  # slot -> requests holding it
+        self._pending: list[LoraHold] = []  # oldest first
+        self._loading: dict[AdapterFile, futures.Future[Matrices]] = {}
+        # Files are read off the engine thread; one reader keeps disk and host memory calm.
+        self._loader = futures.ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
+
+    def check_targets(self, targets: frozenset[str]) -> None:
+        """ValueError unless every target is a Linear of every transformer."""
+        for modules in self._modules:
+            for name in sorted(targets):
+                if not isinstance(modules.get(name), torch.nn.Linear):
                     raise ValueError(f"LoRA target {name!r} is not a Linear of the transformer")
+
+    def _add_stacks(self, targets: frozenset[str]) -> None:
+        """Zero stacks and a forward hook on every target without them yet (engine thread,
+        between forwards: a hook must not be added to a module while it runs)."""
+        new = targets - self._stacked
+        self.check_targets(new)
+        for modules in self._modules:
+            for name in sorted(new):
+                linear = modules[name]
+                assert isinstance(linear, torch.nn.Linear)
                 stacks = _Stacks(self, linear)
                 self.stacks.append((name, stacks))
                 linear.register_forward_hook(stacks.hook)
-        self._loaded: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
-        self._holders: dict[int, int] = {}  # slot -> requests holding it
-        self._pending: list[LoraHold] = []  # oldest first
-        self._loading: dict[str, futures.Future[Matrices]] = {}
-        # Files are read off the engine thread; one reader keeps disk and host memory calm.
-        self._loader = futures.ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
+        self._stacked |= new
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -164,11 +185,11 @@ class SlotBank:
         """A request's claim on its adapters' slots (made in prepare). The files of those not
         resident start loading on the loader thread now; the hold is attached (`attach`, at a
         step boundary) once every one is loaded and has a slot."""
-        hold = LoraHold(tuple(uses))
+        hold = LoraHold(tuple(uses), self.catalog.resolve(uses))
         if uses:
             self._pending.append(hold)
-            for use in uses:
-                self._load(use.name)
+            for adapter in hold.files:
+                self._load(adapter)
             self.attach()
         return hold
 
@@ -176,41 +197,62 @@ class SlotBank:
         """Attach every pending hold that can be (oldest first; one that cannot waits while the
         others pass): its missing adapters are written into free or least recently used unheld
         slots. Engine thread only, between forwards (the slot stacks are what they read)."""
+        self._free_withdrawn()
         for hold in list(self._pending):
-            missing = [u.name for u in hold.uses if u.name not in self._loaded]
-            for name in missing:  # evicted since it was held: read it again
-                self._load(name)
-            loads = [self._loading[name] for name in missing]
+            missing = [f for f in hold.files if f not in self._loaded]
+            for adapter in missing:  # evicted since it was held: read it again
+                self._load(adapter)
+            loads = [self._loading[adapter] for adapter in missing]
             if not all(load.done() for load in loads):
                 continue
             failed = next((load.exception() for load in loads if load.exception()), None)
             if failed is not None:  # this request fails; the file is read again if named again
-                self._pending.remove(hold)
-                for name in missing:
-                    self._loading.pop(name, None)
-                hold.error = f"lora: {failed}"
+                self._fail(hold, missing, failed)
                 continue
-            evictable = [n for n, s in self._loaded.items() if s not in self._holders]
+            evictable = [f for f, s in self._loaded.items() if s not in self._holders]
             free = self.max_loras - len(self._loaded)
-            mine = {u.name for u in hold.uses}
-            if len(missing) > free + len([n for n in evictable if n not in mine]):
+            mine = set(hold.files)
+            if len(missing) > free + len([f for f in evictable if f not in mine]):
                 continue  # every slot it could take is held: it waits
+            try:
+                for adapter in missing:
+                    matrices = self._loading.pop(adapter).result()
+                    self._write(self._free_slot(keep=mine), adapter, matrices)
+            except (RuntimeError, ValueError) as exc:  # new stacks: out of memory, a bad target
+                self._fail(hold, missing, exc)
+                continue
             self._pending.remove(hold)
-            for name in missing:
-                self._write(self._free_slot(keep=mine), name, self._loading.pop(name).result())
             slots = []
-            for use in hold.uses:
-                self._loaded.move_to_end(use.name)
-                slot = self._loaded[use.name]
+            for use, adapter in zip(hold.uses, hold.files, strict=True):
+                self._loaded.move_to_end(adapter)
+                slot = self._loaded[adapter]
                 self._holders[slot] = self._holders.get(slot, 0) + 1
                 slots.append(SlotUse(slot, use.scale))
             hold.slots = tuple(slots)
 
+    def _fail(self, hold: LoraHold, missing: list[AdapterFile], error: BaseException) -> None:
+        """The hold's request fails (a file is read again if named again)."""
+        self._pending.remove(hold)
+        for adapter in missing:
+            self._loading.pop(adapter, None)
+        hold.error = f"lora: {error}"
+
+    def _free_withdrawn(self) -> None:
+        """Free the slots of files unloaded (or replaced) at run time that no row holds or
+        waits for any more: the deferred half of an unload."""
+        wanted = {adapter for hold in self._pending for adapter in hold.files}
+        for adapter, slot in list(self._loaded.items()):
+            if slot not in self._holders and adapter not in wanted and not (
+                self.catalog.current(adapter)
+            ):
+                del self._loaded[adapter]
+                logger.info("LoRA %s unloaded from slot %d", adapter.name, slot)
+
     def wait(self, timeout: float) -> None:
         """Until some pending hold's file has loaded, or `timeout` seconds (nothing to attach
         this tick: a short wait instead of a spinning engine)."""
-        loads = [self._loading[u.name] for h in self._pending for u in h.uses
-                 if u.name in self._loading]  # fmt: skip
+        loads = [self._loading[f] for h in self._pending for f in h.files
+                 if f in self._loading]  # fmt: skip
         if loads:
             futures.wait(loads, timeout=timeout, return_when=futures.FIRST_COMPLETED)
 
@@ -220,10 +262,10 @@ class SlotBank:
             return
         if hold in self._pending:
             self._pending.remove(hold)
-            wanted = {u.name for h in self._pending for u in h.uses}
-            for use in hold.uses:
-                if use.name not in wanted and use.name in self._loading:
-                    self._loading.pop(use.name).cancel()
+            wanted = {f for h in self._pending for f in h.files}
+            for adapter in hold.files:
+                if adapter not in wanted and adapter in self._loading:
+                    self._loading.pop(adapter).cancel()
         for held in hold.slots or ():
             self._holders[held.slot] -= 1
             if not self._holders[held.slot]:
@@ -234,23 +276,22 @@ class SlotBank:
         return slot in self._holders
 
     def resident(self) -> list[str]:
-        """The loaded adapters, least recently used first."""
-        return list(self._loaded)
+        """The loaded adapters' names, least recently used first."""
+        return [adapter.name for adapter in self._loaded]
 
-    def _load(self, name: str) -> None:
-        if name not in self._loaded and name not in self._loading:
-            adapter = self.catalog.adapters[name]
-            self._loading[name] = self._loader.submit(read_adapter, adapter, self.files)
+    def _load(self, adapter: AdapterFile) -> None:
+        if adapter not in self._loaded and adapter not in self._loading:
+            self._loading[adapter] = self._loader.submit(read_adapter, adapter, self.files)
 
-    def _free_slot(self, keep: set[str]) -> int:
+    def _free_slot(self, keep: set[AdapterFile]) -> int:
         used = set(self._loaded.values())
         free = next((s for s in range(self.max_loras) if s not in used), None)
         if free is not None:
             return free
         victim = next(
-            n for n, s in self._loaded.items() if s not in self._holders and n not in keep
+            f for f, s in self._loaded.items() if s not in self._holders and f not in keep
         )
-        logger.info("LoRA %s evicted", victim)
+        logger.info("LoRA %s evicted", victim.name)
         return self._loaded.pop(victim)
 
     def step_attached(
@@ -273,8 +314,9 @@ class SlotBank:
     # -- loading ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _write(self, slot: int, name: str, matrices: Matrices) -> None:
+    def _write(self, slot: int, adapter: AdapterFile, matrices: Matrices) -> None:
         """The adapter's matrices into `slot` of every stack (zeros where it targets nothing)."""
+        self._add_stacks(frozenset(matrices))
         for module, stacks in self.stacks:
             stacks.down[slot].zero_()
             stacks.up[slot].zero_()
@@ -285,8 +327,8 @@ class SlotBank:
             rank = down.shape[0]
             stacks.down[slot, :rank] = down.to(self.device, self.dtype)
             stacks.up[slot, :, :rank] = up.to(self.device, self.dtype)
-        self._loaded[name] = slot
-        logger.info("LoRA %s loaded into slot %d", name, slot)
+        self._loaded[adapter] = slot
+        logger.info("LoRA %s loaded into slot %d", adapter.name, slot)
 
     # -- one forward -----------------------------------------------------------------------
 

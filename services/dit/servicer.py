@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, Literal, TypeAlias, TypedDict, TypeVar
+from typing import Generic, Literal, Never, TypeAlias, TypedDict, TypeVar
 
 import grpc
 import torch
@@ -25,6 +25,8 @@ from stagemesh.models.options import capped_option
 from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
 from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
+from stagemesh.services.dit.lora_slots import SlotBank
+from stagemesh.services.dit.lora_updates import LoraRefused, LoraUpdates, updates_off
 from stagemesh.services.dit.preview import (
     DEFAULT_PREVIEW_SIZE,
     MAX_PREVIEW_SIZE,
@@ -66,6 +68,7 @@ from stagemesh.shared.engine.scheduler import (
     BURST_ADMISSION_WINDOW_SECONDS,
     resolve_total_steps,
 )
+from stagemesh.shared.errors import abort_with
 from stagemesh.shared.options import EngineOptions, parse_options
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2_grpc
 from stagemesh.shared.proto.v1 import dit_service_pb2 as pb
@@ -84,6 +87,8 @@ MODE_TO_PROTO = {mode: value for value, mode in MODES.items()}
 
 InputT = TypeVar("InputT")
 StateT = TypeVar("StateT")
+RequestT = TypeVar("RequestT")
+ResponseT = TypeVar("ResponseT")
 DitEngine: TypeAlias = StepEngine[
     DenoiseInput, NoStream, DenoiseState, Preview, DenoisedLatents
 ]
@@ -273,10 +278,12 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, State
     def __init__(
         self, engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
         wire: DenoiseWire[InputT], description: pb.DescribeDitResponse,
+        lora_updates: LoraUpdates | None = None,
     ) -> None:
         self.engine = engine
         self.wire = wire
         self.description = description
+        self.lora_updates = lora_updates  # None: runtime_lora_updates is off
 
     async def Denoise(
         self,
@@ -293,6 +300,42 @@ class DitServicer(dit_service_pb2_grpc.DitServiceServicer, Generic[InputT, State
         context: grpc.aio.ServicerContext[pb.DescribeDitRequest, pb.DescribeDitResponse],
     ) -> pb.DescribeDitResponse:
         return self.description
+
+    async def LoadLoraAdapter(
+        self,
+        request: pb.LoadLoraAdapterRequest,
+        context: grpc.aio.ServicerContext[pb.LoadLoraAdapterRequest, pb.LoadLoraAdapterResponse],
+    ) -> pb.LoadLoraAdapterResponse:
+        try:
+            updates = self._updates()
+            added = await updates.load(request.lora_name, request.lora_path)
+        except LoraRefused as refused:
+            await _refuse(context, refused)
+        return pb.LoadLoraAdapterResponse(added=added, lora_names=updates.names)
+
+    async def UnloadLoraAdapter(
+        self,
+        request: pb.UnloadLoraAdapterRequest,
+        context: grpc.aio.ServicerContext[
+            pb.UnloadLoraAdapterRequest, pb.UnloadLoraAdapterResponse],
+    ) -> pb.UnloadLoraAdapterResponse:
+        try:
+            updates = self._updates()
+            await updates.unload(request.lora_name)
+        except LoraRefused as refused:
+            await _refuse(context, refused)
+        return pb.UnloadLoraAdapterResponse(lora_names=updates.names)
+
+    def _updates(self) -> LoraUpdates:
+        if self.lora_updates is None:
+            raise updates_off()
+        return self.lora_updates
+
+
+async def _refuse(context: grpc.aio.ServicerContext[RequestT, ResponseT],
+                  refused: LoraRefused) -> Never:
+    await abort_with(context, refused.code, refused.message, reason=refused.reason,
+                     field_name=refused.field_name)
 
 
 @dataclass(frozen=True)
@@ -358,6 +401,7 @@ def _describe_loras(description: pb.DescribeDitResponse, loras: LoraCatalog) -> 
     description.max_loras, description.max_lora_rank = lora.max_loras, lora.max_lora_rank
     description.max_loras_per_request = lora.max_loras_per_request
     description.max_lora_scale = lora.max_lora_scale
+    description.runtime_lora_updates = lora.runtime_updates
 
 
 def admission_window_seconds(options: DitEngineOptions) -> float:
@@ -407,7 +451,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
-                                             quantization), video.loras)
+                                             quantization), video.loras, video.lora_slots)
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
@@ -420,7 +464,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         warm_up(image, compiler)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
                    CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
-                              compile_mode), image.loras,
+                              compile_mode), image.loras, image.lora_slots,
                    previews=image.projection is not None)
 
 
@@ -428,7 +472,7 @@ def _bundle(
     model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
-    loras: LoraCatalog = NO_LORAS, previews: bool = False,
+    loras: LoraCatalog = NO_LORAS, lora_slots: SlotBank | None = None, previews: bool = False,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
     running request's step cache must fit (`check_capacity`)."""
@@ -441,9 +485,12 @@ def _bundle(
         max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)),
         admission_window=admission_window_seconds(engine_options))
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
-    servicer = DitServicer(engine, wire, _describe(
+    description = _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache, loras, previews))
+        cache, loras, previews)
+    updates = (LoraUpdates(loras, lora_slots, description)
+               if loras.config.runtime_updates and lora_slots is not None else None)
+    servicer = DitServicer(engine, wire, description, updates)
     return servicer_bundle("dit", model_dir, [engine], servicer,
                            dit_service_pb2_grpc.add_DitServiceServicer_to_server, SERVICE_NAME,
                            {**placement.facts(), "mode": mode.value,

@@ -20,6 +20,7 @@ from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.http.openapi import openapi_document
 from stagemesh.gateway.images.edit_forms import EDIT_FIELDS
 from stagemesh.gateway.images.protocol import image_request
+from stagemesh.gateway.loras.protocol import load_request, unload_request
 from stagemesh.gateway.speech.protocol import speech_request
 from stagemesh.gateway.videos.protocol import FORM_FIELDS
 
@@ -93,6 +94,8 @@ JSON_ROUTES = [
     ("/v1/audio/speech", [speech_request], {"timeout"}, set()),
     ("/v1/chat/completions", [chat_request, image_request], {"timeout"},
      {*UNSUPPORTED_FIELDS, "prompt"}),
+    ("/v1/load_lora_adapter", [load_request], set(), set()),
+    ("/v1/unload_lora_adapter", [unload_request], set(), set()),
 ]
 
 

@@ -335,6 +335,7 @@ class DescribeDitResponse(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
     MAX_LORAS_PER_REQUEST_FIELD_NUMBER: _builtins.int
     MAX_LORA_SCALE_FIELD_NUMBER: _builtins.int
+    RUNTIME_LORA_UPDATES_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -407,6 +408,8 @@ class DescribeDitResponse(_message.Message):
     max_loras_per_request: _builtins.int
     """Most adapters one request may name, and the largest |scale|."""
     max_lora_scale: _builtins.float
+    runtime_lora_updates: _builtins.bool
+    """True when adapters may be loaded and unloaded at run time (LoadLoraAdapter)."""
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -456,11 +459,114 @@ class DescribeDitResponse(_message.Message):
         max_lora_rank: _builtins.int = ...,
         max_loras_per_request: _builtins.int = ...,
         max_lora_scale: _builtins.float = ...,
+        runtime_lora_updates: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "quantization", b"quantization", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "quantization", b"quantization", "runtime_lora_updates", b"runtime_lora_updates", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DescribeDitResponse: _TypeAlias = DescribeDitResponse  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterRequest(_message.Message):
+    """Loads a LoRA adapter at run time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The name requests will use: letters, digits and . _ - (at most 128 characters)."""
+    lora_path: _builtins.str
+    """A directory holding pytorch_lora_weights.safetensors, or a .safetensors file, inside the
+    stage's lora_dir (a relative path is read from there); symlinks must stay inside it.
+    """
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "lora_path", b"lora_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterRequest: _TypeAlias = LoadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraAdapterResponse(_message.Message):
+    """A loaded adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDED_FIELD_NUMBER: _builtins.int
+    LORA_NAMES_FIELD_NUMBER: _builtins.int
+    added: _builtins.bool
+    """False when the name already named this very file (loading it again changes nothing)."""
+    @_builtins.property
+    def lora_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The names requests may use now (as Describe publishes them)."""
+
+    def __init__(
+        self,
+        *,
+        added: _builtins.bool = ...,
+        lora_names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added", b"added", "lora_names", b"lora_names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraAdapterResponse: _TypeAlias = LoadLoraAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterRequest(_message.Message):
+    """Unloads a LoRA adapter (one loaded at run time or found in lora_dir at start)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The adapter's name; NOT_FOUND when the stage serves no such name."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterRequest: _TypeAlias = UnloadLoraAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraAdapterResponse(_message.Message):
+    """An unloaded adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lora_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The names requests may use now (as Describe publishes them)."""
+
+    def __init__(
+        self,
+        *,
+        lora_names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_names", b"lora_names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraAdapterResponse: _TypeAlias = UnloadLoraAdapterResponse  # noqa: Y015

@@ -46,6 +46,16 @@ class DitServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/stagemesh.v1.DitService/LoadLoraAdapter',
+                request_serializer=stagemesh_dot_v1_dot_dit__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/stagemesh.v1.DitService/UnloadLoraAdapter',
+                request_serializer=stagemesh_dot_v1_dot_dit__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DitServiceServicer:
@@ -68,6 +78,22 @@ class DitServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Runtime LoRA updates (DiT option runtime_lora_updates; FAILED_PRECONDITION when off).
+        Makes an adapter file of the stage's lora_dir a name requests may use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Withdraws a name: requests submitted or still queued after it are INVALID_ARGUMENT naming
+        `lora`; rows already running (or preempted) under the adapter finish with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DitServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +106,16 @@ def add_DitServiceServicer_to_server(servicer, server):
                     servicer.DescribeDit,
                     request_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_dit__service__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=stagemesh_dot_v1_dot_dit__service__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_dit__service__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +174,60 @@ class DitService:
             '/stagemesh.v1.DitService/DescribeDit',
             stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitRequest.SerializeToString,
             stagemesh_dot_v1_dot_dit__service__pb2.DescribeDitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.DitService/LoadLoraAdapter',
+            stagemesh_dot_v1_dot_dit__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_dit__service__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.DitService/UnloadLoraAdapter',
+            stagemesh_dot_v1_dot_dit__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            stagemesh_dot_v1_dot_dit__service__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

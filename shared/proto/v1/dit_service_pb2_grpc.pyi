@@ -41,6 +41,14 @@ class DitServiceStub:
     """
     DescribeDit: _grpc.UnaryUnaryMultiCallable[_dit_service_pb2.DescribeDitRequest, _dit_service_pb2.DescribeDitResponse]
     """What this stage accepts: sizes, steps, guidance, execution modes."""
+    LoadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_dit_service_pb2.LoadLoraAdapterRequest, _dit_service_pb2.LoadLoraAdapterResponse]
+    """Runtime LoRA updates (DiT option runtime_lora_updates; FAILED_PRECONDITION when off).
+    Makes an adapter file of the stage's lora_dir a name requests may use.
+    """
+    UnloadLoraAdapter: _grpc.UnaryUnaryMultiCallable[_dit_service_pb2.UnloadLoraAdapterRequest, _dit_service_pb2.UnloadLoraAdapterResponse]
+    """Withdraws a name: requests submitted or still queued after it are INVALID_ARGUMENT naming
+    `lora`; rows already running (or preempted) under the adapter finish with it.
+    """
 
 @_typing.type_check_only
 class DitServiceAsyncStub(DitServiceStub):
@@ -55,6 +63,14 @@ class DitServiceAsyncStub(DitServiceStub):
     """
     DescribeDit: _aio.UnaryUnaryMultiCallable[_dit_service_pb2.DescribeDitRequest, _dit_service_pb2.DescribeDitResponse]  # type: ignore[assignment]
     """What this stage accepts: sizes, steps, guidance, execution modes."""
+    LoadLoraAdapter: _aio.UnaryUnaryMultiCallable[_dit_service_pb2.LoadLoraAdapterRequest, _dit_service_pb2.LoadLoraAdapterResponse]  # type: ignore[assignment]
+    """Runtime LoRA updates (DiT option runtime_lora_updates; FAILED_PRECONDITION when off).
+    Makes an adapter file of the stage's lora_dir a name requests may use.
+    """
+    UnloadLoraAdapter: _aio.UnaryUnaryMultiCallable[_dit_service_pb2.UnloadLoraAdapterRequest, _dit_service_pb2.UnloadLoraAdapterResponse]  # type: ignore[assignment]
+    """Withdraws a name: requests submitted or still queued after it are INVALID_ARGUMENT naming
+    `lora`; rows already running (or preempted) under the adapter finish with it.
+    """
 
 class DitServiceServicer(metaclass=_abc_1.ABCMeta):
     """Runs a diffusion transformer's denoising loop. Progress is streamed per step, and a request
@@ -78,5 +94,25 @@ class DitServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dit_service_pb2.DescribeDitResponse, _abc.Awaitable[_dit_service_pb2.DescribeDitResponse]]:
         """What this stage accepts: sizes, steps, guidance, execution modes."""
+
+    @_abc_1.abstractmethod
+    def LoadLoraAdapter(
+        self,
+        request: _dit_service_pb2.LoadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dit_service_pb2.LoadLoraAdapterResponse, _abc.Awaitable[_dit_service_pb2.LoadLoraAdapterResponse]]:
+        """Runtime LoRA updates (DiT option runtime_lora_updates; FAILED_PRECONDITION when off).
+        Makes an adapter file of the stage's lora_dir a name requests may use.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoraAdapter(
+        self,
+        request: _dit_service_pb2.UnloadLoraAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dit_service_pb2.UnloadLoraAdapterResponse, _abc.Awaitable[_dit_service_pb2.UnloadLoraAdapterResponse]]:
+        """Withdraws a name: requests submitted or still queued after it are INVALID_ARGUMENT naming
+        `lora`; rows already running (or preempted) under the adapter finish with it.
+        """
 
 def add_DitServiceServicer_to_server(servicer: DitServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
