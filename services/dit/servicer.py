@@ -12,6 +12,8 @@ requests preempted by more urgent ones, lower `priority` first).
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from stagemesh.models.options import capped_option
 from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
 from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
+from stagemesh.services.dit.parallel import Degrees, ParallelOptions, Workers, start_group
 from stagemesh.services.dit.preview import (
     DEFAULT_PREVIEW_SIZE,
     MAX_PREVIEW_SIZE,
@@ -76,6 +79,8 @@ from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.tensors import array_to_proto
 from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
 
+log = logging.getLogger(__name__)
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DitService"].full_name
 
 MODES = {common_pb2.EXECUTION_MODE_STEP: ExecutionMode.STEP,
@@ -104,11 +109,11 @@ MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
 class DitModeOptions(StepCacheOptions, LoraOptions, QuantizationOptions, CompileOptions,
-                     total=False):
+                     ParallelOptions, total=False):
     """How the stage runs a request by default (step execution unless set false), its step
     cache (`StepCacheOptions`: off unless set), its LoRA adapters (`LoraOptions`: none unless
     `lora_dir` is set), weight quantization and compilation of its blocks (none and off unless
-    set)."""
+    set), its parallel group (`ParallelOptions`: one device unless set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -308,6 +313,8 @@ class CacheFacts:
 
 #: A stage without a step cache.
 NO_CACHE = CacheFacts(StepCacheConfig(), 0)
+#: A stage that is no group.
+ONE_DEVICE = Degrees()
 #: A stage without LoRA adapters.
 NO_LORAS = LoraCatalog(LoraConfig())
 
@@ -316,6 +323,7 @@ def _describe(
     model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, mode: ExecutionMode, placement: Placement, request_mode: bool = False,
     cache: CacheFacts = NO_CACHE, loras: LoraCatalog = NO_LORAS, previews: bool = False,
+    degrees: Degrees = ONE_DEVICE,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first, and REQUEST only
     when it is the default or the `request_mode` option allows it."""
@@ -343,7 +351,9 @@ def _describe(
         compile=cache.compile.value,
         max_preview_size=MAX_PREVIEW_SIZE if previews else 0,
         default_preview_size=DEFAULT_PREVIEW_SIZE if previews else 0,
-        min_preview_every=MIN_PREVIEW_EVERY if previews else 0)
+        min_preview_every=MIN_PREVIEW_EVERY if previews else 0,
+        parallel_cfg=degrees.cfg, parallel_ulysses=degrees.ulysses,
+        group_devices=[placement.device_name] * degrees.world)
     _describe_loras(description, loras)
     return description
 
@@ -393,6 +403,9 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     cache = StepCacheConfig.from_options(first_options)
     lora = LoraConfig.from_options(first_options)
     compile_mode = compile_from_options(first_options)
+    degrees = Degrees.from_options(first_options)
+    if degrees.world > 1:
+        _check_group(model_dir, first_options, device_options)
     if compile_mode is not CompileMode.OFF and lora.enabled:
         # the slots' per-row hooks change every step: they would recompile the blocks' graphs
         raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
@@ -408,11 +421,14 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
                                              quantization), video.loras)
-    mode_options, engine_options, limit_options, device_options = parse_options(
+    mode_options, engine_options, _, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache,
-                           lora=lora)
+    image, _ = image_adapter(model_dir, options)
+    workers = None
+    if degrees.world > 1:
+        image.group, workers = start_group(
+            image.transformer, [str(model_dir), json.dumps(dict(options))], degrees)
     quantize(image.transformer.transformer_blocks, quantization)
     if compile_mode is CompileMode.BLOCKS:
         compiler = BlockCompiler()
@@ -421,17 +437,48 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
                    CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
                               compile_mode), image.loras,
-                   previews=image.projection is not None)
+                   previews=image.projection is not None, degrees=degrees, workers=workers)
+
+
+def image_adapter(model_dir: Path,
+                  options: Mapping[str, object]) -> tuple[DenoiseAdapter, Degrees]:
+    """A Qwen-Image folder's adapter as the options describe it, and the group's degrees:
+    what every rank of a group builds alike (`services/dit/parallel_worker.py`)."""
+    mode_options, _, limit_options, device_options = parse_options(
+        "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
+    placement = resolve_placement("dit", device_options, CPU_DTYPE)
+    image = DenoiseAdapter(model_dir, **limit_options, placement=placement,
+                           step_cache=StepCacheConfig.from_options(mode_options),
+                           lora=LoraConfig.from_options(mode_options))
+    return image, Degrees.from_options(mode_options)
+
+
+def _check_group(model_dir: Path, options: DitModeOptions, device: DeviceOptions) -> None:
+    """What a parallel group does not run yet: a ValueError naming it."""
+    refused = {
+        "a Wan model": pipeline_family(model_dir).name == WAN,
+        "step_cache": StepCacheConfig.from_options(options).method.value != "off",
+        "lora_dir": LoraConfig.from_options(options).enabled,
+        "compile": compile_from_options(options) is not CompileMode.OFF,
+        "quantization": options.get("quantization", "none") != "none",
+        "a device other than cpu": device.get("device", "cpu") != "cpu",
+    }
+    if named := [name for name, applies in refused.items() if applies]:
+        raise ValueError(f"stage dit: parallel_cfg/parallel_ulysses cannot be combined with "
+                         f"{', '.join(named)} yet")
 
 
 def _bundle(
     model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
-    loras: LoraCatalog = NO_LORAS, previews: bool = False,
+    loras: LoraCatalog = NO_LORAS, previews: bool = False, degrees: Degrees = ONE_DEVICE,
+    workers: Workers | None = None,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
-    running request's step cache must fit (`check_capacity`)."""
+    running request's step cache must fit (`check_capacity`). A group's `workers` are watched:
+    one that ends stops the engine (its requests abort, reason SHUTDOWN; the runtime turns
+    NOT_SERVING and exits, and its supervisor restarts the whole group)."""
     step_execution = mode_options.get("step_execution", True)
     mode = ExecutionMode.STEP if step_execution else ExecutionMode.REQUEST
     engine = StepEngine(
@@ -441,13 +488,22 @@ def _bundle(
         max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)),
         admission_window=admission_window_seconds(engine_options))
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
+    if workers is not None:
+        workers.watch(lambda reason: _group_fault(engine, reason))
     servicer = DitServicer(engine, wire, _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache, loras, previews))
+        cache, loras, previews, degrees))
     return servicer_bundle("dit", model_dir, [engine], servicer,
                            dit_service_pb2_grpc.add_DitServiceServicer_to_server, SERVICE_NAME,
                            {**placement.facts(), "mode": mode.value,
                             "max_batch": str(engine.max_batch),
                             "step_cache": cache.config.method.value,
                             "quantization": cache.quantization.value,
-                            "compile": cache.compile.value})
+                            "compile": cache.compile.value,
+                            "parallel": f"cfg={degrees.cfg} ulysses={degrees.ulysses}"})
+
+
+def _group_fault(engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
+                 reason: str) -> None:
+    log.error("stage dit: group fault (%s); stopping so that the group is restarted", reason)
+    engine.shutdown(abort_running=True, timeout=0)

@@ -1,0 +1,117 @@
+"""A DiT group (services/dit/parallel.py) computes what one device computes.
+
+One module-scoped group of 4 CPU ranks (parallel_cfg 2 x parallel_ulysses 2, 1 thread each):
+rank 0 is this process, ranks 1-3 are worker processes. Mixed batches (prompts of different
+lengths, guided and unguided rows, different steps and seeds) must match one device within
+1e-5, and a whole-batch cancel stops every rank at the same block.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from diffusers import __version__ as diffusers_version
+from diffusers.models._modeling_parallel import ContextParallelConfig
+
+from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.services.dit.parallel import Degrees, start_group, stop_group
+from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
+from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
+from stagemesh.shared.engine import (
+    EngineRequest,
+    InvalidInputError,
+    StepInterrupt,
+    StepInterrupted,
+)
+from tests.model import test_dit_batching as batching
+from tests.model.test_dit_batching import TOLERANCE, Job, _continuous, _embed, _solo
+
+SIZE = 64
+DEGREES = Degrees(cfg=2, ulysses=2)
+
+
+#: The tiny Qwen-Image folder and its prompt encoder, as the batching tests build them.
+model_dir = batching.model_dir
+encoder = batching.encoder
+
+
+@pytest.fixture(scope="module")
+def one_device(model_dir: Path) -> DenoiseAdapter:
+    return DenoiseAdapter(model_dir)
+
+
+@pytest.fixture(scope="module")
+def group(model_dir: Path) -> Iterator[DenoiseAdapter]:
+    adapter = DenoiseAdapter(model_dir)
+    options = {"parallel_cfg": DEGREES.cfg, "parallel_ulysses": DEGREES.ulysses}
+    adapter.group, workers = start_group(
+        adapter.transformer, [str(model_dir), json.dumps(options)], DEGREES)
+    yield adapter
+    stop_group(adapter.group, workers)
+
+
+def test_diffusers_context_parallel_is_the_one_set_up_by_hand() -> None:
+    """The group sets diffusers' ParallelConfig up itself (enable_parallelism needs an
+    accelerator): pinned to the diffusers version whose source was read."""
+    assert diffusers_version.startswith("0.42.")
+    assert ContextParallelConfig(ulysses_degree=2).mesh_dim_names == ("ring", "ulysses")
+
+
+def test_group_equals_one_device(encoder: PromptEncoderAdapter, one_device: DenoiseAdapter,
+                                 group: DenoiseAdapter) -> None:
+    short = _embed(encoder, "a cat", "")
+    long = _embed(encoder, "a large blue square above a small red circle", "dark")
+    plain = _embed(encoder, "a green triangle", None)
+
+    def job(name: str, emb: PromptEmbeddings, seed: int, *, arrives: int = 0, steps: int = 3,
+            cfg: float = 4.0) -> Job:
+        return Job(name, DenoiseInput(emb, SIZE, SIZE, steps, cfg, seed), arrives)
+
+    jobs = [
+        job("guided-short", short, 1),
+        job("guided-long", long, 11, steps=4),
+        job("unguided", plain, 3, arrives=1, steps=2),
+        job("cfg-off", long, 5, arrives=2, cfg=1.0),
+    ]
+    # the ranks really share the tokens: diffusers' Ulysses attention is set on every block
+    processors = [block.attn.processor for block in group.transformer.transformer_blocks]
+    assert all(p._parallel_config.context_parallel_config.ulysses_degree == 2
+               for p in processors)
+    batched = _continuous(group, jobs)
+    for j in jobs:
+        want = _solo(one_device, j)
+        assert (batched[j.name] - want).abs().max().item() <= TOLERANCE, j.name
+    # a lone unguided request: the unconditional half of the group has no rows at all
+    lone = job("lone-unguided", plain, 8, steps=2)
+    got = _solo(group, lone)
+    assert (got - _solo(one_device, lone)).abs().max().item() <= TOLERANCE
+
+
+def test_tokens_must_divide_among_ulysses_ranks(encoder: PromptEncoderAdapter,
+                                                group: DenoiseAdapter) -> None:
+    emb = _embed(encoder, "a cat", "")
+    with pytest.raises(InvalidInputError, match="parallel_ulysses"):
+        group.check_inputs(DenoiseInput(emb, 48, 48, 2, 4.0, 1))  # 3 x 3 tokens
+
+
+def test_interrupt_stops_every_rank_then_the_group_serves_on(
+        encoder: PromptEncoderAdapter, one_device: DenoiseAdapter,
+        group: DenoiseAdapter) -> None:
+    emb = _embed(encoder, "a cat", "")
+    payload = DenoiseInput(emb, SIZE, SIZE, 2, 4.0, 4)
+    interrupt = StepInterrupt()
+    group.bind_interrupt(interrupt)
+    state = group.prepare(EngineRequest(request_id="r", payload=payload))
+    interrupt.arm(["r"])
+    interrupt.cancel("r")  # cancelled before the first block: every rank stops there
+    with pytest.raises(StepInterrupted):
+        group.step([state])
+    assert state.step_index == 0
+    interrupt.disarm()
+    group.release(state)
+    # the same ranks run the next forward in step: no collective was left half taken
+    got = _solo(group, Job("after", payload))
+    assert (got - _solo(one_device, Job("after", payload))).abs().max().item() <= TOLERANCE
