@@ -24,14 +24,14 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from stagemesh.services.dit import parallel
-    from stagemesh.services.dit.servicer import image_adapter
+    from stagemesh.services.dit.servicer import group_family
 
     torch.set_num_threads(stage_threads("dit"))
     model_dir, options = Path(argv[0]), json.loads(argv[1])
     rank, world = int(os.environ[parallel.RANK_ENV]), int(os.environ[parallel.WORLD_ENV])
-    adapter, degrees = image_adapter(model_dir, options)
+    family, degrees = group_family(model_dir, options)
     parallel.join_group(rank, world, int(os.environ[parallel.PORT_ENV]))
-    group = parallel.shard_transformer(adapter.transformer, degrees, rank)
+    group = parallel.shard_family(family, degrees, rank)
     log.info("DiT group rank %d of %d serving", rank, world)
     group.serve()
     dist.destroy_process_group()

@@ -520,7 +520,7 @@ class DenoiseAdapter:
         timestep = torch.stack([row.timestep for row in rows]).to(latents.dtype)
         self._pacer.reset()
         embeds, mask = _padded_text(rows, self._device)
-        forward = qwen_image_forward if self.group is None else self.group.forward
+        forward = qwen_image_forward if self.group is None else self.group.qwen_image
         prediction = forward(
             self.transformer,
             hidden_states=latents,

@@ -12,7 +12,6 @@ requests preempted by more urgent ones, lower `priority` first).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -27,7 +26,16 @@ from stagemesh.models.options import capped_option
 from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
 from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
-from stagemesh.services.dit.parallel import Degrees, ParallelOptions, Workers, start_group
+from stagemesh.services.dit.parallel import (
+    Degrees,
+    Family,
+    GroupForward,
+    ParallelOptions,
+    QwenImageFamily,
+    WanFamily,
+    Workers,
+    start_group,
+)
 from stagemesh.services.dit.preview import (
     DEFAULT_PREVIEW_SIZE,
     MAX_PREVIEW_SIZE,
@@ -405,30 +413,28 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     compile_mode = compile_from_options(first_options)
     degrees = Degrees.from_options(first_options)
     if degrees.world > 1:
-        _check_group(model_dir, first_options, device_options)
+        _check_group(first_options, device_options)
     if compile_mode is not CompileMode.OFF and lora.enabled:
         # the slots' per-row hooks change every step: they would recompile the blocks' graphs
         raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
     if pipeline_family(model_dir).name == WAN:
         if compile_mode is not CompileMode.OFF:
             raise ValueError("stage dit: option compile=blocks is not offered for Wan models yet")
-        mode_options, engine_options, video_options, device_options = parse_options(
+        mode_options, engine_options, _, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
-        video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
-                                  step_cache=cache, lora=lora)
+        video = video_adapter(model_dir, options)
+        video.group, workers = _group(WanFamily(video.transformers), model_dir, options, degrees)
         quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
-                                             quantization), video.loras)
+                                             quantization), video.loras, degrees=degrees,
+                       workers=workers)
     mode_options, engine_options, _, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image, _ = image_adapter(model_dir, options)
-    workers = None
-    if degrees.world > 1:
-        image.group, workers = start_group(
-            image.transformer, [str(model_dir), json.dumps(dict(options))], degrees)
+    image = image_adapter(model_dir, options)
+    image.group, workers = _group(QwenImageFamily(image.transformer), model_dir, options, degrees)
     quantize(image.transformer.transformer_blocks, quantization)
     if compile_mode is CompileMode.BLOCKS:
         compiler = BlockCompiler()
@@ -440,23 +446,61 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
                    previews=image.projection is not None, degrees=degrees, workers=workers)
 
 
-def image_adapter(model_dir: Path,
-                  options: Mapping[str, object]) -> tuple[DenoiseAdapter, Degrees]:
-    """A Qwen-Image folder's adapter as the options describe it, and the group's degrees:
-    what every rank of a group builds alike (`services/dit/parallel_worker.py`)."""
-    mode_options, _, limit_options, device_options = parse_options(
-        "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
-    placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image = DenoiseAdapter(model_dir, **limit_options, placement=placement,
-                           step_cache=StepCacheConfig.from_options(mode_options),
-                           lora=LoraConfig.from_options(mode_options))
-    return image, Degrees.from_options(mode_options)
+@dataclass(frozen=True)
+class _Shared:
+    """What both adapters take besides their limits, from the options."""
+
+    placement: Placement
+    step_cache: StepCacheConfig
+    lora: LoraConfig
 
 
-def _check_group(model_dir: Path, options: DitModeOptions, device: DeviceOptions) -> None:
+LimitsT = TypeVar("LimitsT", DitLimitOptions, VideoLimitOptions)
+
+
+def _read(options: Mapping[str, object], limits: type[LimitsT]) -> tuple[LimitsT, _Shared]:
+    mode, _, limit_options, device = parse_options(
+        "dit", options, DitModeOptions, DitEngineOptions, limits, DeviceOptions)
+    return limit_options, _Shared(resolve_placement("dit", device, CPU_DTYPE),
+                                  StepCacheConfig.from_options(mode), LoraConfig.from_options(mode))
+
+
+def image_adapter(model_dir: Path, options: Mapping[str, object]) -> DenoiseAdapter:
+    """A Qwen-Image folder's adapter as the options describe it."""
+    limits, shared = _read(options, DitLimitOptions)
+    return DenoiseAdapter(model_dir, **limits, placement=shared.placement,
+                          step_cache=shared.step_cache, lora=shared.lora)
+
+
+def video_adapter(model_dir: Path, options: Mapping[str, object]) -> WanDenoiseAdapter:
+    """A Wan folder's adapter as the options describe it."""
+    limits, shared = _read(options, VideoLimitOptions)
+    return WanDenoiseAdapter(model_dir, **limits, placement=shared.placement,
+                             step_cache=shared.step_cache, lora=shared.lora)
+
+
+def group_family(model_dir: Path, options: Mapping[str, object]) -> tuple[Family, Degrees]:
+    """What a worker rank of a group builds (`services/dit/parallel_worker.py`): the same
+    transformers as rank 0, and the group's degrees."""
+    mode_options, *_ = parse_options("dit", options, DitModeOptions, DitEngineOptions,
+                                     AnyLimitOptions, DeviceOptions)
+    degrees = Degrees.from_options(mode_options)
+    if pipeline_family(model_dir).name == WAN:
+        return WanFamily(video_adapter(model_dir, options).transformers), degrees
+    return QwenImageFamily(image_adapter(model_dir, options).transformer), degrees
+
+
+def _group(family: Family, model_dir: Path, options: Mapping[str, object],
+           degrees: Degrees) -> tuple[GroupForward | None, Workers | None]:
+    """Rank 0's group over `family` (None, None for one device)."""
+    if degrees.world == 1:
+        return None, None
+    return start_group(family, model_dir, options, degrees)
+
+
+def _check_group(options: DitModeOptions, device: DeviceOptions) -> None:
     """What a parallel group does not run yet: a ValueError naming it."""
     refused = {
-        "a Wan model": pipeline_family(model_dir).name == WAN,
         "step_cache": StepCacheConfig.from_options(options).method.value != "off",
         "lora_dir": LoraConfig.from_options(options).enabled,
         "compile": compile_from_options(options) is not CompileMode.OFF,
@@ -489,7 +533,7 @@ def _bundle(
         admission_window=admission_window_seconds(engine_options))
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
     if workers is not None:
-        workers.watch(lambda reason: _group_fault(engine, reason))
+        workers.watch(lambda reason: _group_fault(engine, workers, reason))
     servicer = DitServicer(engine, wire, _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
         cache, loras, previews, degrees))
@@ -500,10 +544,16 @@ def _bundle(
                             "step_cache": cache.config.method.value,
                             "quantization": cache.quantization.value,
                             "compile": cache.compile.value,
-                            "parallel": f"cfg={degrees.cfg} ulysses={degrees.ulysses}"})
+                            "parallel": f"cfg={degrees.cfg} ulysses={degrees.ulysses}",
+                            **({"group_pids": " ".join(map(str, workers.pids))}
+                               if workers else {})})
 
 
 def _group_fault(engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
-                 reason: str) -> None:
+                 workers: Workers, reason: str) -> None:
+    """A rank died: the group fails as one. The engine stops (its requests abort, reason
+    SHUTDOWN: UNAVAILABLE at the gateway), the other workers end, and the stage runtime turns
+    NOT_SERVING and exits 1 so that `serve` (or Kubernetes) starts the whole group again."""
     log.error("stage dit: group fault (%s); stopping so that the group is restarted", reason)
-    engine.shutdown(abort_running=True, timeout=0)
+    engine.shutdown(abort_running=True, timeout=0)  # aborts at the step boundary
+    workers.stop()

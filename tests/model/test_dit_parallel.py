@@ -8,7 +8,6 @@ lengths, guided and unguided rows, different steps and seeds) must match one dev
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from diffusers import __version__ as diffusers_version
 from diffusers.models._modeling_parallel import ContextParallelConfig
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
-from stagemesh.services.dit.parallel import Degrees, start_group, stop_group
+from stagemesh.services.dit.parallel import Degrees, QwenImageFamily, running_group
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.shared.engine import (
@@ -46,11 +45,8 @@ def one_device(model_dir: Path) -> DenoiseAdapter:
 @pytest.fixture(scope="module")
 def group(model_dir: Path) -> Iterator[DenoiseAdapter]:
     adapter = DenoiseAdapter(model_dir)
-    options = {"parallel_cfg": DEGREES.cfg, "parallel_ulysses": DEGREES.ulysses}
-    adapter.group, workers = start_group(
-        adapter.transformer, [str(model_dir), json.dumps(options)], DEGREES)
-    yield adapter
-    stop_group(adapter.group, workers)
+    with running_group(QwenImageFamily(adapter.transformer), model_dir, DEGREES) as adapter.group:
+        yield adapter
 
 
 def test_diffusers_context_parallel_is_the_one_set_up_by_hand() -> None:
