@@ -442,8 +442,6 @@ def shard_family(family: Family, degrees: Degrees, rank: int) -> GroupForward:
     builds every sub-group, in one order), diffusers' Ulysses attention and `_cp_plan` hooks
     when ulysses > 1, the interrupt votes. What `enable_parallelism` does, minus the
     accelerator it insists on."""
-    for transformer in family.transformers:
-        degrees.check_heads(transformer.config["num_attention_heads"])
     mesh = init_device_mesh("cpu", (degrees.cfg, 1, degrees.ulysses), mesh_dim_names=MESH_DIMS)
     if degrees.ulysses > 1:
         context = ContextParallelConfig(ulysses_degree=degrees.ulysses)
@@ -547,6 +545,8 @@ def start_group(family: Family, model_dir: Path, options: Mapping[str, object],
     """Rank 0's start: the workers (each builds the folder's model with the stage's `options`)
     with this process's share of the cores each, then the group joined and sharded. The group
     starts as one: a failure stops every worker."""
+    for transformer in family.transformers:
+        degrees.check_heads(transformer.config["num_attention_heads"])
     threads = max(1, torch.get_num_threads() // degrees.world)
     torch.set_num_threads(threads)
     workers = Workers([str(model_dir), json.dumps(dict(options))], degrees, threads)

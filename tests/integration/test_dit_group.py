@@ -13,7 +13,7 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,32 @@ async def test_an_urgent_request_preempts_a_row_of_the_group(
         assert response.WhichOneof("event") == "result", rid
         want = await asyncio.to_thread(_solo, one_device, Job(rid, payloads[rid]))
         assert (from_proto(response.result.latents) - want).abs().max().item() <= TOLERANCE
+
+
+async def test_tokens_that_do_not_divide_among_the_ranks_are_refused(
+        group: Group, tiny_model_dir: Path) -> None:
+    payload = replace(_input(_dim(tiny_model_dir), 7, steps=2, guided=True), height=48,
+                      width=48)  # 3 x 3 tokens for 2 Ulysses ranks
+    async with grpc.aio.insecure_channel(group.address) as channel:
+        call = dit_service_pb2_grpc.DitServiceStub(channel).Denoise()
+        await call.write(_start("odd", payload, 0))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parallel_ulysses" in (refused.value.details() or "")
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"parallel_cfg": 3}, "parallel_cfg must be 1 or 2"),
+    ({"parallel_ulysses": 0}, "parallel_ulysses must be"),
+    ({"parallel_ulysses": 3}, "must divide the model's 2 heads"),
+    ({"parallel_cfg": 2, "step_cache": "first_block"}, "cannot be combined with step_cache"),
+])
+async def test_a_group_the_stage_cannot_run_is_refused_at_start(
+        tiny_model_dir: Path, options: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_stage("dit", tiny_model_dir, options)
 
 
 async def test_a_dead_rank_is_a_group_fault(group: Group, tiny_model_dir: Path) -> None:

@@ -1,9 +1,11 @@
 """A DiT group (services/dit/parallel.py) computes what one device computes.
 
-One module-scoped group of 4 CPU ranks (parallel_cfg 2 x parallel_ulysses 2, 1 thread each):
-rank 0 is this process, ranks 1-3 are worker processes. Mixed batches (prompts of different
-lengths, guided and unguided rows, different steps and seeds) must match one device within
-1e-5, and a whole-batch cancel stops every rank at the same block.
+One module-scoped CFG-parallel group of 2 CPU ranks (parallel_cfg 2, 1 thread each): rank 0 is
+this process, rank 1 a worker process. Mixed batches (prompts of different lengths, guided and
+unguided rows, different steps and seeds) and a lone unguided request (the unconditional half
+has no rows) must match one device within 1e-5, and a whole-batch cancel stops every rank at
+the same block. Ulysses alone: tests/model/test_dit_wan_parallel.py; both at once, over gRPC:
+tests/integration/test_dit_group.py.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInp
 from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.shared.engine import (
     EngineRequest,
-    InvalidInputError,
     StepInterrupt,
     StepInterrupted,
 )
@@ -29,7 +30,7 @@ from tests.model import test_dit_batching as batching
 from tests.model.test_dit_batching import TOLERANCE, Job, _continuous, _embed, _solo
 
 SIZE = 64
-DEGREES = Degrees(cfg=2, ulysses=2)
+DEGREES = Degrees(cfg=2)
 
 
 #: The tiny Qwen-Image folder and its prompt encoder, as the batching tests build them.
@@ -72,10 +73,6 @@ def test_group_equals_one_device(encoder: PromptEncoderAdapter, one_device: Deno
         job("unguided", plain, 3, arrives=1, steps=2),
         job("cfg-off", long, 5, arrives=2, cfg=1.0),
     ]
-    # the ranks really share the tokens: diffusers' Ulysses attention is set on every block
-    processors = [block.attn.processor for block in group.transformer.transformer_blocks]
-    assert all(p._parallel_config.context_parallel_config.ulysses_degree == 2
-               for p in processors)
     batched = _continuous(group, jobs)
     for j in jobs:
         want = _solo(one_device, j)
@@ -84,13 +81,6 @@ def test_group_equals_one_device(encoder: PromptEncoderAdapter, one_device: Deno
     lone = job("lone-unguided", plain, 8, steps=2)
     got = _solo(group, lone)
     assert (got - _solo(one_device, lone)).abs().max().item() <= TOLERANCE
-
-
-def test_tokens_must_divide_among_ulysses_ranks(encoder: PromptEncoderAdapter,
-                                                group: DenoiseAdapter) -> None:
-    emb = _embed(encoder, "a cat", "")
-    with pytest.raises(InvalidInputError, match="parallel_ulysses"):
-        group.check_inputs(DenoiseInput(emb, 48, 48, 2, 4.0, 1))  # 3 x 3 tokens
 
 
 def test_interrupt_stops_every_rank_then_the_group_serves_on(

@@ -1,8 +1,9 @@
 """A Wan DiT over a group (services/dit/parallel.py) computes what one device computes.
 
-One module-scoped group of 4 CPU ranks (parallel_cfg 2 x parallel_ulysses 2, 1 thread each)
-over the tiny text-to-video model: guided and unguided requests of different steps and seeds
-advancing together match one device within 1e-5.
+One module-scoped Ulysses group of 2 CPU ranks (parallel_ulysses 2, 1 thread each: each rank
+holds half of every forward's video tokens) over the tiny text-to-video model: guided and
+unguided requests of different steps and seeds advancing together match one device within
+1e-5.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from stagemesh.shared.engine import EngineRequest, InvalidInputError
 from tests.model import test_dit_wan as one_device_wan
 from tests.model.test_dit_wan import TOLERANCE, _embeddings, _run, _video
 
-DEGREES = Degrees(cfg=2, ulysses=2)
+DEGREES = Degrees(ulysses=2)
 
 #: The tiny text-to-video folder, as the Wan tests build it.
 t2v_dir = one_device_wan.t2v_dir
@@ -58,12 +59,15 @@ def test_a_video_group_equals_one_device(t2v_dir: Path, group: WanDenoiseAdapter
                            seed=3),
         "guided-short": _video(_embeddings(3), num_inference_steps=3, seed=9),
     }
+    # the ranks really share the tokens: diffusers' Ulysses attention is set on every block
+    processors = [block.attn1.processor for block in group.transformers[0].blocks]
+    assert all(p._parallel_config.context_parallel_config.ulysses_degree == 2
+               for p in processors)
     got = _together(group, payloads)
     one_device = WanDenoiseAdapter(t2v_dir)
     for rid, payload in payloads.items():
         want = _run(one_device, payload).latents
         assert (got[rid] - want).abs().max().item() <= TOLERANCE, rid
-    # a lone unguided request: the group's unconditional half runs nothing
     lone = replace(payloads["unguided"], seed=5)
     assert (_run(group, lone).latents - _run(one_device, lone).latents).abs().max() <= TOLERANCE
 
