@@ -575,7 +575,7 @@ def running_group(family: Family, model_dir: Path, degrees: Degrees) -> Iterator
 def stop_group(group: GroupForward, workers: Workers) -> None:
     """Rank 0's end: the workers leave their loop, the process group is destroyed."""
     workers.retire()
-    if not workers.dead():
+    if not (workers.fault.is_set() or workers.dead()):
         group.stop()
     workers.stop()
     dist.destroy_process_group()

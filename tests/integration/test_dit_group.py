@@ -8,7 +8,6 @@ ranks, so it runs last.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -21,10 +20,10 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
-import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.services.dit.parallel import GroupForward, stop_group
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2, dit_service_pb2_grpc
@@ -66,11 +65,10 @@ async def group(tiny_model_dir: Path) -> AsyncIterator[Group]:
     served = Group(bundle, await start_stage(bundle))
     yield served
     await stop_stage(bundle, served.server, grace=0.5)
-    for pid in served.pids:  # a stage process's workers die with it; this one lives on
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # a stage process's workers die with it; this one (pytest) lives on
+    group: GroupForward = vars(bundle.engines[0])["_adapter"].group
+    assert group.workers is not None
+    stop_group(group, group.workers)
 
 
 @pytest.fixture(scope="module")
