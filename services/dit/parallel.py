@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -50,6 +51,9 @@ from diffusers.models._modeling_parallel import (
 )
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+# torch.distributed re-exports it without saying so to type checkers
+from torch._C._distributed_c10d import TCPStore
 from torch.distributed.device_mesh import init_device_mesh
 
 from stagemesh.services.dit.forward import (
@@ -70,8 +74,10 @@ log = logging.getLogger(__name__)
 MESH_DIMS = ("cfg", "ring", "ulysses")
 #: A collective that waits this long is a fault (rank 0 watches pids well before that).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-#: How long rank 0 waits for its workers to join the group.
+#: How long rank 0 waits for its workers to load their models and join the group.
 START_TIMEOUT_S = 300.0
+#: Where a group's ranks meet (one machine), and the store key a loaded worker sets.
+LOOPBACK, READY_KEY = "127.0.0.1", "stagemesh/ready/"
 #: How often rank 0 looks at its workers' pids.
 WATCH_S = 0.2
 #: How long a group fault's handler (stopping the engine and the workers) may take.
@@ -432,9 +438,33 @@ def check_tokens(degrees: Degrees, tokens: int) -> None:
 
 
 def join_group(rank: int, world: int, port: int) -> None:
-    """This process joins the group's gloo process group (every rank calls it)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    """A worker joins the group's gloo process group once its model is loaded: it says so in
+    rank 0's store (`lead_group` waits for that), then joins."""
+    store = TCPStore(LOOPBACK, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store.set(f"{READY_KEY}{rank}", "1")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def lead_group(workers: Workers) -> None:
+    """Rank 0 joins the group once every worker has loaded its model; a worker that ends
+    before that fails the start at once (not after a collective's timeout)."""
+    world = workers.degrees.world
+    store = TCPStore(LOOPBACK, workers.port, world, is_master=True,
+                          timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    keys = [f"{READY_KEY}{rank}" for rank in range(1, world)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if dead := workers.dead():
+            raise RuntimeError(f"DiT group rank(s) {dead} ended before the group started")
+        try:
+            store.wait(keys, timedelta(seconds=WATCH_S))
+            break
+        except dist.DistStoreError:
+            if time.monotonic() > deadline:
+                raise
+    dist.init_process_group("gloo", store=store, rank=0, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
 
 
 def shard_family(family: Family, degrees: Degrees, rank: int) -> GroupForward:
@@ -459,7 +489,7 @@ def shard_family(family: Family, degrees: Degrees, rank: int) -> GroupForward:
 
 def free_port() -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((LOOPBACK, 0))
         port: int = probe.getsockname()[1]
         return port
 
@@ -551,7 +581,7 @@ def start_group(family: Family, model_dir: Path, options: Mapping[str, object],
     torch.set_num_threads(threads)
     workers = Workers([str(model_dir), json.dumps(dict(options))], degrees, threads)
     try:
-        join_group(0, degrees.world, workers.port)
+        lead_group(workers)
         group = shard_family(family, degrees, 0)
         group.workers = workers
         return group, workers

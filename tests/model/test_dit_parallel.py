@@ -10,6 +10,7 @@ tests/integration/test_dit_group.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,12 @@ from diffusers import __version__ as diffusers_version
 from diffusers.models._modeling_parallel import ContextParallelConfig
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
-from stagemesh.services.dit.parallel import Degrees, QwenImageFamily, running_group
+from stagemesh.services.dit.parallel import (
+    Degrees,
+    QwenImageFamily,
+    running_group,
+    start_group,
+)
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.shared.engine import (
@@ -81,6 +87,15 @@ def test_group_equals_one_device(encoder: PromptEncoderAdapter, one_device: Deno
     lone = job("lone-unguided", plain, 8, steps=2)
     got = _solo(group, lone)
     assert (got - _solo(one_device, lone)).abs().max().item() <= TOLERANCE
+
+
+def test_a_worker_that_cannot_load_fails_the_start_at_once(
+        one_device: DenoiseAdapter, tmp_path: Path) -> None:
+    family = QwenImageFamily(one_device.transformer)  # no worker joins: it stays unsharded
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] ended before the group started"):
+        start_group(family, tmp_path / "no-model", {"parallel_cfg": 2}, DEGREES)
+    assert time.monotonic() - started < 60  # not a collective's timeout
 
 
 def test_interrupt_stops_every_rank_then_the_group_serves_on(
