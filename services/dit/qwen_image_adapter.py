@@ -72,6 +72,7 @@ from stagemesh.services.dit.limits import image_limits
 from stagemesh.services.dit.limits import scheduler_min_steps as scheduler_min_steps
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
 from stagemesh.services.dit.lora_slots import SlotBank
+from stagemesh.services.dit.parallel import GroupForward, check_tokens
 from stagemesh.services.dit.preview import (
     Preview,
     Previewer,
@@ -274,6 +275,8 @@ class DenoiseAdapter:
         self.projection = None  # a folder's is loaded after setup
         self.loras = LoraCatalog(lora or LoraConfig())
         self.lora_slots = SlotBank([transformer], self.loras) if self.loras.config.enabled else None
+        #: The parallel group this rank 0 runs its forwards over (services/dit/parallel.py).
+        self.group: GroupForward | None = None
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -291,6 +294,10 @@ class DenoiseAdapter:
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
         check_options(payload.preview, self.projection)
         self.loras.check(payload.lora)
+        if self.group is not None:
+            tokens = payload.height * payload.width // self.latent_factor**2
+            conditions = sum(c.shape[3] * c.shape[4] // 4 for c in payload.condition_latents)
+            check_tokens(self.group.degrees, tokens + conditions)
 
     def _check_embeddings(self, embeddings: PromptEmbeddings) -> None:
         dim, most = self._text_dim, self._max_text_tokens
@@ -427,7 +434,11 @@ class DenoiseAdapter:
     # -- mid-step abort -----------------------------------------------------------------------
 
     def bind_interrupt(self, interrupt: StepInterrupt) -> None:
-        """Check `interrupt` before every transformer block (replaces an earlier binding)."""
+        """Check `interrupt` before every transformer block (replaces an earlier binding); in
+        a group, every rank votes on it there."""
+        if self.group is not None:
+            self.group.bind_interrupt(interrupt)
+            return
         self._hooks.bind(interrupt, self.transformer.transformer_blocks)
 
     # -- phases (QwenImagePipeline.__call__ steps 4-6) ----------------------------------------
@@ -509,7 +520,8 @@ class DenoiseAdapter:
         timestep = torch.stack([row.timestep for row in rows]).to(latents.dtype)
         self._pacer.reset()
         embeds, mask = _padded_text(rows, self._device)
-        prediction = qwen_image_forward(
+        forward = qwen_image_forward if self.group is None else self.group.qwen_image
+        prediction = forward(
             self.transformer,
             hidden_states=latents,
             timestep=timestep / 1000,

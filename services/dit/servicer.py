@@ -12,6 +12,7 @@ requests preempted by more urgent ones, lower `priority` first).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,16 @@ from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
 from stagemesh.services.dit.lora_slots import SlotBank
 from stagemesh.services.dit.lora_updates import LoraRefused, LoraUpdates, updates_off
+from stagemesh.services.dit.parallel import (
+    Degrees,
+    Family,
+    GroupForward,
+    ParallelOptions,
+    QwenImageFamily,
+    WanFamily,
+    Workers,
+    start_group,
+)
 from stagemesh.services.dit.preview import (
     DEFAULT_PREVIEW_SIZE,
     MAX_PREVIEW_SIZE,
@@ -79,6 +90,8 @@ from stagemesh.shared.stage_stream import StageWire, serve_stage_stream
 from stagemesh.shared.tensors import array_to_proto
 from stagemesh.shared.torch_tensors import from_proto, optional_from_proto, to_proto
 
+log = logging.getLogger(__name__)
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DitService"].full_name
 
 MODES = {common_pb2.EXECUTION_MODE_STEP: ExecutionMode.STEP,
@@ -109,11 +122,11 @@ MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
 class DitModeOptions(StepCacheOptions, LoraOptions, QuantizationOptions, CompileOptions,
-                     total=False):
+                     ParallelOptions, total=False):
     """How the stage runs a request by default (step execution unless set false), its step
     cache (`StepCacheOptions`: off unless set), its LoRA adapters (`LoraOptions`: none unless
     `lora_dir` is set), weight quantization and compilation of its blocks (none and off unless
-    set)."""
+    set), its parallel group (`ParallelOptions`: one device unless set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -351,6 +364,8 @@ class CacheFacts:
 
 #: A stage without a step cache.
 NO_CACHE = CacheFacts(StepCacheConfig(), 0)
+#: A stage that is no group.
+ONE_DEVICE = Degrees()
 #: A stage without LoRA adapters.
 NO_LORAS = LoraCatalog(LoraConfig())
 
@@ -359,6 +374,7 @@ def _describe(
     model_dir: Path, engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, mode: ExecutionMode, placement: Placement, request_mode: bool = False,
     cache: CacheFacts = NO_CACHE, loras: LoraCatalog = NO_LORAS, previews: bool = False,
+    degrees: Degrees = ONE_DEVICE,
 ) -> pb.DescribeDitResponse:
     """The stage's facts; execution_modes lists the default mode first, and REQUEST only
     when it is the default or the `request_mode` option allows it."""
@@ -386,7 +402,9 @@ def _describe(
         compile=cache.compile.value,
         max_preview_size=MAX_PREVIEW_SIZE if previews else 0,
         default_preview_size=DEFAULT_PREVIEW_SIZE if previews else 0,
-        min_preview_every=MIN_PREVIEW_EVERY if previews else 0)
+        min_preview_every=MIN_PREVIEW_EVERY if previews else 0,
+        parallel_cfg=degrees.cfg, parallel_ulysses=degrees.ulysses,
+        group_devices=[placement.device_name] * degrees.world)
     _describe_loras(description, loras)
     return description
 
@@ -437,26 +455,31 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     cache = StepCacheConfig.from_options(first_options)
     lora = LoraConfig.from_options(first_options)
     compile_mode = compile_from_options(first_options)
+    degrees = Degrees.from_options(first_options)
+    if degrees.world > 1:
+        _check_group(first_options, device_options)
     if compile_mode is not CompileMode.OFF and lora.enabled:
         # the slots' per-row hooks change every step: they would recompile the blocks' graphs
         raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
     if pipeline_family(model_dir).name == WAN:
         if compile_mode is not CompileMode.OFF:
             raise ValueError("stage dit: option compile=blocks is not offered for Wan models yet")
-        mode_options, engine_options, video_options, device_options = parse_options(
+        mode_options, engine_options, _, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
-        video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
-                                  step_cache=cache, lora=lora)
+        video = video_adapter(model_dir, options)
+        video.group, workers = _group(WanFamily(video.transformers), model_dir, options, degrees)
         quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
-                                             quantization), video.loras, video.lora_slots)
-    mode_options, engine_options, limit_options, device_options = parse_options(
+                                             quantization), video.loras, video.lora_slots,
+                       degrees=degrees,
+                       workers=workers)
+    mode_options, engine_options, _, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache,
-                           lora=lora)
+    image = image_adapter(model_dir, options)
+    image.group, workers = _group(QwenImageFamily(image.transformer), model_dir, options, degrees)
     quantize(image.transformer.transformer_blocks, quantization)
     if compile_mode is CompileMode.BLOCKS:
         compiler = BlockCompiler()
@@ -465,7 +488,73 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
                    CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
                               compile_mode), image.loras, image.lora_slots,
-                   previews=image.projection is not None)
+                   previews=image.projection is not None, degrees=degrees, workers=workers)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What both adapters take besides their limits, from the options."""
+
+    placement: Placement
+    step_cache: StepCacheConfig
+    lora: LoraConfig
+
+
+LimitsT = TypeVar("LimitsT", DitLimitOptions, VideoLimitOptions)
+
+
+def _read(options: Mapping[str, object], limits: type[LimitsT]) -> tuple[LimitsT, _Shared]:
+    mode, _, limit_options, device = parse_options(
+        "dit", options, DitModeOptions, DitEngineOptions, limits, DeviceOptions)
+    return limit_options, _Shared(resolve_placement("dit", device, CPU_DTYPE),
+                                  StepCacheConfig.from_options(mode), LoraConfig.from_options(mode))
+
+
+def image_adapter(model_dir: Path, options: Mapping[str, object]) -> DenoiseAdapter:
+    """A Qwen-Image folder's adapter as the options describe it."""
+    limits, shared = _read(options, DitLimitOptions)
+    return DenoiseAdapter(model_dir, **limits, placement=shared.placement,
+                          step_cache=shared.step_cache, lora=shared.lora)
+
+
+def video_adapter(model_dir: Path, options: Mapping[str, object]) -> WanDenoiseAdapter:
+    """A Wan folder's adapter as the options describe it."""
+    limits, shared = _read(options, VideoLimitOptions)
+    return WanDenoiseAdapter(model_dir, **limits, placement=shared.placement,
+                             step_cache=shared.step_cache, lora=shared.lora)
+
+
+def group_family(model_dir: Path, options: Mapping[str, object]) -> tuple[Family, Degrees]:
+    """What a worker rank of a group builds (`services/dit/parallel_worker.py`): the same
+    transformers as rank 0, and the group's degrees."""
+    mode_options, *_ = parse_options("dit", options, DitModeOptions, DitEngineOptions,
+                                     AnyLimitOptions, DeviceOptions)
+    degrees = Degrees.from_options(mode_options)
+    if pipeline_family(model_dir).name == WAN:
+        return WanFamily(video_adapter(model_dir, options).transformers), degrees
+    return QwenImageFamily(image_adapter(model_dir, options).transformer), degrees
+
+
+def _group(family: Family, model_dir: Path, options: Mapping[str, object],
+           degrees: Degrees) -> tuple[GroupForward | None, Workers | None]:
+    """Rank 0's group over `family` (None, None for one device)."""
+    if degrees.world == 1:
+        return None, None
+    return start_group(family, model_dir, options, degrees)
+
+
+def _check_group(options: DitModeOptions, device: DeviceOptions) -> None:
+    """What a parallel group does not run yet: a ValueError naming it."""
+    refused = {
+        "step_cache": StepCacheConfig.from_options(options).method.value != "off",
+        "lora_dir": LoraConfig.from_options(options).enabled,
+        "compile": compile_from_options(options) is not CompileMode.OFF,
+        "quantization": options.get("quantization", "none") != "none",
+        "a device other than cpu": device.get("device", "cpu") != "cpu",
+    }
+    if named := [name for name, applies in refused.items() if applies]:
+        raise ValueError(f"stage dit: parallel_cfg/parallel_ulysses cannot be combined with "
+                         f"{', '.join(named)} yet")
 
 
 def _bundle(
@@ -473,9 +562,12 @@ def _bundle(
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
     loras: LoraCatalog = NO_LORAS, lora_slots: SlotBank | None = None, previews: bool = False,
+    degrees: Degrees = ONE_DEVICE, workers: Workers | None = None,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
-    running request's step cache must fit (`check_capacity`)."""
+    running request's step cache must fit (`check_capacity`). A group's `workers` are watched:
+    one that ends stops the engine (its requests abort, reason SHUTDOWN; the runtime turns
+    NOT_SERVING and exits, and its supervisor restarts the whole group)."""
     step_execution = mode_options.get("step_execution", True)
     mode = ExecutionMode.STEP if step_execution else ExecutionMode.REQUEST
     engine = StepEngine(
@@ -485,9 +577,11 @@ def _bundle(
         max_batch=capped_option("max_batch", engine_options.get("max_batch", DEFAULT_MAX_BATCH)),
         admission_window=admission_window_seconds(engine_options))
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
+    if workers is not None:
+        workers.watch(lambda reason: _group_fault(engine, workers, reason))
     description = _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache, loras, previews)
+        cache, loras, previews, degrees)
     updates = (LoraUpdates(loras, lora_slots, description)
                if loras.config.runtime_updates and lora_slots is not None else None)
     servicer = DitServicer(engine, wire, description, updates)
@@ -497,4 +591,17 @@ def _bundle(
                             "max_batch": str(engine.max_batch),
                             "step_cache": cache.config.method.value,
                             "quantization": cache.quantization.value,
-                            "compile": cache.compile.value})
+                            "compile": cache.compile.value,
+                            "parallel": f"cfg={degrees.cfg} ulysses={degrees.ulysses}",
+                            **({"group_pids": " ".join(map(str, workers.pids))}
+                               if workers else {})})
+
+
+def _group_fault(engine: StepEngine[InputT, NoStream, StateT, Preview, DenoisedLatents],
+                 workers: Workers, reason: str) -> None:
+    """A rank died: the group fails as one. The engine stops (its requests abort, reason
+    SHUTDOWN: UNAVAILABLE at the gateway), the other workers end, and the stage runtime turns
+    NOT_SERVING and exits 1 so that `serve` (or Kubernetes) starts the whole group again."""
+    log.error("stage dit: group fault (%s); stopping so that the group is restarted", reason)
+    engine.shutdown(abort_running=True, timeout=0)  # aborts at the step boundary
+    workers.stop()

@@ -61,6 +61,7 @@ from stagemesh.services.dit.interrupt_hooks import BlockInterruptHooks
 from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min_steps
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
 from stagemesh.services.dit.lora_slots import SlotBank
+from stagemesh.services.dit.parallel import GroupForward, check_tokens
 from stagemesh.services.dit.preview import Preview
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
@@ -264,6 +265,8 @@ class WanDenoiseAdapter:
             if self.loras.config.enabled
             else None
         )
+        #: The parallel group this rank 0 runs its forwards over (services/dit/parallel.py).
+        self.group: GroupForward | None = None
         self.limits = self._limits(
             max_steps=max_steps,
             max_pixels=max_pixels,
@@ -355,6 +358,14 @@ class WanDenoiseAdapter:
         self._check_conditions(payload)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
         self.loras.check(payload.lora)
+        if self.group is not None:
+            check_tokens(self.group.degrees, self._tokens(payload))
+
+    def _tokens(self, payload: VideoDenoiseInput) -> int:
+        """The video tokens of one row: latent frames x patches per latent frame."""
+        patch, side = self.transformers[0].config["patch_size"], self.limits.size_multiple
+        frames = self.folder.geometry.latent_frames(payload.num_frames) // patch[0]
+        return int(frames * (payload.height // side) * (payload.width // side))
 
     def _check_frames(self, payload: VideoDenoiseInput) -> None:
         """4k+1 frames, at most max_frames, and frames x pixels at most max_video_pixels."""
@@ -520,7 +531,11 @@ class WanDenoiseAdapter:
         return _video_shape(state)
 
     def bind_interrupt(self, interrupt: StepInterrupt) -> None:
-        """Check `interrupt` before every block of every transformer."""
+        """Check `interrupt` before every block of every transformer; in a group, every rank
+        votes on it there."""
+        if self.group is not None:
+            self.group.bind_interrupt(interrupt)
+            return
         self._hooks.bind(interrupt, [b for t in self.transformers for b in t.blocks])
 
     # -- phases (the pipelines' steps 4-6) ----------------------------------------------------
@@ -631,7 +646,8 @@ class WanDenoiseAdapter:
     ) -> torch.Tensor:
         """One forward over `rows` (one video shape, one text length): [rows, z, F, h, w]."""
         self._pacer.reset()
-        return wan_forward(
+        forward = wan_forward if self.group is None else self.group.wan
+        return forward(
             transformer,
             hidden_states=torch.cat([row.hidden for row in rows]),
             timestep=torch.stack([row.timestep for row in rows]),

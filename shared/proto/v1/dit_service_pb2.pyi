@@ -336,6 +336,9 @@ class DescribeDitResponse(_message.Message):
     MAX_LORAS_PER_REQUEST_FIELD_NUMBER: _builtins.int
     MAX_LORA_SCALE_FIELD_NUMBER: _builtins.int
     RUNTIME_LORA_UPDATES_FIELD_NUMBER: _builtins.int
+    PARALLEL_CFG_FIELD_NUMBER: _builtins.int
+    PARALLEL_ULYSSES_FIELD_NUMBER: _builtins.int
+    GROUP_DEVICES_FIELD_NUMBER: _builtins.int
     size_multiple: _builtins.int
     """Height and width must be multiples of this (the model's latent factor)."""
     max_side: _builtins.int
@@ -410,6 +413,13 @@ class DescribeDitResponse(_message.Message):
     max_lora_scale: _builtins.float
     runtime_lora_updates: _builtins.bool
     """True when adapters may be loaded and unloaded at run time (LoadLoraAdapter)."""
+    parallel_cfg: _builtins.int
+    """A parallel group (services/dit/parallel.py): CFG-parallel degree (1 or 2: cond and uncond
+    rows on different ranks), Ulysses sequence-parallel degree (each rank holds a share of
+    the tokens, attention heads are exchanged), and the group's devices in rank order (one
+    entry for a one-device stage). Numbered apart so that other additions do not collide.
+    """
+    parallel_ulysses: _builtins.int
     @_builtins.property
     def stage(self) -> _common_pb2.StageDescription:
         """Role, model and capacity."""
@@ -422,6 +432,8 @@ class DescribeDitResponse(_message.Message):
     def lora_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The LoRA adapters a request may name (empty: the stage serves none)."""
 
+    @_builtins.property
+    def group_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -460,10 +472,13 @@ class DescribeDitResponse(_message.Message):
         max_loras_per_request: _builtins.int = ...,
         max_lora_scale: _builtins.float = ...,
         runtime_lora_updates: _builtins.bool = ...,
+        parallel_cfg: _builtins.int = ...,
+        parallel_ulysses: _builtins.int = ...,
+        group_devices: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "quantization", b"quantization", "runtime_lora_updates", b"runtime_lora_updates", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "group_devices", b"group_devices", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "parallel_cfg", b"parallel_cfg", "parallel_ulysses", b"parallel_ulysses", "quantization", b"quantization", "runtime_lora_updates", b"runtime_lora_updates", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,611 @@
+"""One DiT over several ranks: CFG-parallel and Ulysses sequence-parallel stage groups.
+
+A group is one gRPC endpoint. Rank 0 is the stage process: it owns the engine, the scheduler,
+every request's state and the server. Ranks 1.. are worker processes it starts
+(`services/dit/parallel_worker.py`, one device and their share of the cores each); they hold
+the same transformer and nothing of any request. Each transformer forward of rank 0 is
+broadcast to every rank (rows, timesteps, text, mask, image shapes, each row's CFG branch),
+every rank runs its share, and rank 0 collects the prediction:
+
+- `parallel_cfg: 2` splits the forward's rows by branch: the conditional rows run on the ranks
+  of CFG index 0, the unconditional ones on those of index 1. A lone or unguided row leaves the
+  second half empty: its ranks then run no block, and no collective depends on a half having
+  rows (every rank derives the same plan from the same broadcast, so the one-branch deadlock
+  cannot happen by construction).
+- `parallel_ulysses: N` shards each half's tokens over N ranks and exchanges attention heads
+  all-to-all: diffusers' own context parallelism (the transformer's `_cp_plan`, its Ulysses
+  attention), set up on a CPU device mesh here because `enable_parallelism` needs an
+  accelerator. The text is padded (and masked) to a multiple of N; the image tokens must divide.
+
+Block-level interrupt is a collective: before every block every rank (those of an empty half
+too, block by block) takes part in one all-reduce of rank 0's interrupt flag, so all ranks stop
+at the same block. A rank that raises anything else, or dies, is a group fault (see
+`GroupWatch`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol, TypedDict, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from diffusers.hooks.context_parallel import apply_context_parallel
+from diffusers.models._modeling_parallel import (
+    ContextParallelConfig,
+    ContextParallelModelPlan,
+    ParallelConfig,
+)
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+# torch.distributed re-exports it without saying so to type checkers
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed.device_mesh import init_device_mesh
+
+from stagemesh.services.dit.forward import (
+    Branch,
+    RowAdapters,
+    RowHooks,
+    RowMeta,
+    qwen_image_forward,
+    wan_forward,
+)
+from stagemesh.shared.engine.adapter import InvalidInputError
+from stagemesh.shared.engine.interrupt import StepInterrupt, StepInterrupted
+
+log = logging.getLogger(__name__)
+
+#: The mesh's dimensions, outermost first (diffusers' context parallelism needs "ring" and
+#: "ulysses"; ring attention is not offered: its CPU backend mishandles padded text masks).
+MESH_DIMS = ("cfg", "ring", "ulysses")
+#: A collective that waits this long is a fault (rank 0 watches pids well before that).
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+#: How long rank 0 waits for its workers to load their models and join the group.
+START_TIMEOUT_S = 300.0
+#: Where a group's ranks meet (one machine), and the store key a loaded worker sets.
+LOOPBACK, READY_KEY = "127.0.0.1", "stagemesh/ready/"
+#: How often rank 0 looks at its workers' pids.
+WATCH_S = 0.2
+#: How long a group fault's handler (stopping the engine and the workers) may take.
+FAULT_HANDLING_S = 30.0
+#: The broadcast header: [op, ndim, MAX_DIMS sizes of the hidden states, text tokens, text
+#: dim, has mask, transformer, dtypes of hidden, text and timesteps (DTYPES indices), image
+#: shapes, then up to MAX_SHAPES (frames, rows, columns)].
+MAX_DIMS, MAX_SHAPES = 5, 8
+HEADER_LEN = 2 + MAX_DIMS + 8 + 3 * MAX_SHAPES
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+          torch.int32)
+OP_FORWARD, OP_STOP = 1, 2
+#: Environment of a worker: its rank, the group's size, where rank 0 listens.
+RANK_ENV, WORLD_ENV, PORT_ENV = "STAGEMESH_DIT_RANK", "STAGEMESH_DIT_WORLD", "STAGEMESH_DIT_PORT"
+
+
+class ParallelOptions(TypedDict, total=False):
+    """The DiT's group options (flat, published in Describe); world size = their product."""
+
+    parallel_cfg: int  # 1 | 2: conditional and unconditional rows on different ranks
+    parallel_ulysses: int  # ranks that share each forward's tokens (divides the heads)
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """A group's shape: CFG-parallel degree x Ulysses degree ranks."""
+
+    cfg: int = 1
+    ulysses: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.cfg * self.ulysses
+
+    @classmethod
+    def from_options(cls, options: ParallelOptions) -> Degrees:
+        """The options, checked (the heads are checked by `check_heads`, once a model is read)."""
+        cfg, ulysses = options.get("parallel_cfg", 1), options.get("parallel_ulysses", 1)
+        if cfg not in (1, 2):
+            raise ValueError(f"option parallel_cfg must be 1 or 2, got {cfg}")
+        if not isinstance(ulysses, int) or ulysses < 1:
+            raise ValueError(f"option parallel_ulysses must be a whole number >= 1, got {ulysses}")
+        return cls(cfg, ulysses)
+
+    def check_heads(self, heads: int) -> None:
+        if heads % self.ulysses:
+            raise ValueError(
+                f"option parallel_ulysses={self.ulysses} must divide the model's {heads} heads")
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """A rank's (CFG index, Ulysses index)."""
+        return divmod(rank, self.ulysses)
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """One transformer forward as every rank receives it."""
+
+    hidden_states: torch.Tensor  # rows first: [rows, tokens, C] (Qwen), [rows, C, F, h, w] (Wan)
+    encoder_hidden_states: torch.Tensor  # [rows, text, dim]
+    encoder_hidden_states_mask: torch.Tensor | None  # [rows, text] bool (Qwen)
+    timestep: torch.Tensor  # [rows]
+    branches: tuple[Branch, ...]
+    img_shapes: tuple[tuple[int, int, int], ...] = ()  # Qwen: the same for every row
+    model: int = 0  # which of the family's transformers (Wan 2.2: 0 or 1)
+
+    def select(self, rows: Sequence[int]) -> ForwardCall:
+        index = torch.tensor(rows, dtype=torch.long)
+        mask = self.encoder_hidden_states_mask
+        return replace(
+            self, hidden_states=self.hidden_states[index],
+            encoder_hidden_states=self.encoder_hidden_states[index],
+            encoder_hidden_states_mask=None if mask is None else mask[index],
+            timestep=self.timestep[index], branches=tuple(self.branches[i] for i in rows))
+
+
+#: The transformers a group runs.
+Transformer = QwenImageTransformer2DModel | WanTransformer3DModel
+
+
+class Family(Protocol):
+    """What a group runs of one model family: its transformers, the blocks of each (where the
+    interrupt votes are taken), one forward over some rows, and a row's output shape."""
+
+    @property
+    def transformers(self) -> Sequence[Transformer]: ...
+
+    def blocks(self, model: int) -> Sequence[torch.nn.Module]: ...
+
+    def run(self, call: ForwardCall, ulysses: int) -> torch.Tensor: ...
+
+    def row_output(self, call: ForwardCall) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True)
+class QwenImageFamily:
+    transformer: QwenImageTransformer2DModel
+
+    @property
+    def transformers(self) -> Sequence[Transformer]:
+        return [self.transformer]
+
+    def blocks(self, model: int) -> Sequence[torch.nn.Module]:
+        return list(self.transformer.transformer_blocks)
+
+    def run(self, call: ForwardCall, ulysses: int) -> torch.Tensor:
+        embeds, mask = _padded_to(call.encoder_hidden_states, call.encoder_hidden_states_mask,
+                                  ulysses)
+        return qwen_image_forward(
+            self.transformer, hidden_states=call.hidden_states, encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask, timestep=call.timestep,
+            img_shapes=[list(call.img_shapes)] * len(call.branches),
+            rows=[RowMeta("", branch) for branch in call.branches])
+
+    def row_output(self, call: ForwardCall) -> tuple[int, ...]:
+        return (call.hidden_states.shape[1], self.transformer.proj_out.out_features)
+
+
+@dataclass(frozen=True)
+class WanFamily:
+    models: Sequence[WanTransformer3DModel]
+
+    @property
+    def transformers(self) -> Sequence[Transformer]:
+        return list(self.models)
+
+    def blocks(self, model: int) -> Sequence[torch.nn.Module]:
+        return list(self.models[model].blocks)
+
+    def run(self, call: ForwardCall, ulysses: int) -> torch.Tensor:
+        return wan_forward(
+            self.models[call.model], hidden_states=call.hidden_states, timestep=call.timestep,
+            encoder_hidden_states=call.encoder_hidden_states,
+            rows=[RowMeta("", branch) for branch in call.branches])
+
+    def row_output(self, call: ForwardCall) -> tuple[int, ...]:
+        return (self.models[call.model].config["out_channels"], *call.hidden_states.shape[2:])
+
+
+class Channel:
+    """Rank 0's forwards, broadcast to every rank as tensors (nothing is pickled): a header of
+    integers (the shapes, dtypes, image shapes and transformer), then the tensors."""
+
+    def send(self, call: ForwardCall) -> None:
+        hidden, encoder = call.hidden_states, call.encoder_hidden_states
+        if hidden.ndim > MAX_DIMS or len(call.img_shapes) > MAX_SHAPES:
+            raise ValueError(f"at most {MAX_DIMS} dimensions and {MAX_SHAPES} image shapes")
+        dims = [*hidden.shape, *[0] * (MAX_DIMS - hidden.ndim)]
+        header = [OP_FORWARD, hidden.ndim, *dims, *encoder.shape[1:],
+                  int(call.encoder_hidden_states_mask is not None), call.model,
+                  *(DTYPES.index(t.dtype) for t in (hidden, encoder, call.timestep)),
+                  len(call.img_shapes), *(n for shape in call.img_shapes for n in shape)]
+        self._header(header)
+        for tensor in self._tensors(call):
+            dist.broadcast(tensor.contiguous(), src=0)
+
+    def stop(self) -> None:
+        self._header([OP_STOP])
+
+    @staticmethod
+    def _header(values: list[int]) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+
+    @staticmethod
+    def _tensors(call: ForwardCall) -> list[torch.Tensor]:
+        branches = torch.tensor([b is Branch.UNCOND for b in call.branches], dtype=torch.uint8)
+        # timesteps travel as float64: exact for every dtype a scheduler hands out
+        tensors = [call.hidden_states, call.encoder_hidden_states,
+                   call.timestep.to(torch.float64), branches]
+        if call.encoder_hidden_states_mask is not None:
+            tensors.append(call.encoder_hidden_states_mask.to(torch.uint8))
+        return tensors
+
+    def receive(self) -> ForwardCall | None:
+        """The next forward (a worker's side); None when rank 0 stops the group."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        values = header.tolist()
+        if values[0] == OP_STOP:
+            return None
+        ndim, dims = values[1], values[2: 2 + MAX_DIMS]
+        text, dim, has_mask, model, hidden_t, encoder_t, timestep_t, count, *rest = values[
+            2 + MAX_DIMS:]
+        rows = dims[0]
+        hidden = torch.empty(dims[:ndim], dtype=DTYPES[hidden_t])
+        encoder = torch.empty(rows, text, dim, dtype=DTYPES[encoder_t])
+        timestep = torch.empty(rows, dtype=torch.float64)
+        branches = torch.empty(rows, dtype=torch.uint8)
+        for tensor in (hidden, encoder, timestep, branches):
+            dist.broadcast(tensor, src=0)
+        mask = None
+        if has_mask:
+            mask = torch.empty(rows, text, dtype=torch.uint8)
+            dist.broadcast(mask, src=0)
+        return ForwardCall(
+            hidden, encoder, None if mask is None else mask.to(torch.bool),
+            timestep.to(DTYPES[timestep_t]),
+            tuple(Branch.UNCOND if b else Branch.COND for b in branches.tolist()),
+            tuple((rest[3 * i], rest[3 * i + 1], rest[3 * i + 2]) for i in range(count)), model)
+
+
+class GroupForward:
+    """The group's share of one rank in every forward: `qwen_image` and `wan` on rank 0 (the
+    adapters' transformer forwards: broadcast, compute this rank's share, collect), `serve` on
+    workers."""
+
+    def __init__(self, family: Family, degrees: Degrees, rank: int) -> None:
+        self.family = family
+        self.degrees = degrees
+        self.rank = rank
+        self._channel = Channel()
+        self._interrupt: StepInterrupt | None = None
+        #: Rank 0's workers: a forward that fails on rank 0 fails the group (`Workers.fail`).
+        self.workers: Workers | None = None
+        for model in range(len(family.transformers)):
+            for block in family.blocks(model):
+                block.register_forward_pre_hook(lambda module, args: self._vote())
+
+    # -- rank 0 -------------------------------------------------------------------------------
+
+    def bind_interrupt(self, interrupt: StepInterrupt) -> None:
+        """Rank 0's interrupt: its flag is what every rank votes on before each block."""
+        self._interrupt = interrupt
+
+    def qwen_image(
+        self, transformer: QwenImageTransformer2DModel, *, hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor, img_shapes: list[list[tuple[int, int, int]]],
+        rows: Sequence[RowMeta], hooks: RowHooks | None = None,
+        adapters: RowAdapters | None = None,
+    ) -> torch.Tensor:
+        """`qwen_image_forward` over the group (rank 0)."""
+        _refuse(hooks, adapters)
+        mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.bool()
+        return self._lead(ForwardCall(
+            hidden_states, encoder_hidden_states, mask, timestep,
+            tuple(row.branch for row in rows), tuple(img_shapes[0])))
+
+    def wan(
+        self, transformer: WanTransformer3DModel, *, hidden_states: torch.Tensor,
+        timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, rows: Sequence[RowMeta],
+        hooks: RowHooks | None = None, adapters: RowAdapters | None = None,
+    ) -> torch.Tensor:
+        """`wan_forward` over the group (rank 0), on whichever transformer it names."""
+        _refuse(hooks, adapters)
+        model = list(self.family.transformers).index(transformer)
+        return self._lead(ForwardCall(
+            hidden_states, encoder_hidden_states, None, timestep,
+            tuple(row.branch for row in rows), model=model))
+
+    def _lead(self, call: ForwardCall) -> torch.Tensor:
+        try:
+            self._channel.send(call)
+            return self._run(call)
+        except StepInterrupted:
+            raise
+        except Exception as exc:
+            if self.workers is None:
+                raise
+            # Its ranks may be anywhere in the forward's collectives: none can be trusted to
+            # take the next one in step. The group fails as one (the engine is told to shut
+            # down first), and the batch ends at this boundary, aborted, not row by row.
+            self.workers.fail(f"a sharded forward failed on rank 0: {exc!r}")
+            raise StepInterrupted from exc
+
+    def stop(self) -> None:
+        """Tell the workers to leave their loop (rank 0, at shutdown)."""
+        self._channel.stop()
+
+    # -- every rank ---------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """A worker's loop: run each forward rank 0 broadcasts, until it stops the group. An
+        interrupt ends a forward on every rank alike; anything else propagates (a fault)."""
+        while (call := self._channel.receive()) is not None:
+            try:
+                self._run(call)
+            except StepInterrupted:
+                continue
+
+    def _half(self, call: ForwardCall, cfg_index: int) -> list[int]:
+        """The rows the ranks of CFG index `cfg_index` run."""
+        if self.degrees.cfg == 1:
+            return list(range(len(call.branches)))
+        want = Branch.COND if cfg_index == 0 else Branch.UNCOND
+        return [i for i, branch in enumerate(call.branches) if branch is want]
+
+    def _run(self, call: ForwardCall) -> torch.Tensor:
+        """This rank's share of `call`; on rank 0 the whole prediction, in row order."""
+        cfg_index, _ = self.degrees.place(self.rank)
+        mine = self._half(call, cfg_index)
+        output = (self.family.run(call.select(mine), self.degrees.ulysses) if mine
+                  else self._idle(call))
+        if self.degrees.cfg == 1:
+            return output
+        theirs = self._half(call, 1)
+        leader = self.degrees.ulysses  # rank of CFG index 1, Ulysses index 0
+        if self.rank == leader and mine:
+            dist.send(output.contiguous(), dst=0)
+        if self.rank != 0:
+            return call.hidden_states[:0]
+        shape, dtype = self.family.row_output(call), call.hidden_states.dtype
+        full = torch.empty(len(call.branches), *shape, dtype=dtype)
+        if theirs:
+            received = torch.empty(len(theirs), *shape, dtype=dtype)
+            dist.recv(received, src=leader)
+            full[theirs] = received
+        if mine:  # always: every state has a conditional row
+            full[mine] = output
+        return full
+
+    def _idle(self, call: ForwardCall) -> torch.Tensor:
+        """An empty half: no block runs, but every block's interrupt vote is taken."""
+        for _ in self.family.blocks(call.model):
+            self._vote()
+        return call.hidden_states[:0]
+
+    def _vote(self) -> None:
+        """One all-reduce of rank 0's interrupt flag; every rank raises alike."""
+        flag = torch.zeros(1, dtype=torch.int32)
+        if self._interrupt is not None and self._interrupt.requested():
+            flag[0] = 1
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise StepInterrupted
+
+
+def _refuse(hooks: RowHooks | None, adapters: RowAdapters | None) -> None:
+    if hooks is not None or adapters is not None:
+        raise ValueError("a parallel group runs no step cache and no LoRA adapters yet")
+
+
+def _padded_to(embeds: torch.Tensor, mask: torch.Tensor | None,
+               multiple: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The text right-padded to a multiple of `multiple` tokens, the padding masked (the rotary
+    positions of the real tokens do not move: Qwen's text positions start at 0)."""
+    extra = -embeds.shape[1] % multiple
+    if not extra:
+        return embeds, mask
+    rows, length = embeds.shape[:2]
+    if mask is None:
+        mask = torch.ones(rows, length, dtype=torch.bool, device=embeds.device)
+    return F.pad(embeds, (0, 0, 0, extra)), F.pad(mask, (0, extra), value=False)
+
+
+def check_tokens(degrees: Degrees, tokens: int) -> None:
+    """A forward's image or video tokens (output and condition images) must divide among the
+    Ulysses ranks; INVALID_ARGUMENT otherwise."""
+    if tokens % degrees.ulysses:
+        raise InvalidInputError(
+            "height", f"this stage shares {tokens} image tokens among {degrees.ulysses} ranks: "
+                      "the token count must be a multiple of parallel_ulysses")
+
+
+# -- the group's processes ------------------------------------------------------------------
+
+
+def join_group(rank: int, world: int, port: int) -> None:
+    """A worker joins the group's gloo process group once its model is loaded: it says so in
+    rank 0's store (`lead_group` waits for that), then joins."""
+    store = TCPStore(LOOPBACK, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store.set(f"{READY_KEY}{rank}", "1")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def lead_group(workers: Workers) -> None:
+    """Rank 0 joins the group once every worker has loaded its model; a worker that ends
+    before that fails the start at once (not after a collective's timeout)."""
+    world = workers.degrees.world
+    store = TCPStore(LOOPBACK, workers.port, world, is_master=True,
+                          timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    keys = [f"{READY_KEY}{rank}" for rank in range(1, world)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if dead := workers.dead():
+            raise RuntimeError(f"DiT group rank(s) {dead} ended before the group started")
+        try:
+            store.wait(keys, timedelta(seconds=WATCH_S))
+            break
+        except dist.DistStoreError:
+            if time.monotonic() > deadline:
+                raise
+    dist.init_process_group("gloo", store=store, rank=0, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+
+
+def shard_family(family: Family, degrees: Degrees, rank: int) -> GroupForward:
+    """Apply the group to the family's transformers on this rank: the device mesh (every rank
+    builds every sub-group, in one order), diffusers' Ulysses attention and `_cp_plan` hooks
+    when ulysses > 1, the interrupt votes. What `enable_parallelism` does, minus the
+    accelerator it insists on."""
+    mesh = init_device_mesh("cpu", (degrees.cfg, 1, degrees.ulysses), mesh_dim_names=MESH_DIMS)
+    if degrees.ulysses > 1:
+        context = ContextParallelConfig(ulysses_degree=degrees.ulysses)
+        config = ParallelConfig(context_parallel_config=context)
+        config.setup(rank, degrees.world, torch.device("cpu"), mesh=mesh)
+        for transformer in family.transformers:
+            for module in transformer.modules():
+                processor = getattr(module, "processor", None)
+                if processor is not None and hasattr(processor, "_parallel_config"):
+                    processor._parallel_config = config
+            plan = cast(dict[str, ContextParallelModelPlan], transformer._cp_plan)
+            apply_context_parallel(transformer, context, plan)
+    return GroupForward(family, degrees, rank)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Workers:
+    """Rank 0's worker processes: started together, watched by pid, stopped together."""
+
+    def __init__(self, args: Sequence[str], degrees: Degrees, threads: int,
+                 env: Mapping[str, str] | None = None) -> None:
+        """args: what a worker is started with after `python -m <worker module>`."""
+        self.port = free_port()
+        self.degrees = degrees
+        base = {**os.environ, **(env or {}), "STAGEMESH_PARENT_PID": str(os.getpid()),
+                "STAGEMESH_THREADS": str(threads), PORT_ENV: str(self.port),
+                WORLD_ENV: str(degrees.world)}
+        self.processes = [
+            subprocess.Popen([sys.executable, "-m", "stagemesh.services.dit.parallel_worker",
+                              *args], env={**base, RANK_ENV: str(rank)})
+            for rank in range(1, degrees.world)]
+        #: Set once the group failed, after `watch`'s `on_fault` has run.
+        self.fault = threading.Event()
+        self._stopping = threading.Event()  # rank 0 ends them: no fault
+        self._on_fault: Callable[[str], None] | None = None
+        self._failing = threading.Lock()
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def dead(self) -> list[int]:
+        """The ranks whose process has ended."""
+        return [rank for rank, process in enumerate(self.processes, start=1)
+                if process.poll() is not None]
+
+    def watch(self, on_fault: Callable[[str], None]) -> None:
+        """`on_fault` is what a group fault does (`fail`); a watcher thread fails the group
+        when a worker process ends on its own."""
+        self._on_fault = on_fault
+
+        def loop() -> None:
+            while not self._stopping.wait(WATCH_S):
+                if dead := self.dead():
+                    self.fail(f"DiT group rank(s) {dead} ended")
+                    return
+
+        threading.Thread(target=loop, name="dit-group-watch", daemon=True).start()
+
+    def fail(self, reason: str) -> None:
+        """The group's fault, handled once: `on_fault` (or, unwatched, stopping every
+        worker) runs on a thread of its own, since the engine's compute thread may be the
+        caller and `on_fault` stops that engine; `fault` is set when it is done."""
+        if not self._failing.acquire(blocking=False):
+            self.fault.wait(FAULT_HANDLING_S)
+            return
+        log.error("DiT group fault: %s", reason)
+        handler = self._on_fault or (lambda _: self.stop())
+        thread = threading.Thread(target=handler, args=(reason,), name="dit-group-fault")
+        thread.start()
+        thread.join(FAULT_HANDLING_S)
+        self.fault.set()
+
+    def retire(self) -> None:
+        """From now on a worker that ends is no fault (rank 0 is ending the group)."""
+        self._stopping.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End every worker still running (a fault's other ranks, or the group at its end)."""
+        self.retire()
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+
+def start_group(family: Family, model_dir: Path, options: Mapping[str, object],
+                degrees: Degrees) -> tuple[GroupForward, Workers]:
+    """Rank 0's start: the workers (each builds the folder's model with the stage's `options`)
+    with this process's share of the cores each, then the group joined and sharded. The group
+    starts as one: a failure stops every worker."""
+    for transformer in family.transformers:
+        degrees.check_heads(transformer.config["num_attention_heads"])
+    threads = max(1, torch.get_num_threads() // degrees.world)
+    torch.set_num_threads(threads)
+    workers = Workers([str(model_dir), json.dumps(dict(options))], degrees, threads)
+    try:
+        lead_group(workers)
+        group = shard_family(family, degrees, 0)
+        group.workers = workers
+        return group, workers
+    except BaseException:
+        workers.stop()
+        raise
+
+
+@contextmanager
+def running_group(family: Family, model_dir: Path, degrees: Degrees) -> Iterator[GroupForward]:
+    """A group over `family` while the block runs, this process its rank 0 (benchmarks, tests:
+    a stage's group lives as long as its process)."""
+    options = {"parallel_cfg": degrees.cfg, "parallel_ulysses": degrees.ulysses}
+    group, workers = start_group(family, model_dir, options, degrees)
+    try:
+        yield group
+    finally:
+        stop_group(group, workers)
+
+
+def stop_group(group: GroupForward, workers: Workers) -> None:
+    """Rank 0's end: the workers leave their loop, the process group is destroyed."""
+    workers.retire()
+    if not (workers.fault.is_set() or workers.dead()):
+        group.stop()
+    workers.stop()
+    dist.destroy_process_group()

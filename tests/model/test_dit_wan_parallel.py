@@ -1,0 +1,77 @@
+"""A Wan DiT over a group (services/dit/parallel.py) computes what one device computes.
+
+One module-scoped Ulysses group of 2 CPU ranks (parallel_ulysses 2, 1 thread each: each rank
+holds half of every forward's video tokens) over the tiny text-to-video model: guided and
+unguided requests of different steps and seeds advancing together match one device within
+1e-5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagemesh.services.dit.parallel import Degrees, WanFamily, running_group
+from stagemesh.services.dit.wan_adapter import VideoDenoiseInput, WanDenoiseAdapter
+from stagemesh.shared.engine import EngineRequest, InvalidInputError
+from tests.model import test_dit_wan as one_device_wan
+from tests.model.test_dit_wan import TOLERANCE, _embeddings, _run, _video
+
+DEGREES = Degrees(ulysses=2)
+
+#: The tiny text-to-video folder, as the Wan tests build it.
+t2v_dir = one_device_wan.t2v_dir
+
+
+@pytest.fixture(scope="module")
+def group(t2v_dir: Path) -> Iterator[WanDenoiseAdapter]:
+    adapter = WanDenoiseAdapter(t2v_dir)
+    with running_group(WanFamily(adapter.transformers), t2v_dir, DEGREES) as adapter.group:
+        yield adapter
+
+
+def _together(adapter: WanDenoiseAdapter,
+              payloads: dict[str, VideoDenoiseInput]) -> dict[str, torch.Tensor]:
+    """Every request stepped in one batch until each finishes (finished ones leave it)."""
+    live = {}
+    for rid, payload in payloads.items():
+        adapter.check_inputs(payload)
+        live[rid] = adapter.prepare(EngineRequest(rid, payload))
+    results = {}
+    while live:
+        outputs = adapter.step(list(live.values()))
+        for rid, out in zip(list(live), outputs, strict=True):
+            if out.finished:
+                state = live.pop(rid)
+                results[rid] = adapter.finish(state).latents
+                adapter.release(state)
+    return results
+
+
+def test_a_video_group_equals_one_device(t2v_dir: Path, group: WanDenoiseAdapter) -> None:
+    payloads = {
+        "guided": _video(_embeddings(1)),
+        "unguided": _video(_embeddings(2), guidance_scale=1.0, num_inference_steps=2,
+                           seed=3),
+        "guided-short": _video(_embeddings(3), num_inference_steps=3, seed=9),
+    }
+    # the ranks really share the tokens: diffusers' Ulysses attention is set on every block
+    processors = [block.attn1.processor for block in group.transformers[0].blocks]
+    assert all(p._parallel_config.context_parallel_config.ulysses_degree == 2
+               for p in processors)
+    got = _together(group, payloads)
+    one_device = WanDenoiseAdapter(t2v_dir)
+    for rid, payload in payloads.items():
+        want = _run(one_device, payload).latents
+        assert (got[rid] - want).abs().max().item() <= TOLERANCE, rid
+    lone = replace(payloads["unguided"], seed=5)
+    assert (_run(group, lone).latents - _run(one_device, lone).latents).abs().max() <= TOLERANCE
+
+
+def test_video_tokens_must_divide_among_ulysses_ranks(group: WanDenoiseAdapter) -> None:
+    with pytest.raises(InvalidInputError, match="parallel_ulysses"):
+        group.check_inputs(_video(_embeddings(1), height=48))  # 3 x 3 x 3 tokens
