@@ -29,9 +29,11 @@ from stagemesh.services.dit.preview import (
     DEFAULT_PREVIEW_SIZE,
     MAX_PREVIEW_SIZE,
     MIN_PREVIEW_EVERY,
+    Painter,
     Preview,
     PreviewOptions,
 )
+from stagemesh.services.dit.preview_decode import PreviewStageOptions, painter_choice
 from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
@@ -104,11 +106,11 @@ MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
 class DitModeOptions(StepCacheOptions, LoraOptions, QuantizationOptions, CompileOptions,
-                     total=False):
+                     PreviewStageOptions, total=False):
     """How the stage runs a request by default (step execution unless set false), its step
     cache (`StepCacheOptions`: off unless set), its LoRA adapters (`LoraOptions`: none unless
     `lora_dir` is set), weight quantization and compilation of its blocks (none and off unless
-    set)."""
+    set), what paints its step previews (`PreviewStageOptions`: the projection unless set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -224,7 +226,7 @@ def _video_request(message: pb.DenoiseRequest,
         guidance_scale_2=_optional(start, "guidance_scale_2"),
         boundary_ratio=_optional(start, "boundary_ratio"),
         flow_shift=_optional(start, "flow_shift"), step_cache_threshold=_threshold(start),
-        lora=_lora(start))
+        preview=_preview_options(start), lora=_lora(start))
     return _engine_request(start, deadline, start.num_inference_steps, payload)
 
 
@@ -393,6 +395,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     cache = StepCacheConfig.from_options(first_options)
     lora = LoraConfig.from_options(first_options)
     compile_mode = compile_from_options(first_options)
+    painter = painter_choice(first_options)
     if compile_mode is not CompileMode.OFF and lora.enabled:
         # the slots' per-row hooks change every step: they would recompile the blocks' graphs
         raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
@@ -403,16 +406,16 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
         video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
-                                  step_cache=cache, lora=lora)
+                                  step_cache=cache, lora=lora, preview_painter=painter)
         quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
-                                             quantization), video.loras)
+                                             quantization), video.loras, video.painter)
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
     image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache,
-                           lora=lora)
+                           lora=lora, preview_painter=painter)
     quantize(image.transformer.transformer_blocks, quantization)
     if compile_mode is CompileMode.BLOCKS:
         compiler = BlockCompiler()
@@ -420,15 +423,14 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         warm_up(image, compiler)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
                    CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
-                              compile_mode), image.loras,
-                   previews=image.projection is not None)
+                              compile_mode), image.loras, image.painter)
 
 
 def _bundle(
     model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
-    loras: LoraCatalog = NO_LORAS, previews: bool = False,
+    loras: LoraCatalog = NO_LORAS, painter: Painter | None = None,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
     running request's step cache must fit (`check_capacity`)."""
@@ -443,11 +445,12 @@ def _bundle(
     check_capacity(cache.bytes_per_row, engine.max_running, placement.device)
     servicer = DitServicer(engine, wire, _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache, loras, previews))
+        cache, loras, painter is not None))
     return servicer_bundle("dit", model_dir, [engine], servicer,
                            dit_service_pb2_grpc.add_DitServiceServicer_to_server, SERVICE_NAME,
                            {**placement.facts(), "mode": mode.value,
                             "max_batch": str(engine.max_batch),
                             "step_cache": cache.config.method.value,
                             "quantization": cache.quantization.value,
-                            "compile": cache.compile.value})
+                            "compile": cache.compile.value,
+                            "preview_painter": painter.name if painter else "none"})
