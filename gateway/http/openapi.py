@@ -235,6 +235,10 @@ _VIDEO_FIELDS: Schema = {
     "lora": {"oneOf": [_LORA, _LORA_TEXT]},
     "image_reference": {"type": "object", "properties": {"image_url": {
         "type": "string", "description": "a data URL (data:image/png;base64,...)"}}},
+    "preview": {**_IMAGE_FIELDS["preview"], "description": "step previews of the middle frame "
+                "on GET /v1/videoJobs/{id}:watch every `every` steps, `size` px on the long "
+                "side (a form: preview_every, preview_size)"},
+    "preview_every": _INTEGER, "preview_size": _INTEGER,
 }
 _VIDEO_FILE: Schema = {"input_reference": {"type": "string", "contentEncoding": "binary",
                                            "description": "the first frame (PNG, JPEG, WebP)"}}
