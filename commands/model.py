@@ -50,7 +50,7 @@ def _prepare(args: argparse.Namespace) -> None:
 
 def _fit_preview(folder: Path) -> None:
     """A folder with an image or video VAE too large to decode step previews in the DiT gets
-    its latent-to-RGB projection (`vae/preview.json`) fitted once, here."""
+    its latent-to-RGB projection (`vae/preview.json`) fitted once, here (`prepare_projection`)."""
     if (folder / "vae" / "config.json").is_file():  # else nothing to import torch for
         from stagemesh.services.dit.preview_fit import prepare_projection
 

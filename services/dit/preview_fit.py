@@ -5,7 +5,7 @@ map that belongs to the VAE (unless its own small decoder paints them: `preview_
 fitted once per folder: encode known pictures with the VAE, normalize the latents as the DiT
 holds them, and solve least squares for each latent pixel's block of pixels. Pictures like the
 model's own make the best fit (tiny-shapes: its renders, at training); `stagemesh model prepare`
-fits a folder that has none on generic pictures (`generic_pictures`).
+fits a large-VAE folder that has none on generic pictures (`prepare_projection`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from stagemesh.services.dit.preview import PROJECTION_FILE, Projection, fit_projection
 from stagemesh.services.dit.preview_decode import (
+    decoder_paints,
     folder_vae_class,
     spatial_factor,
     vae_config,
@@ -85,11 +86,17 @@ def fit_generic(model_dir: str | Path, *, write: bool = True) -> Projection:
 
 
 def prepare_projection(model_dir: str | Path) -> Projection | None:
-    """At prepare: fit `vae/preview.json` on generic pictures for a folder whose VAE previews
-    know and that has none yet (None: none needed, or the folder is read-only: that model then
-    makes no previews unless its DiT decodes them)."""
+    """At prepare: fit `vae/preview.json` on generic pictures for a folder that has none and
+    whose VAE is one previews know but too large for its DiT to decode them (a real
+    checkpoint's). None: none needed, or the folder is read-only (no previews then).
+
+    A small VAE's folder (the seeded built-ins) is left alone: fitting costs tens of seconds of
+    encoding on a CPU at every first start, and such a DiT paints with `preview_painter:
+    decoder` instead (tiny-shapes ships the projection it fitted at training)."""
     folder = Path(model_dir)
     if (folder / PROJECTION_FILE).is_file() or folder_vae_class(folder) is None:
+        return None
+    if decoder_paints(folder):
         return None
     try:
         return fit_generic(folder)

@@ -216,11 +216,15 @@ def test_a_small_vae_decodes_previews_a_large_one_falls_back_to_its_projection(
     assert fallback.to_rgb(grid, 16).shape == (3, SIZE, SIZE)
 
 
-def test_prepare_fits_a_projection_once_for_a_folder_without_one(tmp_path: Path) -> None:
+def test_prepare_fits_a_projection_once_where_the_decoder_may_not_paint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "model"
     (folder / "vae").mkdir(parents=True)
     for name in ("config.json", "diffusion_pytorch_model.safetensors"):
         shutil.copy(Path(SHIPPED_DIR) / "vae" / name, folder / "vae")
+    assert prepare_projection(folder) is None  # a small VAE: its DiT may decode previews
+    assert not (folder / "vae" / "preview.json").exists()
+    monkeypatch.setattr(preview_decode, "MAX_DECODER_BYTES", 1000)  # now "large"
     fitted = prepare_projection(folder)
     assert fitted is not None and fitted.factor == 4  # tiny-shapes' VAE: 4 px per latent
     written = Projection.load(folder)
