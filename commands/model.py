@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from stagemesh.commands import Command
 
@@ -38,12 +39,22 @@ def _prepare(args: argparse.Namespace) -> None:
             folder = resolve_model(spec)
         except (ValueError, FileNotFoundError) as error:  # a wrong spec: say so, no traceback
             raise SystemExit(f"stagemesh model prepare: {error}") from error
+        _fit_preview(folder)
         if args.json:
             extras = {stage: extra.name for stage, extra in stage_extras(folder).items()}
             sys.stdout.write(json.dumps({"folder": str(folder), "extras": extras}) + "\n")
         else:
             sys.stdout.write(f"{folder}\n")
         sys.stdout.flush()
+
+
+def _fit_preview(folder: Path) -> None:
+    """A folder with an image or video VAE too large to decode step previews in the DiT gets
+    its latent-to-RGB projection (`vae/preview.json`) fitted once, here (`prepare_projection`)."""
+    if (folder / "vae" / "config.json").is_file():  # else nothing to import torch for
+        from stagemesh.services.dit.preview_fit import prepare_projection
+
+        prepare_projection(folder)
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -61,9 +61,15 @@ def image_request(request: pb.GenerateImageRequest | pb.EditImageRequest) -> Ima
         priority=generate.priority if generate else None,
         step_cache_threshold=(request.step_cache_threshold
                               if request.HasField("step_cache_threshold") else None),
-        preview=(PreviewAsk(request.preview.every, request.preview.size or None)
-                 if request.HasField("preview") else None),
-        lora=lora_from_proto(request.lora))
+        preview=preview_ask(request), lora=lora_from_proto(request.lora))
+
+
+def preview_ask(request: pb.GenerateImageRequest | pb.EditImageRequest | pb.CreateVideoRequest
+                ) -> PreviewAsk | None:
+    """The request's `preview` (size 0: the DiT's default); unset: none."""
+    if not request.HasField("preview"):
+        return None
+    return PreviewAsk(request.preview.every, request.preview.size or None)
 
 
 def edit_request(request: pb.EditImageRequest) -> EditRequest:
@@ -245,8 +251,8 @@ class NativeApi:
                          context: RequestContext) -> AsyncGenerator[pb.VideoJob, None]:
         async with contextlib.aclosing(self.videos.watch(context.owner,
                                                               request.id)) as records:
-            async for record in records:
-                yield video_job(record)
+            async for view in records:
+                yield video_job(view.record, view.preview)
 
     async def DownloadVideo(
         self, request: pb.DownloadVideoRequest, context: RequestContext,
@@ -276,7 +282,8 @@ def video_request(request: pb.CreateVideoRequest) -> VideoRequest:
         seed=request.seed if request.HasField("seed") else None,
         step_cache_threshold=(request.step_cache_threshold
                               if request.HasField("step_cache_threshold") else None),
-        image=request.input_reference or None, lora=lora_from_proto(request.lora))
+        image=request.input_reference or None, lora=lora_from_proto(request.lora),
+        preview=preview_ask(request))
 
 
 #: A job's state as the proto names it.
@@ -289,10 +296,11 @@ JOB_STATES: dict[JobStatus, pb.VideoJobState.ValueType] = {
 }
 
 
-def video_job(record: JobRecord) -> pb.VideoJob:
+def video_job(record: JobRecord, preview: common_pb2.Preview | None = None) -> pb.VideoJob:
+    """The job as the API shows it (a watch adds its latest step preview)."""
     return pb.VideoJob(
         id=record.id, model=record.model, state=JOB_STATES[record.status],
         progress=record.progress, create_time=int(record.created_at),
         complete_time=int(record.completed_at or 0), width=record.width, height=record.height,
         num_frames=record.num_frames, fps=record.fps, error=record.error,
-        size_bytes=record.size_bytes, prompt=record.prompt)
+        size_bytes=record.size_bytes, prompt=record.prompt, preview=preview)

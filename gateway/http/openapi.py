@@ -179,6 +179,7 @@ _LORA: Schema = {"type": "array", "items": {
 #: In a multipart form, `lora` is that array as one JSON text field.
 _LORA_TEXT: Schema = {"type": "string",
                       "description": 'a JSON array: [{"name": ..., "scale": ...}]'}
+_PREVIEW: Schema = {"type": "object", "properties": {"every": _INTEGER, "size": _INTEGER}}
 _IMAGE_FIELDS: Schema = {
     "prompt": _STRING, "model": _STRING, "negative_prompt": _STRING, "n": _INTEGER,
     "size": _STRING, "width": _INTEGER, "height": _INTEGER, "num_inference_steps": _INTEGER,
@@ -189,9 +190,8 @@ _IMAGE_FIELDS: Schema = {
     "step_cache_threshold": {"type": "number", "minimum": 0, "description":
                              "the DiT's step cache for this request: 0 = off; unset = the "
                              "stage's setting; at most what the stage publishes"},
-    "preview": {"type": "object", "description": "step previews on SSE progress events "
-                "(`preview`: a PNG data URL) every `every` steps, `size` px on the long side",
-                "properties": {"every": _INTEGER, "size": _INTEGER}},
+    "preview": {**_PREVIEW, "description": "step previews on SSE progress events (`preview`: "
+                "a PNG data URL) every `every` steps, `size` px on the long side"},
     "lora": _LORA,
 }
 _SPEECH_FIELDS: Schema = {
@@ -237,6 +237,10 @@ _VIDEO_FIELDS: Schema = {
     "lora": {"oneOf": [_LORA, _LORA_TEXT]},
     "image_reference": {"type": "object", "properties": {"image_url": {
         "type": "string", "description": "a data URL (data:image/png;base64,...)"}}},
+    "preview": {**_PREVIEW, "description": "step previews of the middle frame "
+                "on GET /v1/videoJobs/{id}:watch every `every` steps, `size` px on the long "
+                "side (a form: preview_every, preview_size)"},
+    "preview_every": _INTEGER, "preview_size": _INTEGER,
 }
 _VIDEO_FILE: Schema = {"input_reference": {"type": "string", "contentEncoding": "binary",
                                            "description": "the first frame (PNG, JPEG, WebP)"}}

@@ -56,7 +56,7 @@ def _check_openai_fields(form: Form, fields: FormFields) -> None:
         raise InvalidRequest("output_format", "only output_format 'png' is supported")
 
 
-def _preview(fields: FormFields) -> PreviewAsk | None:
+def preview_from_form(fields: FormFields) -> PreviewAsk | None:
     """`preview_every` / `preview_size` (a form has no objects)."""
     every = fields.integer("preview_every")
     return None if every is None else PreviewAsk(every, fields.integer("preview_size"))
@@ -78,6 +78,6 @@ def edit_request(form: Form) -> tuple[EditRequest, bool]:
         execution_mode=execution_mode(fields.string("execution_mode")),
         priority=fields.integer("priority"),
         step_cache_threshold=fields.number("step_cache_threshold"),
-        preview=_preview(fields), lora=parse_lora_text(fields.string("lora")))
+        preview=preview_from_form(fields), lora=parse_lora_text(fields.string("lora")))
     images = tuple(file.data for file in form.file_list("image"))
     return EditRequest(image=image, images=images), fields.boolean("stream")

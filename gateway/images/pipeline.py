@@ -21,7 +21,12 @@ from PIL import Image
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.errors import InvalidRequest
 from stagemesh.gateway.images.edit_protocol import EditParams, EditRequest, resolve_edit_request
-from stagemesh.gateway.images.protocol import ImageParams, ImageRequest, resolve_image_request
+from stagemesh.gateway.images.protocol import (
+    ImageParams,
+    ImageRequest,
+    PreviewAsk,
+    resolve_image_request,
+)
 from stagemesh.gateway.mesh.calls import CancelScope, call_stage, side_by_side
 from stagemesh.gateway.mesh.events import Done, Emit, Output, Part, StageEvent, stream_pipeline
 from stagemesh.gateway.mesh.stages import lora_to_proto
@@ -52,6 +57,18 @@ def encode_png(pixels: npt.NDArray[np.generic]) -> bytes:
     return buffer.getvalue()
 
 
+async def png_preview(preview: common_pb2.Preview) -> common_pb2.Preview:
+    """The DiT's preview (uint8 pixels) as clients get it: PNG, encoded in a worker thread."""
+    png = await asyncio.to_thread(encode_png, array_from_proto(preview.pixels))
+    return common_pb2.Preview(step_index=preview.step_index, png=png, width=preview.width,
+                              height=preview.height)
+
+
+def preview_options(ask: PreviewAsk) -> common_pb2.PreviewOptions:
+    """What the DiT's start message asks for (size 0: the DiT's default)."""
+    return common_pb2.PreviewOptions(every=ask.every, size=ask.size or 0)
+
+
 class _Progress:
     """Forwards the queued/progress/preempted events of the image stages to `emit`, tagged with
     the image they are about (`part`; None for the prompt, which all images share).
@@ -79,9 +96,7 @@ class _Progress:
     async def _preview(self, stage: str, preview: common_pb2.Preview) -> None:
         progress = self.held or common_pb2.Progress(step_index=preview.step_index)
         self.held = None
-        png = await asyncio.to_thread(encode_png, array_from_proto(preview.pixels))
-        progress.preview.CopyFrom(common_pb2.Preview(
-            step_index=preview.step_index, png=png, width=preview.width, height=preview.height))
+        progress.preview.CopyFrom(await png_preview(preview))
         await self._forward(stage, progress)
 
     async def _forward(self, stage: str,
@@ -171,8 +186,7 @@ async def _draw(params: ImageParams, part: Part, encoded: tokenizer_service_pb2.
     if params.step_cache_threshold is not None:
         start.step_cache_threshold = params.step_cache_threshold
     if params.preview is not None:
-        start.preview.CopyFrom(common_pb2.PreviewOptions(every=params.preview.every,
-                                                         size=params.preview.size or 0))
+        start.preview.CopyFrom(preview_options(params.preview))
     denoised = await call_stage(
         scope, "dit", stubs.dit.Denoise, dit_service_pb2.DenoiseRequest(start=start),
         dit_service_pb2.DenoiseRequest, request_id=request_id, on_event=progress.dit)

@@ -150,7 +150,7 @@ def step_cache_threshold(value: float | None, facts: ImageFacts) -> float | None
 
 def resolve_preview(ask: PreviewAsk | None, facts: ImageFacts) -> PreviewAsk | None:
     """A request's previews against what the DiT publishes (a 400 naming `preview`); every 0
-    is none. A model that makes no previews (its folder has no latent-to-RGB projection) runs
+    is none. A model that makes no previews (its DiT publishes max_preview_size 0) runs
     the request without them: they are a view of the work, not part of its result, and a page
     that asks for them by default (the playground) must work with every model."""
     if ask is None or ask.every == 0 or facts.max_preview_size <= 0:
@@ -228,10 +228,10 @@ def image_request(body: Mapping[str, object]) -> ImageRequest:
         execution_mode=execution_mode(fields.string("execution_mode")),
         priority=fields.integer("priority"),
         step_cache_threshold=fields.number("step_cache_threshold"),
-        preview=_preview(body.get("preview")), lora=parse_lora(body.get("lora")))
+        preview=parse_preview(body.get("preview")), lora=parse_lora(body.get("lora")))
 
 
-def _preview(value: object) -> PreviewAsk | None:
+def parse_preview(value: object) -> PreviewAsk | None:
     """`preview: {"every": k, "size": px}` (size optional); absent or null: none."""
     if value is None:
         return None

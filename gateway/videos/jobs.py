@@ -95,12 +95,29 @@ class _LocalJob:
     saved_at: float = 0.0
     stop_reason: str = ""  # set when this gateway stops it (DELETE, cancel by id)
     deleted: bool = False
+    #: The latest step preview (PNG), when the job asked for them; never stored.
+    preview: common_pb2.Preview | None = None
 
     def update(self, record: JobRecord) -> None:
         """The new record; every watcher wakes."""
         self.record = record
         self.changed.set()
         self.changed = asyncio.Event()
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What a watch sees: the job's record and, while this gateway runs it with previews, the
+    latest step preview of its middle frame (previews are never stored: a watch on another
+    gateway sees records only)."""
+
+    record: JobRecord
+    preview: common_pb2.Preview | None = None
+
+    def key(self) -> tuple[JobStatus, float, int]:
+        """What a watcher is told again when it changes."""
+        return (self.record.status, self.record.progress,
+                self.preview.step_index if self.preview is not None else 0)
 
 
 class VideoJobs:
@@ -219,7 +236,11 @@ class VideoJobs:
                 if fraction > local.record.progress:
                     await self._save(local, replace(local.record, progress=fraction))
 
-            await make_video(self.core, local.spec, context, Mp4Sink(writer), progress)
+            async def preview(picture: common_pb2.Preview) -> None:
+                local.preview = picture
+                local.update(local.record)
+
+            await make_video(self.core, local.spec, context, Mp4Sink(writer), progress, preview)
             await asyncio.to_thread(writer.close)
         except BaseException:
             await asyncio.to_thread(writer.abort)
@@ -280,10 +301,10 @@ class VideoJobs:
         local = self._local.get((record.owner, record.id))
         return local.record if local is not None else record
 
-    async def watch(self, owner: str, job_id: str) -> AsyncGenerator[JobRecord, None]:
-        """The job now, then again each time its state or progress changes, until it ends
-        (a job another gateway runs is re-read every WATCH_POLL_S)."""
-        last: JobRecord | None = None
+    async def watch(self, owner: str, job_id: str) -> AsyncGenerator[JobView, None]:
+        """The job now, then again each time its state, progress or preview changes, until it
+        ends (a job another gateway runs is re-read every WATCH_POLL_S)."""
+        last: JobView | None = None
         while True:
             local = self._local.get((owner, job_id))
             changed = local.changed if local is not None else None
@@ -293,9 +314,10 @@ class VideoJobs:
                 if last is None:
                     raise
                 return  # deleted while watched: the last record said so
-            if last is None or (record.status, record.progress) != (last.status, last.progress):
-                last = record
-                yield record
+            view = JobView(record, local.preview if local is not None else None)
+            if last is None or view.key() != last.key():
+                last = view
+                yield view
             if not record.status.live:
                 return
             if changed is None:

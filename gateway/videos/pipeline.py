@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 
 from stagemesh.gateway.core import GatewayCore, RequestContext
+from stagemesh.gateway.images.pipeline import png_preview, preview_options
 from stagemesh.gateway.mesh.calls import CancelScope, StageCallError, call_stage, side_by_side
 from stagemesh.gateway.mesh.stages import lora_to_proto
 from stagemesh.gateway.mesh.stubs import ImageStubs
@@ -43,6 +44,8 @@ DENOISE_SHARE = 0.9
 
 #: Told the fraction done (0 to 1) each time it grows, and the stage it comes from.
 OnProgress = Callable[[str, float], Awaitable[None]]
+#: Told each step preview of the middle frame (PNG), when the request asked for previews.
+OnPreview = Callable[[common_pb2.Preview], Awaitable[None]]
 
 
 class FrameSink(Protocol):
@@ -76,19 +79,28 @@ async def _ignore(stage: str, fraction: float) -> None:
     return None
 
 
+async def _ignore_preview(preview: common_pb2.Preview) -> None:
+    return None
+
+
 class _Tracker:
     """Turns the stages' events into the job's fraction done and writes decoded frames, checking
     that the VAE sends them in order and whole."""
 
-    def __init__(self, params: VideoParams, sink: FrameSink, on_progress: OnProgress) -> None:
+    def __init__(self, params: VideoParams, sink: FrameSink, on_progress: OnProgress,
+                 on_preview: OnPreview = _ignore_preview) -> None:
         self.params, self.sink, self.on_progress = params, sink, on_progress
+        self.on_preview = on_preview
         self.frames_written = 0
         self.total_frames = params.num_frames
 
     async def dit(self, stage: str, response: dit_service_pb2.DenoiseResponse) -> None:
-        if response.WhichOneof("event") == "progress" and response.progress.total_steps > 0:
+        event = response.WhichOneof("event")
+        if event == "progress" and response.progress.total_steps > 0:
             done = response.progress.step_index / response.progress.total_steps
             await self.on_progress(stage, DENOISE_SHARE * min(1.0, done))
+        elif event == "preview":
+            await self.on_preview(await png_preview(response.preview))
 
     async def vae(self, stage: str, response: vae_service_pb2.DecodeLatentsResponse) -> None:
         if response.WhichOneof("event") != "frames":
@@ -159,11 +171,14 @@ def denoise_start(params: VideoParams, request_id: str,
         start.flow_shift = params.flow_shift
     if params.step_cache_threshold is not None:
         start.step_cache_threshold = params.step_cache_threshold
+    if params.preview is not None:
+        start.preview.CopyFrom(preview_options(params.preview))
     return start
 
 
 async def render_video(params: VideoParams, scope: CancelScope, stubs: ImageStubs,
-                     sink: FrameSink, on_progress: OnProgress = _ignore) -> VideoSummary:
+                       sink: FrameSink, on_progress: OnProgress = _ignore,
+                       on_preview: OnPreview = _ignore_preview) -> VideoSummary:
     """Run the stages for one video, writing its frames to `sink` as the VAE decodes them.
 
     The prompt and (image-to-video) the input image are encoded side by side; the DiT then
@@ -171,7 +186,7 @@ async def render_video(params: VideoParams, scope: CancelScope, stubs: ImageStub
     Raises what call_stage raises (RequestCancelled, StageCallError); the caller's scope turns
     them into GatewayErrors.
     """
-    tracker = _Tracker(params, sink, on_progress)
+    tracker = _Tracker(params, sink, on_progress, on_preview)
     async with side_by_side() as group:
         prompt = group.create_task(_encode_prompt(params, scope, stubs))
         image = group.create_task(_encode_image(params, scope, stubs))
@@ -222,10 +237,11 @@ async def prepare_video(core: GatewayCore, request: VideoRequest) -> VideoSpec:
 
 
 async def make_video(core: GatewayCore, spec: VideoSpec, context: RequestContext,
-                     sink: FrameSink, on_progress: OnProgress) -> VideoSummary:
+                     sink: FrameSink, on_progress: OnProgress,
+                     on_preview: OnPreview = _ignore_preview) -> VideoSummary:
     async with core.request_scope(spec.recipe, context) as scope:
         return await render_video(spec.params, scope, core.mesh.image_stubs(spec.recipe),
-                                         sink, on_progress)
+                                  sink, on_progress, on_preview)
 
 
 async def video_bytes(core: GatewayCore, spec: VideoSpec, context: RequestContext) -> bytes:

@@ -16,8 +16,15 @@ import math
 from dataclasses import dataclass
 
 from stagemesh.gateway.errors import InvalidRequest
+from stagemesh.gateway.images.edit_forms import preview_from_form
 from stagemesh.gateway.images.edit_protocol import RgbImage, decode_image
-from stagemesh.gateway.images.protocol import ImageRequest, parse_size, resolve_image_request
+from stagemesh.gateway.images.protocol import (
+    ImageRequest,
+    PreviewAsk,
+    parse_preview,
+    parse_size,
+    resolve_image_request,
+)
 from stagemesh.gateway.mesh.stages import LoraChoice, VideoFacts
 from stagemesh.gateway.recipes import ImageDefaults, VideoDefaults
 from stagemesh.gateway.wire.forms import Form, FormFields
@@ -36,11 +43,14 @@ MAX_REFERENCE_PIXELS = 4096 * 4096
 #: POST /v1/videos(/sync) and CreateVideo may carry an input image.
 VIDEO_BODY_BYTES = MAX_BODY_BYTES
 #: The create/sync form (or JSON object): its fields by type.
-INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed")
+INTEGER_FIELDS = ("num_frames", "fps", "num_inference_steps", "seed", "preview_every",
+                  "preview_size")
 NUMBER_FIELDS = ("seconds", "guidance_scale", "guidance_scale_2", "boundary_ratio", "flow_shift",
                  "step_cache_threshold")
-TEXT_FIELDS = ("model", "prompt", "negative_prompt", "size", "image_reference")
+TEXT_FIELDS = ("model", "prompt", "negative_prompt", "size", "image_reference", "preview")
 FORM_FIELDS = {*INTEGER_FIELDS, *NUMBER_FIELDS, *TEXT_FIELDS, "input_reference", "lora"}
+#: Fields a JSON body may give as an object (the form holds their JSON text).
+OBJECT_FIELDS = ("image_reference", "preview")
 #: image_reference carries a whole image as a data URL.
 LARGE_FIELDS = {"image_reference": 24 * 1024 * 1024}
 
@@ -68,6 +78,7 @@ class VideoRequest:
     #: Which field the image came in (`input_reference` or `image_reference`), for errors.
     image_field: str = "input_reference"
     lora: tuple[LoraChoice, ...] = ()
+    preview: PreviewAsk | None = None  # middle-frame step previews on :watch / WatchVideo
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,7 @@ class VideoParams:
     #: Image-to-video: the decoded first frame, uint8 RGB [H, W, 3] as the client sent it.
     image: RgbImage | None = None
     lora: tuple[LoraChoice, ...] = ()  # checked against the DiT's published adapters
+    preview: PreviewAsk | None = None  # every and size concrete; None: none
 
     @property
     def seconds(self) -> float:
@@ -213,7 +225,8 @@ def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
         ImageRequest(prompt=request.prompt, negative_prompt=request.negative_prompt,
                      width=request.width, height=request.height,
                      num_inference_steps=request.num_inference_steps, seed=request.seed,
-                     step_cache_threshold=request.step_cache_threshold, lora=request.lora),
+                     step_cache_threshold=request.step_cache_threshold, lora=request.lora,
+                     preview=request.preview),
         ImageDefaults(width=defaults.width, height=defaults.height,
                       num_inference_steps=defaults.num_inference_steps, true_cfg_scale=0.0,
                       negative_prompt=defaults.negative_prompt), facts.image)
@@ -237,7 +250,7 @@ def resolve_video_request(request: VideoRequest, defaults: VideoDefaults,
         guidance_scale_2=scale_2, boundary_ratio=ratio,
         flow_shift=_flow_shift(request, defaults, facts),
         step_cache_threshold=image.step_cache_threshold, image=_image(request, facts),
-        lora=image.lora)
+        lora=image.lora, preview=image.preview)
 
 
 # -- the OpenAI form ------------------------------------------------------------------------------
@@ -277,7 +290,24 @@ def video_request(form: Form) -> VideoRequest:
         guidance_scale_2=fields.number("guidance_scale_2"),
         boundary_ratio=fields.number("boundary_ratio"), flow_shift=fields.number("flow_shift"),
         seed=fields.integer("seed"), step_cache_threshold=fields.number("step_cache_threshold"),
-        image=image, image_field=image_field, lora=parse_lora_text(form.text("lora")))
+        image=image, image_field=image_field, lora=parse_lora_text(form.text("lora")),
+        preview=_preview(form, fields))
+
+
+def _preview(form: Form, fields: FormFields) -> PreviewAsk | None:
+    """`preview` (JSON: {"every": k, "size": px}) or the form's `preview_every`/`preview_size`."""
+    text = form.text("preview")
+    if text is None:
+        return preview_from_form(fields)
+    if fields.integer("preview_every") is not None or fields.integer("preview_size") is not None:
+        raise InvalidRequest("preview", "give previews once: preview, or preview_every and "
+                             "preview_size")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidRequest("preview", 'preview must look like {"every": 1, "size": 128}'
+                             ) from None
+    return parse_preview(value)
 
 
 def form_from_json(body: dict[str, object]) -> Form:
@@ -291,7 +321,7 @@ def form_from_json(body: dict[str, object]) -> Form:
             raise InvalidRequest(name, "input_reference is a file: send a multipart form, or "
                                  "image_reference with a data URL")
         if isinstance(value, bool) or (isinstance(value, list) and name != "lora") or (
-                isinstance(value, dict) and name != "image_reference"):
+                isinstance(value, dict) and name not in OBJECT_FIELDS):
             raise InvalidRequest(name, f"{name} must be a string or a number")
         form.fields[name] = [value if isinstance(value, str) else json.dumps(value)]
     return form

@@ -83,6 +83,10 @@ SCHEDULER_CONFIG = {
 }
 
 
+#: Renders the preview projection is fitted on (`fit_preview`).
+PREVIEW_FIT_IMAGES = 512
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that decides the trained weights besides the seed."""
@@ -419,6 +423,15 @@ def train_dit(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str
     return ema
 
 
+def fit_preview(out: Path, images: np.ndarray) -> None:
+    """The folder's step-preview projection (`vae/preview.json`), fitted on the first
+    PREVIEW_FIT_IMAGES of its own renders: the DiT's fallback when it does not decode previews
+    with the VAE itself (services/dit/preview_decode.py)."""
+    from stagemesh.services.dit.preview_fit import fit_folder_projection
+
+    fit_folder_projection(out, images[:PREVIEW_FIT_IMAGES])
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
@@ -473,6 +486,7 @@ def _train(out: Path, cfg: TrainConfig, seed: int) -> Path:
     _phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen), timings)
 
     pipe.save_pretrained(out, safe_serialization=True)
+    fit_preview(out, images)
     report = {"config": asdict(cfg), "seed": seed, "vae": vae_metrics,
               "seconds": timings, "cpu_seconds": round(time.process_time() - cpu_start, 1),
               "image_size": IMAGE_SIZE}

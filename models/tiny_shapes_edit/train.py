@@ -199,6 +199,7 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     def save(folder: Path) -> None:
         pipe.save_pretrained(folder, safe_serialization=True)
         write_condition_area(folder, IMAGE_SIZE * IMAGE_SIZE)
+        base.fit_preview(folder, targets)
 
     snapshot = out.with_name(out.name + "-halfway")
     load = base._phase("dit", lambda: train_edit(

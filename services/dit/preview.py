@@ -1,14 +1,19 @@
 """Step previews: every k steps, a small picture of a DiT request's estimate of its result.
 
 The estimate is the x0 prediction of flow matching, x0 = x_t - sigma_t * v (v: the guided
-velocity the step used), taken for free from what the step computed anyway. It becomes pixels
-through a linear latent-to-RGB projection that belongs to the model's VAE: `vae/preview.json`
-in the model folder, fitted once by least squares (`fit_projection`) on latents the VAE encoded
-from known pictures. A linear map is a 3 x C matrix per latent pixel: on the DiT's device it
-costs far less than a VAE decode, and only the small uint8 picture crosses to the host. The
-gateway encodes it as PNG off its event loop; nothing here touches PNG.
+velocity the step used), taken for free from what the step computed anyway. A `Painter` turns
+it into pixels on the DiT's device, and only the small uint8 picture crosses to the host; the
+gateway encodes it as PNG off its event loop (nothing here touches PNG). Two painters
+(`preview_decode.load_painter` picks one, by the stage option `preview_painter`):
 
-A folder without `vae/preview.json` makes no previews (Describe: max_preview_size 0).
+- a linear latent-to-RGB projection that belongs to the VAE, the default (`Projection`,
+  `vae/preview.json` in the model folder, fitted once by least squares on latents the VAE
+  encoded from known pictures): a 3 x C matrix per latent pixel, ~1 ms, no second copy of big
+  weights;
+- the folder VAE's own decoder, when its weights are small (`preview_decode`): the picture the
+  VAE stage will make, decoded from a latent grid no larger than the preview needs.
+
+A folder with neither makes no previews (Describe: max_preview_size 0).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -58,6 +64,20 @@ class Preview:
     pixels: npt.NDArray[np.uint8]
 
 
+class Painter(Protocol):
+    """How a folder's latents become a preview's pixels."""
+
+    @property
+    def name(self) -> str:
+        """What the painter is, for logs and benches ("decoder", "projection")."""
+        ...
+
+    def to_rgb(self, grid: torch.Tensor, size: int) -> torch.Tensor:
+        """Latents [channels, h, w], as the DiT holds them -> rgb [3, H, W] in [0, 1] (float32,
+        on their device), for a preview `size` pixels on its long side (resized afterwards)."""
+        ...
+
+
 #: The latent neighbourhood (kernel x kernel) each output block is read from: on encoded
 #: tiny-shapes renders a 5 x 5 window recovers colour and position exactly and 70% of shapes,
 #: where one latent pixel alone gets 60% of colours.
@@ -82,7 +102,9 @@ class Projection:
 
     def save(self, model_dir: Path) -> Path:
         path = model_dir / PROJECTION_FILE
-        path.write_text(json.dumps({"weight": self.weight.tolist(), "bias": self.bias.tolist(),
+        # 5 decimals: finer than a uint8 step, and the shipped file stays small
+        path.write_text(json.dumps({"weight": self.weight.double().round(decimals=5).tolist(),
+                                    "bias": self.bias.double().round(decimals=5).tolist(),
                                     "factor": self.factor}))
         return path
 
@@ -104,12 +126,20 @@ class Projection:
         return cls(weight, bias, factor)
 
     @property
+    def name(self) -> str:
+        return "projection"
+
+    def to(self, device: torch.device) -> Projection:
+        """The projection with its weights on `device` (moved once, not at every preview)."""
+        return replace(self, weight=self.weight.to(device), bias=self.bias.to(device))
+
+    @property
     def kernel(self) -> int:
         return int(self.weight.shape[-1])
 
-    def to_rgb(self, grid: torch.Tensor) -> torch.Tensor:
+    def to_rgb(self, grid: torch.Tensor, size: int = 0) -> torch.Tensor:
         """Latents [channels, h, w] -> rgb [3, h * factor, w * factor] in [0, 1] (float32, on
-        their device)."""
+        their device); the whole grid whatever `size` (a convolution costs next to nothing)."""
         pad = self.kernel // 2
         padded = F.pad(grid.float()[None], (pad,) * 4, mode="replicate")
         blocks = F.conv2d(padded, self.weight.to(grid.device), self.bias.to(grid.device))
@@ -145,21 +175,21 @@ def preview_histogram(registry: CollectorRegistry = REGISTRY) -> Histogram:
         if histogram is None:
             histogram = Histogram(
                 "stagemesh_preview_seconds",
-                "Time of one step preview in the DiT (x0, projection, resize, copy to host)",
+                "Time of one step preview in the DiT (x0, painter, resize, copy to host)",
                 buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1),
                 registry=registry)
             _HISTOGRAMS[registry] = histogram
         return histogram
 
 
-def check_options(options: PreviewOptions | None, projection: Projection | None) -> None:
+def check_options(options: PreviewOptions | None, painter: Painter | None) -> None:
     """A request's preview options against what the stage offers (InvalidInputError naming
     `preview`)."""
     if options is None:
         return
-    if projection is None:
-        raise InvalidInputError("preview", "this model's folder has no latent-to-RGB projection "
-                                f"({PROJECTION_FILE}): it makes no previews")
+    if painter is None:
+        raise InvalidInputError("preview", "this model makes no previews: its VAE is too large "
+                                f"to decode them and its folder has no {PROJECTION_FILE}")
     if options.every < MIN_PREVIEW_EVERY:
         raise InvalidInputError("preview", f"preview.every must be at least {MIN_PREVIEW_EVERY}")
     if not 1 <= options.size <= MAX_PREVIEW_SIZE:
@@ -168,11 +198,12 @@ def check_options(options: PreviewOptions | None, projection: Projection | None)
 
 @dataclass
 class Previewer:
-    """One request's previews: its options, its schedule's sigmas, and how its latents become a
-    [channels, h, w] grid (Qwen-Image unpacks its 2x2 patches; Wan takes the middle frame)."""
+    """One request's previews: its options, the folder's painter, its schedule's sigmas, and how
+    its latents become a [channels, h, w] grid (Qwen-Image unpacks its 2x2 patches; Wan takes
+    the middle frame)."""
 
     options: PreviewOptions
-    projection: Projection
+    painter: Painter
     sigmas: torch.Tensor  # the request's schedule, one per step (then the terminal one)
     grid: Callable[[torch.Tensor], torch.Tensor]
     histogram: Histogram
@@ -186,7 +217,7 @@ class Previewer:
         started = time.perf_counter()
         try:
             x0 = latents - self.sigmas[step_index - 1].to(latents.device, latents.dtype) * velocity
-            rgb = self.projection.to_rgb(self.grid(x0))
+            rgb = self.painter.to_rgb(self.grid(x0), self.options.size)
             pixels = _resized(rgb, self.options.size)
         except Exception:
             logger.exception("preview after step %d failed", step_index)

@@ -74,13 +74,14 @@ from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
 from stagemesh.services.dit.lora_slots import SlotBank
 from stagemesh.services.dit.parallel import GroupForward, check_tokens
 from stagemesh.services.dit.preview import (
+    Painter,
     Preview,
     Previewer,
     PreviewOptions,
-    Projection,
     check_options,
     preview_histogram,
 )
+from stagemesh.services.dit.preview_decode import PainterChoice, load_painter
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
     Prediction,
@@ -180,8 +181,8 @@ class DenoiseAdapter:
     """The DiT stage's model: QwenImageTransformer2DModel + its FlowMatch scheduler."""
 
     stage = "dit"
-    #: The folder VAE's latent-to-RGB map (`vae/preview.json`): None = no step previews.
-    projection: Projection | None
+    #: How the folder's latents become previews (`load_painter`): None = no step previews.
+    painter: Painter | None
 
     def __init__(
         self,
@@ -195,12 +196,14 @@ class DenoiseAdapter:
         placement: Placement = CPU_FLOAT32,
         step_cache: StepCacheConfig | None = None,
         lora: LoraConfig | None = None,
+        preview_painter: PainterChoice = PainterChoice.PROJECTION,
     ) -> None:
         """placement: where the transformer computes, and in what dtype; latents, timesteps and
         embeddings of a request live there, latents leave on the CPU in that dtype.
         max_pixels: None = DEFAULT_MAX_PIXELS, or for an edit model every size its pipeline's
         default-size rule makes within max_side (`edit_pixels_bound`).
-        step_cache: the stage's step cache (None: off). lora: its adapters (None: off)."""
+        step_cache: the stage's step cache (None: off). lora: its adapters (None: off).
+        preview_painter: what paints step previews (`load_painter`)."""
         transformer = QwenImageTransformer2DModel.from_pretrained(
             model_dir,
             subfolder="transformer",
@@ -225,7 +228,7 @@ class DenoiseAdapter:
             max_images_per_request=max_images_per_request,
         )
         self._setup(transformer, scheduler, factor, limits, step_cache, lora)
-        self.projection = Projection.load(model_dir)
+        self.painter = load_painter(model_dir, self._device, preview_painter)
 
     @classmethod
     def from_components(
@@ -272,7 +275,7 @@ class DenoiseAdapter:
         self._hooks = BlockInterruptHooks(self._pacer)
         self.limits = limits
         self.step_cache = StepCache(step_cache or StepCacheConfig())
-        self.projection = None  # a folder's is loaded after setup
+        self.painter = None  # a folder's is loaded after setup
         self.loras = LoraCatalog(lora or LoraConfig())
         self.lora_slots = SlotBank([transformer], self.loras) if self.loras.config.enabled else None
         #: The parallel group this rank 0 runs its forwards over (services/dit/parallel.py).
@@ -292,7 +295,7 @@ class DenoiseAdapter:
         self._check_embeddings(payload.embeddings)
         self._check_conditions(payload.condition_latents)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
-        check_options(payload.preview, self.projection)
+        check_options(payload.preview, self.painter)
         self.loras.check(payload.lora)
         if self.group is not None:
             tokens = payload.height * payload.width // self.latent_factor**2
@@ -375,7 +378,7 @@ class DenoiseAdapter:
 
     def _previewer(self, payload: DenoiseInput,
                    scheduler: FlowMatchEulerDiscreteScheduler) -> Previewer | None:
-        if payload.preview is None or self.projection is None:
+        if payload.preview is None or self.painter is None:
             return None
 
         def grid(latents: torch.Tensor) -> torch.Tensor:  # packed 2x2 patches -> [C, h, w]
@@ -383,7 +386,7 @@ class DenoiseAdapter:
                 latents, payload.height, payload.width, self.vae_scale_factor)
             return unpacked[0, :, 0]
 
-        return Previewer(payload.preview, self.projection, scheduler.sigmas, grid,
+        return Previewer(payload.preview, self.painter, scheduler.sigmas, grid,
                          preview_histogram())
 
     def add_input(self, state: DenoiseState, payload: NoStream) -> None:

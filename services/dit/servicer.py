@@ -42,9 +42,11 @@ from stagemesh.services.dit.preview import (
     DEFAULT_PREVIEW_SIZE,
     MAX_PREVIEW_SIZE,
     MIN_PREVIEW_EVERY,
+    Painter,
     Preview,
     PreviewOptions,
 )
+from stagemesh.services.dit.preview_decode import PainterChoice, PreviewStageOptions, painter_choice
 from stagemesh.services.dit.qwen_image_adapter import (
     CPU_DTYPE,
     DenoiseAdapter,
@@ -122,11 +124,12 @@ MAX_ADMISSION_WINDOW_MS = 1000.0
 
 
 class DitModeOptions(StepCacheOptions, LoraOptions, QuantizationOptions, CompileOptions,
-                     ParallelOptions, total=False):
+                     ParallelOptions, PreviewStageOptions, total=False):
     """How the stage runs a request by default (step execution unless set false), its step
     cache (`StepCacheOptions`: off unless set), its LoRA adapters (`LoraOptions`: none unless
     `lora_dir` is set), weight quantization and compilation of its blocks (none and off unless
-    set), its parallel group (`ParallelOptions`: one device unless set)."""
+    set), its parallel group (`ParallelOptions`: one device unless set), what paints its step
+    previews (`PreviewStageOptions`: the projection unless set)."""
 
     step_execution: bool  # false = REQUEST mode is the default: a running request ignores aborts
     #: true = clients may ask for REQUEST mode (the non-abortable comparison: a request that
@@ -242,7 +245,7 @@ def _video_request(message: pb.DenoiseRequest,
         guidance_scale_2=_optional(start, "guidance_scale_2"),
         boundary_ratio=_optional(start, "boundary_ratio"),
         flow_shift=_optional(start, "flow_shift"), step_cache_threshold=_threshold(start),
-        lora=_lora(start))
+        preview=_preview_options(start), lora=_lora(start))
     return _engine_request(start, deadline, start.num_inference_steps, payload)
 
 
@@ -458,6 +461,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     degrees = Degrees.from_options(first_options)
     if degrees.world > 1:
         _check_group(first_options, device_options)
+    painter = painter_choice(first_options)
     if compile_mode is not CompileMode.OFF and lora.enabled:
         # the slots' per-row hooks change every step: they would recompile the blocks' graphs
         raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
@@ -467,18 +471,18 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
         mode_options, engine_options, _, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
-        video = video_adapter(model_dir, options)
+        video = video_adapter(model_dir, options, painter)
         video.group, workers = _group(WanFamily(video.transformers), model_dir, options, degrees)
         quantize((block for t in video.transformers for block in t.blocks), quantization)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
                                              quantization), video.loras, video.lora_slots,
-                       degrees=degrees,
+                       painter=video.painter, degrees=degrees,
                        workers=workers)
     mode_options, engine_options, _, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
-    image = image_adapter(model_dir, options)
+    image = image_adapter(model_dir, options, painter)
     image.group, workers = _group(QwenImageFamily(image.transformer), model_dir, options, degrees)
     quantize(image.transformer.transformer_blocks, quantization)
     if compile_mode is CompileMode.BLOCKS:
@@ -488,7 +492,7 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
                    CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
                               compile_mode), image.loras, image.lora_slots,
-                   previews=image.projection is not None, degrees=degrees, workers=workers)
+                   painter=image.painter, degrees=degrees, workers=workers)
 
 
 @dataclass(frozen=True)
@@ -510,18 +514,21 @@ def _read(options: Mapping[str, object], limits: type[LimitsT]) -> tuple[LimitsT
                                   StepCacheConfig.from_options(mode), LoraConfig.from_options(mode))
 
 
-def image_adapter(model_dir: Path, options: Mapping[str, object]) -> DenoiseAdapter:
+def image_adapter(model_dir: Path, options: Mapping[str, object],
+                  painter: PainterChoice = PainterChoice.PROJECTION) -> DenoiseAdapter:
     """A Qwen-Image folder's adapter as the options describe it."""
     limits, shared = _read(options, DitLimitOptions)
     return DenoiseAdapter(model_dir, **limits, placement=shared.placement,
-                          step_cache=shared.step_cache, lora=shared.lora)
+                          step_cache=shared.step_cache, lora=shared.lora, preview_painter=painter)
 
 
-def video_adapter(model_dir: Path, options: Mapping[str, object]) -> WanDenoiseAdapter:
+def video_adapter(model_dir: Path, options: Mapping[str, object],
+                  painter: PainterChoice = PainterChoice.PROJECTION) -> WanDenoiseAdapter:
     """A Wan folder's adapter as the options describe it."""
     limits, shared = _read(options, VideoLimitOptions)
     return WanDenoiseAdapter(model_dir, **limits, placement=shared.placement,
-                             step_cache=shared.step_cache, lora=shared.lora)
+                             step_cache=shared.step_cache, lora=shared.lora,
+                             preview_painter=painter)
 
 
 def group_family(model_dir: Path, options: Mapping[str, object]) -> tuple[Family, Degrees]:
@@ -561,8 +568,8 @@ def _bundle(
     model_dir: Path, adapter: StageAdapter[InputT, NoStream, StateT, Preview, DenoisedLatents],
     limits: DitLimits, wire: DenoiseWire[InputT], mode_options: DitModeOptions,
     engine_options: DitEngineOptions, placement: Placement, cache: CacheFacts,
-    loras: LoraCatalog = NO_LORAS, lora_slots: SlotBank | None = None, previews: bool = False,
-    degrees: Degrees = ONE_DEVICE, workers: Workers | None = None,
+    loras: LoraCatalog = NO_LORAS, lora_slots: SlotBank | None = None,
+    painter: Painter | None = None, degrees: Degrees = ONE_DEVICE, workers: Workers | None = None,
 ) -> StageBundle:
     """The engine over `adapter`, its servicer and the stage bundle (any DiT model); every
     running request's step cache must fit (`check_capacity`). A group's `workers` are watched:
@@ -581,7 +588,7 @@ def _bundle(
         workers.watch(lambda reason: _group_fault(engine, workers, reason))
     description = _describe(
         model_dir, engine, limits, mode, placement, mode_options.get("request_mode", False),
-        cache, loras, previews, degrees)
+        cache, loras, painter is not None, degrees)
     updates = (LoraUpdates(loras, lora_slots, description)
                if loras.config.runtime_updates and lora_slots is not None else None)
     servicer = DitServicer(engine, wire, description, updates)
@@ -592,6 +599,7 @@ def _bundle(
                             "step_cache": cache.config.method.value,
                             "quantization": cache.quantization.value,
                             "compile": cache.compile.value,
+                            "preview_painter": painter.name if painter else "none",
                             "parallel": f"cfg={degrees.cfg} ulysses={degrees.ulysses}",
                             **({"group_pids": " ".join(map(str, workers.pids))}
                                if workers else {})})

@@ -62,7 +62,15 @@ from stagemesh.services.dit.limits import DitLimits, image_limits, scheduler_min
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraUse
 from stagemesh.services.dit.lora_slots import SlotBank
 from stagemesh.services.dit.parallel import GroupForward, check_tokens
-from stagemesh.services.dit.preview import Preview
+from stagemesh.services.dit.preview import (
+    Painter,
+    Preview,
+    Previewer,
+    PreviewOptions,
+    check_options,
+    preview_histogram,
+)
+from stagemesh.services.dit.preview_decode import PainterChoice, load_painter
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, forward_rows
 from stagemesh.services.dit.stepping import (
     Prediction,
@@ -162,6 +170,7 @@ class VideoDenoiseInput:
     flow_shift: float | None = None
     step_cache_threshold: float | None = None  # None = the stage's setting, 0 = off
     lora: tuple[LoraUse, ...] = ()  # adapters from the stage's `lora_dir`, on both transformers
+    preview: PreviewOptions | None = None  # step previews of the middle frame (None: none)
 
 
 @dataclass(frozen=True)
@@ -214,6 +223,8 @@ class WanDenoiseAdapter:
     """The DiT stage's model for Wan: WanTransformer3DModel(s) + UniPC, one step per tick."""
 
     stage = "dit"
+    #: How the folder's latents become previews (`load_painter`): None = no step previews.
+    painter: Painter | None
 
     def __init__(
         self,
@@ -228,12 +239,14 @@ class WanDenoiseAdapter:
         placement: Placement = CPU_FLOAT32,
         step_cache: StepCacheConfig | None = None,
         lora: LoraConfig | None = None,
+        preview_painter: PainterChoice = PainterChoice.PROJECTION,
     ) -> None:
         """max_video_pixels: frames x height x width; None: DEFAULT_MAX_VIDEO_PIXELS or, if
         less, what max_frames and max_pixels allow. placement: where the transformers compute,
         and in what dtype; the latents stay in float32 there (as in the pipelines) and leave on
         the CPU. step_cache: the stage's step cache (None: off). lora: its adapters (None: off;
-        each goes into every transformer, as diffusers' `load_into_transformer_2`)."""
+        each goes into every transformer, as diffusers' `load_into_transformer_2`).
+        preview_painter: what paints step previews of the middle frame (`load_painter`)."""
         folder = WanFolder.read(model_dir)
         names = ["transformer", SECOND_TRANSFORMER][: 1 + folder.has_second_transformer]
         transformers = [
@@ -267,6 +280,7 @@ class WanDenoiseAdapter:
         )
         #: The parallel group this rank 0 runs its forwards over (services/dit/parallel.py).
         self.group: GroupForward | None = None
+        self.painter = load_painter(model_dir, self._device, preview_painter)
         self.limits = self._limits(
             max_steps=max_steps,
             max_pixels=max_pixels,
@@ -357,6 +371,7 @@ class WanDenoiseAdapter:
         self._check_embeddings(payload)
         self._check_conditions(payload)
         self.step_cache.config.request_threshold(payload.step_cache_threshold)
+        check_options(payload.preview, self.painter)
         self.loras.check(payload.lora)
         if self.group is not None:
             check_tokens(self.group.degrees, self._tokens(payload))
@@ -497,8 +512,18 @@ class WanDenoiseAdapter:
             work=work,
             request_id=request.request_id,
             cache=self.step_cache.new_row(threshold),
+            preview=self._previewer(payload.preview, scheduler),
             lora=self.lora_slots.hold(payload.lora) if self.lora_slots else None,
         )
+
+    def _previewer(self, options: PreviewOptions | None,
+                   scheduler: UniPCMultistepScheduler) -> Previewer | None:
+        """Previews of the middle latent frame [z, h, w] (UniPC's flow sigmas give its x0)."""
+        if options is None or self.painter is None:
+            return None
+        return Previewer(options, self.painter, scheduler.sigmas,
+                         lambda latents: latents[0, :, latents.shape[2] // 2],
+                         preview_histogram())
 
     def add_input(self, state: VideoDenoiseState, payload: NoStream) -> None:
         assert_never(payload)  # the DiT stage takes no streamed input

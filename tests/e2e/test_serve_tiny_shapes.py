@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -50,3 +52,25 @@ def test_a_blue_square_at_the_top_sits_in_the_upper_half(served) -> None:
     mask = (image[..., 2] > 140) & (image[..., 0] < 110) & (image[..., 1] < 110)
     assert mask.sum() >= 20
     assert np.nonzero(mask)[0].mean() < 16 - 3
+
+
+def test_the_default_mesh_streams_previews_of_the_picture_forming(served) -> None:
+    """tiny-shapes as shipped makes previews (its DiT decodes them with its own small VAE):
+    every 4th step's progress carries one, and the last looks like the image."""
+    with httpx.stream("POST", f"{served.http_url}/v1/images/generations", timeout=60, json={
+            "model": "tiny-shapes", "prompt": "a red circle on the left", "size": "32x32",
+            "num_inference_steps": 16, "seed": 0, "stream": True,
+            "preview": {"every": 4, "size": 32}}) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    previews = {e["step"]: e["preview"] for e in events
+                if e["type"] == "progress" and e.get("stage") == "dit" and "preview" in e}
+    assert sorted(previews) == [4, 8, 12, 16]
+    header = "data:image/png;base64,"
+    assert all(url.startswith(header) for url in previews.values())
+    last = np.asarray(Image.open(io.BytesIO(base64.b64decode(
+        previews[16][len(header):]))).convert("RGB")).astype(np.int32)
+    assert last.shape == (32, 32, 3)
+    mask = (last[..., 0] > 150) & (last[..., 1] < 110) & (last[..., 2] < 110)
+    assert mask.sum() >= 20 and np.nonzero(mask)[1].mean() < 16 - 3  # red, on the left

@@ -66,6 +66,7 @@ class FakeVideoDit(dit_service_pb2_grpc.DitServiceServicer):
 
     image_to_video: bool = False
     step_seconds: float = 0.0
+    max_preview_size: int = 32  # previews: a 4 x 6 picture whose grey level is the step
     starts: list[Any] = field(default_factory=list)
     aborted: dict[str, int] = field(default_factory=dict)  # request id -> steps done
     steps_done: dict[str, int] = field(default_factory=dict)
@@ -77,7 +78,9 @@ class FakeVideoDit(dit_service_pb2_grpc.DitServiceServicer):
             min_steps=1, execution_modes=[common_pb2.EXECUTION_MODE_STEP], max_frames=33,
             frame_multiple=4, max_condition_images=1 if self.image_to_video else 0,
             has_second_transformer=self.image_to_video, accepts_flow_shift=True,
-            task="image-to-video" if self.image_to_video else "text-to-video")
+            task="image-to-video" if self.image_to_video else "text-to-video",
+            max_preview_size=self.max_preview_size, default_preview_size=16,
+            min_preview_every=1)
 
     async def Denoise(self, requests: Any, context: Any) -> AsyncIterator[Any]:
         start = await start_message(requests)
@@ -95,6 +98,10 @@ class FakeVideoDit(dit_service_pb2_grpc.DitServiceServicer):
                     self.steps_done[start.request_id] = step + 1
                     yield dit_service_pb2.DenoiseResponse(progress=common_pb2.Progress(
                         step_index=step + 1, total_steps=start.num_inference_steps))
+                    if start.preview.every and (step + 1) % start.preview.every == 0:
+                        yield dit_service_pb2.DenoiseResponse(preview=common_pb2.Preview(
+                            step_index=step + 1, width=6, height=4, pixels=array_to_proto(
+                                np.full((4, 6, 3), 40 * (step + 1), np.uint8))))
                 yield dit_service_pb2.DenoiseResponse(result=dit_service_pb2.DenoiseResult(
                     latents=array_to_proto(np.zeros((1, 4, 3, 2, 2), np.float32)),
                     height=start.height, width=start.width, steps=start.num_inference_steps,
@@ -516,6 +523,37 @@ async def test_the_native_routes_create_watch_and_download_a_job(mesh: VideoMesh
     deleted = await mesh.client.delete("/v1/videoJobs/my-job-1")
     assert deleted.json()["state"] == "VIDEO_JOB_STATE_SUCCEEDED"  # as it ended
     assert (await mesh.client.get("/v1/videoJobs/my-job-1")).status_code == 404
+
+
+async def test_a_watched_job_shows_its_middle_frame_previews(mesh: VideoMesh) -> None:
+    """`preview` on the native JSON body (and preview_every on the OpenAI form): the DiT is
+    asked for them and :watch lines carry the latest as PNG, its step and size."""
+    mesh.dit.step_seconds = 0.05  # the watch sees the steps go by
+    body = {"prompt": "a circle", "width": 48, "height": 32, "num_frames": 9,
+            "num_inference_steps": 3, "request_id": "previewed", "preview": {"every": 1}}
+    created = await mesh.client.post("/v1/videoJobs", json=body)
+    assert created.status_code == 200, created.text
+    assert "preview" not in created.json()  # only a watch carries them
+    watched = await mesh.client.get("/v1/videoJobs/previewed:watch")
+    lines = [json.loads(line) for line in watched.text.splitlines()]
+    assert lines[-1]["state"] == "VIDEO_JOB_STATE_SUCCEEDED"
+    previews = [line["preview"] for line in lines if "preview" in line]
+    steps = [p["step_index"] for p in previews]
+    assert steps and steps == sorted(steps) and steps[-1] == 3, steps
+    picture = Image.open(io.BytesIO(base64.b64decode(previews[-1]["png"])))
+    assert picture.size == (6, 4) and picture.getpixel((0, 0)) == (120, 120, 120)
+    assert (previews[-1]["width"], previews[-1]["height"]) == (6, 4)
+    start = mesh.dit.starts[-1]
+    assert (start.preview.every, start.preview.size) == (1, 16)  # the DiT's default size
+    form = await mesh.client.post("/v1/videos", **multipart(
+        {**FORM, "preview_every": "2", "preview_size": "8"}))
+    assert form.status_code == 200, form.text
+    await wait_for(mesh.client, form.json()["id"], "completed")
+    assert (mesh.dit.starts[-1].preview.every, mesh.dit.starts[-1].preview.size) == (2, 8)
+    too_big = await mesh.client.post("/v1/videoJobs", json={**body, "request_id": "big",
+                                                            "preview": {"every": 1,
+                                                                        "size": 33}})
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "preview"
 
 
 async def test_the_native_create_answers_with_the_jobs_id(mesh: VideoMesh) -> None:

@@ -26,6 +26,8 @@ from stagemesh.models import wan
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.families.wan import PROMPT_MAX_TOKENS
 from stagemesh.services.dit import servicer
+from stagemesh.services.dit.preview import PreviewOptions
+from stagemesh.services.dit.preview_decode import PainterChoice
 from stagemesh.services.dit.types import DenoisedLatents
 from stagemesh.services.dit.wan_adapter import (
     VideoDenoiseInput,
@@ -339,6 +341,28 @@ def test_the_servicer_serves_wan_folders(i2v_dir: Path, t2v_dir: Path) -> None:
     t2v_facts = WanDenoiseAdapter(t2v_dir).limits
     assert (t2v_facts.task, t2v_facts.max_condition_images) == ("text-to-video", 0)
     assert not t2v_facts.has_second_transformer
+
+
+def test_previews_show_the_middle_frame_every_k_steps(t2v_dir: Path) -> None:
+    """The tiny Wan VAE is small: the DiT may decode the middle latent frame's x0 itself."""
+    t2v = WanDenoiseAdapter(t2v_dir, preview_painter=PainterChoice.DECODER)
+    assert t2v.painter is not None and t2v.painter.name == "decoder"
+    payload = _video(_embeddings(), preview=PreviewOptions(every=2, size=24))
+    t2v.check_inputs(payload)
+    state = t2v.prepare(EngineRequest("p", payload))
+    assert state.preview is not None
+    frames = torch.arange(3.0).view(1, 1, 3, 1, 1).expand(1, 16, 3, 4, 6)  # value = frame
+    middle = state.preview.grid(frames)
+    assert middle.shape == (16, 4, 6) and bool((middle == 1.0).all())  # frame 1 of 0, 1, 2
+    partials = [t2v.step([state])[0].partial for _ in range(4)]
+    t2v.release(state)
+    assert [p.step_index if p else None for p in partials] == [None, 2, None, 4]
+    last = partials[3]
+    assert last is not None and last.pixels.shape == (16, 24, 3)  # 32 x 48 -> 24 long side
+    refused = _video(_embeddings(), preview=PreviewOptions(every=1, size=10_000))
+    with pytest.raises(InvalidInputError) as error:
+        t2v.check_inputs(refused)
+    assert error.value.field_name == "preview"
 
 
 def _start(**fields: object) -> pb.DenoiseRequest:

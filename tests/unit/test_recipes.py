@@ -63,7 +63,8 @@ def test_the_default_mesh_keeps_its_limits_as_stage_options() -> None:
     recipes = load_recipes(DEFAULT_RECIPES)
     image, speech = recipes["tiny-shapes"], recipes["csm-tiny"]
     assert image.stage("dit").options == {"step_execution": True, "max_steps": 200,
-                                          "max_pixels": 262144, "max_images_per_request": 4}
+                                          "max_pixels": 262144, "max_images_per_request": 4,
+                                          "preview_painter": "decoder"}
     assert image.stage("tokenizer").options == {"max_prompt_chars": 2000}
     assert image.image_defaults == ImageDefaults(width=32, height=32, num_inference_steps=16,
                                                  true_cfg_scale=4.0, negative_prompt="")

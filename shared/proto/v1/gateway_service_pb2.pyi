@@ -1008,6 +1008,7 @@ class VideoJob(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
+    PREVIEW_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The job's id ("video_..."), also its request id for cancel-by-id."""
     model: _builtins.str
@@ -1029,6 +1030,12 @@ class VideoJob(_message.Message):
     """Bytes of the finished MP4."""
     prompt: _builtins.str
     """The prompt it was made from."""
+    @_builtins.property
+    def preview(self) -> _common_pb2.Preview:
+        """WatchVideo only: the latest step preview of the middle frame (PNG), while the gateway
+        watched runs the job and it asked for previews.
+        """
+
     def __init__(
         self,
         *,
@@ -1045,10 +1052,11 @@ class VideoJob(_message.Message):
         error: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
         prompt: _builtins.str = ...,
+        preview: _common_pb2.Preview | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["preview", b"preview"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_time", b"complete_time", "create_time", b"create_time", "error", b"error", "fps", b"fps", "height", b"height", "id", b"id", "model", b"model", "num_frames", b"num_frames", "progress", b"progress", "prompt", b"prompt", "size_bytes", b"size_bytes", "state", b"state", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_time", b"complete_time", "create_time", b"create_time", "error", b"error", "fps", b"fps", "height", b"height", "id", b"id", "model", b"model", "num_frames", b"num_frames", "preview", b"preview", "progress", b"progress", "prompt", b"prompt", "size_bytes", b"size_bytes", "state", b"state", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1078,6 +1086,7 @@ class CreateVideoRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     STEP_CACHE_THRESHOLD_FIELD_NUMBER: _builtins.int
     LORA_FIELD_NUMBER: _builtins.int
+    PREVIEW_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Recipe (served model) name; empty = the default text-to-video recipe (image-to-video when
     an input image is given).
@@ -1116,6 +1125,10 @@ class CreateVideoRequest(_message.Message):
     def lora(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]:
         """LoRA adapters of the recipe's DiT (DescribeDit lora_names) and their scales (unset = 1)."""
 
+    @_builtins.property
+    def preview(self) -> _common_pb2.PreviewOptions:
+        """Step previews of the middle frame on WatchVideo (VideoJob.preview); off when unset."""
+
     def __init__(
         self,
         *,
@@ -1137,10 +1150,11 @@ class CreateVideoRequest(_message.Message):
         request_id: _builtins.str = ...,
         step_cache_threshold: _builtins.float | None = ...,
         lora: _abc.Iterable[_common_pb2.LoraAdapter] | None = ...,
+        preview: _common_pb2.PreviewOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "negative_prompt", b"negative_prompt", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "negative_prompt", b"negative_prompt", "preview", b"preview", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "lora", b"lora", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio", "_flow_shift", b"_flow_shift", "_guidance_scale", b"_guidance_scale", "_guidance_scale_2", b"_guidance_scale_2", "_negative_prompt", b"_negative_prompt", "_seed", b"_seed", "_step_cache_threshold", b"_step_cache_threshold", "boundary_ratio", b"boundary_ratio", "flow_shift", b"flow_shift", "fps", b"fps", "guidance_scale", b"guidance_scale", "guidance_scale_2", b"guidance_scale_2", "height", b"height", "input_reference", b"input_reference", "lora", b"lora", "model", b"model", "negative_prompt", b"negative_prompt", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "preview", b"preview", "prompt", b"prompt", "request_id", b"request_id", "seconds", b"seconds", "seed", b"seed", "step_cache_threshold", b"step_cache_threshold", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__boundary_ratio: _TypeAlias = _typing.Literal["boundary_ratio"]  # noqa: Y015
     _WhichOneofArgType__boundary_ratio: _TypeAlias = _typing.Literal["_boundary_ratio", b"_boundary_ratio"]  # noqa: Y015
