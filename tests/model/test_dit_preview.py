@@ -83,10 +83,20 @@ def _run(folder: Path, prompts: list[str]) -> list[tuple[np.ndarray, np.ndarray]
     return results
 
 
-@pytest.mark.timeout(120)
-def test_the_preview_at_step_12_of_16_shows_the_final_picture(folder: Path) -> None:
+Runs = tuple[list[str], list[tuple[np.ndarray, np.ndarray]]]
+
+
+@pytest.fixture(scope="module")
+def runs(folder: Path) -> Runs:
+    """The prompts and their (preview, final) pairs, run once for both checks below (fixed
+    seeds: a second run gives the same pictures). Read-only for the tests."""
     prompts = subset_prompts(30)[:PROMPTS]
-    results = _run(folder, prompts)
+    return prompts, _run(folder, prompts)
+
+
+@pytest.mark.timeout(120)
+def test_the_preview_at_step_12_of_16_shows_the_final_picture(runs: Runs) -> None:
+    prompts, results = runs
     preview_hits = {"place": 0, "shape": 0}
     final_shapes = 0
     for prompt, (preview, final) in zip(prompts, results, strict=True):
@@ -105,10 +115,10 @@ def test_the_preview_at_step_12_of_16_shows_the_final_picture(folder: Path) -> N
 @pytest.mark.xfail(strict=True, reason="issue 26's bar: the linear projection reaches 83% "
                    "colour+place and -33 points of shape at step 12 (30 prompts)")
 @pytest.mark.timeout(120)
-def test_the_preview_at_step_12_meets_the_issues_bar(folder: Path) -> None:
-    prompts = subset_prompts(30)[:PROMPTS]
+def test_the_preview_at_step_12_meets_the_issues_bar(runs: Runs) -> None:
+    prompts, results = runs
     places = shapes = final_shapes = 0
-    for prompt, (preview, final) in zip(prompts, _run(folder, prompts), strict=True):
+    for prompt, (preview, final) in zip(prompts, results, strict=True):
         seen, wanted = score(preview, prompt), score(final, prompt)
         places += seen["colour"] and seen["position"]
         shapes += seen["shape"]
