@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import pytest_asyncio
 import torch
 from diffusers import QwenImagePipeline
 from PIL import Image
@@ -45,7 +46,9 @@ from stagemesh.shared.proto.v1 import (
 from stagemesh.shared.server import RunningServer
 from stagemesh.shared.stage_runtime import StageBundle, start_stage, stop_stage
 
-pytestmark = pytest.mark.timeout(300)
+#: The meshes are module-scoped (stages built once, each test leaves them idle), so the tests
+#: run on the module's event loop.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
 BFLOAT16: dict[str, bool | int | float | str] = {"dtype": "bfloat16"}
 SIZE, STEPS = 32, 16
@@ -67,7 +70,7 @@ async def started(names: tuple[str, ...], model_dir: Path
     return bundles, {name: await start_stage(bundle) for name, bundle in bundles.items()}
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def image_mesh() -> AsyncIterator[Mesh]:
     bundles, servers = await started(("tokenizer", "dit", "vae"), SHIPPED_TINY_SHAPES)
     recipe = Recipe(name="bf16", task=Task.TEXT_TO_IMAGE, model=str(SHIPPED_TINY_SHAPES),
@@ -83,7 +86,7 @@ async def image_mesh() -> AsyncIterator[Mesh]:
             await stop_stage(bundles[name], server, grace=0.5)
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def speech_mesh() -> AsyncIterator[Mesh]:
     model_dir = ensure_speech_model()
     bundles, servers = await started(("talker", "codec"), model_dir)

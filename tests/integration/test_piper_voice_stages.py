@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import pytest_asyncio
 
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore, RequestContext
@@ -28,7 +29,8 @@ from stagemesh.services.registry import build_stage
 from stagemesh.shared.stage_runtime import StageBundle, start_stage, stop_stage
 
 pytest.importorskip("piper", reason="the Piper voice needs the voice-gpl extra")
-pytestmark = pytest.mark.timeout(180)
+#: One voice mesh per module (each test leaves it idle), so the tests run on the module's loop.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
 TWO_SENTENCES = "Hello there, how are you today? The weather is lovely this afternoon."
 
@@ -48,7 +50,7 @@ def piper_dir() -> Path:
     return ensure_piper_model()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def voice(piper_dir: Path) -> AsyncIterator[Voice]:
     running = []
     for name in ("talker", "codec"):

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from stagemesh.models.tiny_shapes import SHIPPED_DIR
 from stagemesh.models.tiny_shapes.evaluate import (
+    Generate,
     all_prompts,
     evaluate,
-    pipeline_generator,
     subset_prompts,
 )
 from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES
@@ -86,8 +85,8 @@ def test_smoke_training_writes_a_folder_the_stock_pipeline_runs(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_shipped_weights_draw_what_they_are_asked(tmp_path: Path) -> None:
-    generate = pipeline_generator(SHIPPED_DIR)
-    metrics = evaluate(generate, tmp_path, subset_prompts(30))
+def test_shipped_weights_draw_what_they_are_asked(tmp_path: Path,
+                                                 shipped_tiny_shapes: Generate) -> None:
+    metrics = evaluate(shipped_tiny_shapes, tmp_path, subset_prompts(30))
     for name, floor in SHIPPED_FLOORS.items():
         assert metrics["accuracy"][name] >= floor, (name, metrics["accuracy"])
