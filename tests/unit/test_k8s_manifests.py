@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -34,7 +35,9 @@ from stagemesh.shared.stage_runtime import (
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 KUBECTL = shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(KUBECTL is None,
+# `make test` leaves the manifests to these tests (not tools/check_k8s.sh): under CI=true a
+# missing kubectl fails them instead of skipping, so a CI cannot pass without checking them.
+pytestmark = pytest.mark.skipif(KUBECTL is None and os.environ.get("CI") != "true",
                                 reason="kubectl is not on PATH (needed for `kubectl kustomize`)")
 
 #: Stage Deployments, named <recipe>-<role>: each recipe's stages run its own model, so two
