@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from stagemesh.models.tiny_shapes import SHIPPED_DIR
 from stagemesh.models.tiny_shapes.data import Spec, all_specs, make_dataset, parse_caption, render
+from stagemesh.models.tiny_shapes.evaluate import load_pipeline, stock_generator
 from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, score, shape_mask
 
 if TYPE_CHECKING:
@@ -87,15 +87,6 @@ def effect_scores(images: list[np.ndarray], captions: list[str]) -> dict[str, fl
 
 # ---------------------------------------------------------------------------------------------
 # Checking the style on the VAE, and training
-
-
-def load_pipeline(folder: Path) -> QwenImagePipeline:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def reconstruct(pipe: QwenImagePipeline, images: np.ndarray) -> np.ndarray:
@@ -160,7 +151,7 @@ def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | N
     import torch
     from peft.utils import get_peft_model_state_dict
 
-    from stagemesh.models.tiny_shapes.train import cosine_lr, dit_loss, encode_latents
+    from stagemesh.models.tiny_shapes.train import cosine_lr, dit_train_step, encode_latents
 
     cfg = config or LoraConfig()
     previous_threads = torch.get_num_threads()
@@ -179,17 +170,9 @@ def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | N
         pipe.transformer.train()
         losses: list[float] = []
         for step in range(cfg.steps):
-            idx = torch.randint(0, len(latents), (cfg.batch,), generator=gen)
-            drop = torch.rand(cfg.batch, generator=gen) < cfg.caption_dropout
-            batch = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist(),
-                                                            strict=True)]
-            loss = dit_loss(pipe, latents[idx], batch, gen)
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * cosine_lr(step, cfg.steps, cfg.warmup)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            loss = dit_train_step(pipe, latents, captions, opt, params, gen, batch=cfg.batch,
+                                  caption_dropout=cfg.caption_dropout,
+                                  lr=cfg.lr * cosine_lr(step, cfg.steps, cfg.warmup))
             losses.append(loss.item())
             if step % 25 == 0:
                 log.info("step %d/%d loss %.4f", step, cfg.steps, np.mean(losses[-25:]))
@@ -200,7 +183,7 @@ def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | N
                                    "r": cfg.rank, "lora_alpha": cfg.rank,
                                    "target_modules": list(TARGETS)})
         report: dict[str, object] = {
-            "name": out.name, "base": str(folder), "config": asdict(cfg), "seed": seed,
+            "name": out.name, "base": folder.name, "config": asdict(cfg), "seed": seed,
             "style_scale": STYLE_SCALE, "targets": list(TARGETS),
             "final_loss": round(float(np.mean(losses[-25:])), 4),
             "seconds": round(time.perf_counter() - start, 1),
@@ -215,19 +198,6 @@ def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | N
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation
-
-
-def _generate(pipe: QwenImagePipeline, prompts: list[str], seed: int, steps: int,
-              guidance: float) -> list[np.ndarray]:
-    import torch
-
-    images = []
-    for prompt in prompts:
-        result = pipe(prompt, negative_prompt="", true_cfg_scale=guidance, height=32, width=32,
-                      num_inference_steps=steps, output_type="np",
-                      generator=torch.Generator().manual_seed(seed))
-        images.append((result.images[0] * 255.0).round().astype(np.uint8))
-    return images
 
 
 def write_side_by_side(base: list[np.ndarray], styled: list[np.ndarray], path: Path,
@@ -257,9 +227,10 @@ def evaluate_lora(folder: Path, adapter: Path, out_dir: Path, *, n: int = 0, see
     if n:
         prompts = [prompts[i] for i in np.random.default_rng(20261202).permutation(270)[:n]]
     pipe = load_pipeline(folder)
-    base = _generate(pipe, prompts, seed, steps, guidance)
+    generate = stock_generator(pipe, steps=steps, guidance=guidance)
+    base = [generate(prompt, seed) for prompt in prompts]
     pipe.load_lora_weights(adapter, adapter_name=NAME)
-    styled = _generate(pipe, prompts, seed, steps, guidance)
+    styled = [generate(prompt, seed) for prompt in prompts]
     report: dict[str, object] = {
         "adapter": adapter.name, "n": len(prompts), "seed": seed, "steps": steps,
         "guidance": guidance, "effect_ratio": EFFECT_RATIO,
@@ -287,10 +258,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     folder = Path(args.folder) if args.folder else SHIPPED_DIR
     out = Path(args.out) if args.out else SHIPPED_LORA_DIR / NAME
-    if args.action == "validate":
-        import torch
+    import torch
 
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)  # a second thread is ~10x slower on a busy 2-core machine
+    if args.action == "validate":
         log.info("%s", json.dumps(validate_style(load_pipeline(folder)), indent=1))
     elif args.action == "train":
         train_lora(folder, out, config=LoraConfig(steps=args.steps))
