@@ -121,7 +121,7 @@ class LoraConfig:
     """Everything that decides the adapter's weights besides the seed."""
 
     n_images: int = 2700
-    steps: int = 400
+    steps: int = 900
     batch: int = 32
     lr: float = 2e-3
     warmup: int = 20

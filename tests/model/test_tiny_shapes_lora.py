@@ -55,7 +55,7 @@ def test_shipped_adapter_draws_larger_shapes_on_the_dit_stage() -> None:
     dit = DenoiseAdapter(SHIPPED_DIR, lora=LoraConfig.from_options(
         {"lora_dir": str(SHIPPED_LORA_DIR), "max_lora_rank": 8}))
     vae = LatentDecoderAdapter(SHIPPED_DIR)
-    assert NAME in dit.loras.names()
+    assert NAME in dit.loras.names
     for prompt in PROMPTS:
         embeddings = _embeddings(pipe, prompt)
         base = _draw(dit, vae, embeddings, ())
