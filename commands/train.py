@@ -32,6 +32,16 @@ def _train_tiny_shapes_edit(args: argparse.Namespace) -> None:
           config=dataclasses.replace(base, threads=args.threads))
 
 
+def _train_tiny_shapes_lora(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes import SHIPPED_DIR
+    from stagemesh.models.tiny_shapes.lora import NAME, SHIPPED_LORA_DIR, LoraConfig, train_lora
+
+    base = LoraConfig.smoke() if args.smoke else LoraConfig()
+    out = Path(args.out) if args.out else SHIPPED_LORA_DIR / NAME
+    train_lora(SHIPPED_DIR, out, seed=args.seed,
+               config=dataclasses.replace(base, threads=args.threads))
+
+
 def _eval_tiny_shapes(args: argparse.Namespace) -> None:
     from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
 
@@ -46,7 +56,8 @@ def _eval_tiny_shapes_edit(args: argparse.Namespace) -> None:
 
 #: Model name -> what `stagemesh train NAME` / `stagemesh eval NAME` runs.
 TRAINERS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "tiny-shapes": _train_tiny_shapes, "tiny-shapes-edit": _train_tiny_shapes_edit}
+    "tiny-shapes": _train_tiny_shapes, "tiny-shapes-edit": _train_tiny_shapes_edit,
+    "tiny-shapes-lora": _train_tiny_shapes_lora}
 EVALUATORS: dict[str, Callable[[argparse.Namespace], None]] = {
     "tiny-shapes": _eval_tiny_shapes, "tiny-shapes-edit": _eval_tiny_shapes_edit}
 
@@ -54,7 +65,8 @@ EVALUATORS: dict[str, Callable[[argparse.Namespace], None]] = {
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", choices=sorted(TRAINERS))
     parser.add_argument("--out", default=None,
-                        help="output folder (default: the shipped assets/MODEL)")
+                        help="output folder (default: the shipped assets/MODEL; tiny-shapes-lora: "
+                             "assets/tiny-shapes-loras/big-shapes, trained on assets/tiny-shapes)")
     parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
     parser.add_argument("--proxy", action="store_true",
                         help="tiny-shapes-edit: the <= 10 minute config to iterate on")

@@ -51,6 +51,7 @@ _POSITION_PHRASES = {
 HALF_SIZE_RANGE = (5.5, 7.0)  # half the shape's width, in pixels
 POSITION_JITTER = 1.5  # pixels, uniform in each axis
 COLOUR_JITTER = 12  # per channel, uniform
+BORDER_MARGIN = 1.5  # pixels a scaled-up shape keeps from the image's edge
 
 
 @dataclass(frozen=True)
@@ -117,25 +118,41 @@ def render(
     return np.asarray(small, dtype=np.uint8)
 
 
-def render_jittered(spec: Spec, rng: np.random.Generator) -> np.ndarray:
-    """Draws `spec` with random size, position and colour jitter taken from `rng`."""
+def _inside(centre: float, half: float) -> float:
+    """`centre` moved inwards just enough that [centre - half, centre + half] keeps
+    BORDER_MARGIN pixels from both edges (a shape on the border ring would fool the scorer's
+    background reading)."""
+    low, high = BORDER_MARGIN + half, IMAGE_SIZE - BORDER_MARGIN - half
+    return min(max(centre, low), high)
+
+
+def render_jittered(spec: Spec, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Draws `spec` with random size, position and colour jitter taken from `rng`.
+
+    `scale` > 1 draws the shape that much wider (the tiny-shapes LoRA's style); such a shape is
+    pushed inwards where it would come near the border, so it keeps its side of the image."""
     cx, cy = POSITION_CENTRES[spec.position]
     dx, dy = rng.uniform(-POSITION_JITTER, POSITION_JITTER, size=2)
     half = float(rng.uniform(*HALF_SIZE_RANGE))
     base = np.array(COLOURS[spec.colour])
     tint = np.clip(base + rng.integers(-COLOUR_JITTER, COLOUR_JITTER + 1, size=3), 0, 255)
     colour = (int(tint[0]), int(tint[1]), int(tint[2]))
-    return render(spec, centre=(cx + dx, cy + dy), half=half, colour=colour)
+    centre = (cx + dx, cy + dy)
+    if scale != 1.0:
+        half *= scale
+        centre = (_inside(centre[0], half), _inside(centre[1], half))
+    return render(spec, centre=centre, half=half, colour=colour)
 
 
-def make_dataset(n: int, seed: int = 0) -> tuple[np.ndarray, list[str]]:
+def make_dataset(n: int, seed: int = 0, scale: float = 1.0) -> tuple[np.ndarray, list[str]]:
     """Renders `n` jittered images cycling through the grammar in a seeded random order.
 
     Returns uint8 images of shape (n, 32, 32, 3) and their captions. Each prompt appears
-    n // 270 or n // 270 + 1 times, so every attribute value is equally represented.
+    n // 270 or n // 270 + 1 times, so every attribute value is equally represented. `scale`
+    is `render_jittered`'s.
     """
     rng = np.random.default_rng(seed)
     specs = all_specs()
     order = np.concatenate([rng.permutation(len(specs)) for _ in range(n // len(specs) + 1)])[:n]
-    images = np.stack([render_jittered(specs[i], rng) for i in order])
+    images = np.stack([render_jittered(specs[i], rng, scale) for i in order])
     return images, [specs[i].caption for i in order]

@@ -15,7 +15,7 @@ import os
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -30,6 +30,9 @@ from stagemesh.models.tiny_shapes.data import (
     parse_caption,
 )
 from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, METHODS, Measurement, measure
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 logger = logging.getLogger(__name__)
 
@@ -199,12 +202,23 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
     Guidance uses an empty negative prompt with `true_cfg_scale=guidance` (the pipeline skips
     guidance without a negative prompt); the seed drives a CPU `torch.Generator`.
     """
+    return stock_generator(load_pipeline(folder), steps=steps, guidance=guidance, size=size)
+
+
+def load_pipeline(folder: str | Path) -> QwenImagePipeline:
+    """The stock pipeline from a local folder, its progress bar off."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
     pipe = QwenImagePipeline.from_pretrained(folder, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def stock_generator(pipe: QwenImagePipeline, *, steps: int = DEFAULT_STEPS,
+                    guidance: float = DEFAULT_GUIDANCE, size: int = 32) -> Generate:
+    """`pipeline_generator` on a pipeline already loaded (with LoRA weights, for example)."""
+    import torch
 
     def generate(prompt: str, seed: int) -> np.ndarray:
         result = pipe(prompt, negative_prompt="", true_cfg_scale=guidance, height=size,

@@ -389,6 +389,26 @@ def dit_loss(pipe: QwenImagePipeline, x0: torch.Tensor, captions: list[str],
     return F.mse_loss(pred, pipe._pack_latents(noise - x0, b, c, h, w))
 
 
+def dit_train_step(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str],
+                   opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                   gen: torch.Generator, *, batch: int, caption_dropout: float, lr: float
+                   ) -> torch.Tensor:
+    """One optimiser step of `dit_loss` on a random batch (captions dropped to "" at
+    `caption_dropout`); the loss. Shared by the base model's training and its LoRA's."""
+    idx = torch.randint(0, len(latents), (batch,), generator=gen)
+    drop = torch.rand(batch, generator=gen) < caption_dropout
+    batch_captions = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist(),
+                                                              strict=True)]
+    loss = dit_loss(pipe, latents[idx], batch_captions, gen)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss
+
+
 def train_dit(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str],
               cfg: TrainConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Trains transformer + text encoder jointly; returns the EMA weights of both."""
@@ -400,17 +420,9 @@ def train_dit(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str
     modules.train()
     with _progress(cfg.dit_steps, "dit") as bar:
         for step in range(cfg.dit_steps):
-            idx = torch.randint(0, len(latents), (cfg.dit_batch,), generator=gen)
-            drop = torch.rand(cfg.dit_batch, generator=gen) < cfg.caption_dropout
-            batch_captions = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist(),
-                                                                      strict=True)]
-            loss = dit_loss(pipe, latents[idx], batch_captions, gen)
-            for group in opt.param_groups:
-                group["lr"] = cfg.dit_lr * cosine_lr(step, cfg.dit_steps, cfg.dit_warmup)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            loss = dit_train_step(pipe, latents, captions, opt, params, gen, batch=cfg.dit_batch,
+                                  caption_dropout=cfg.caption_dropout,
+                                  lr=cfg.dit_lr * cosine_lr(step, cfg.dit_steps, cfg.dit_warmup))
             with torch.no_grad():
                 decay = min(cfg.ema_decay, (1 + step) / (10 + step))
                 for k, v in modules.state_dict().items():

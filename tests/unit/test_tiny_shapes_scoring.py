@@ -127,3 +127,19 @@ def test_evaluate_scores_a_perfect_and_a_constant_generator(tmp_path: Path) -> N
 def test_evaluate_rejects_a_generator_returning_floats(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must return uint8"):
         evaluate(lambda p, s: np.zeros((32, 32, 3)), tmp_path, ["a red circle"])
+
+
+def test_the_lora_style_is_scored_as_an_effect_and_keeps_every_attribute() -> None:
+    from stagemesh.models.tiny_shapes.lora import EFFECT_RATIO, effect_scores
+
+    base, captions = make_dataset(270, seed=5)
+    styled, styled_captions = make_dataset(270, seed=5, scale=1.5)
+    assert styled_captions == captions
+    # the style's larger shapes keep off the border ring the scorer reads the background from
+    ring = np.concatenate([styled[:, 0], styled[:, -1], styled[:, :, 0], styled[:, :, -1]], 1)
+    backgrounds = np.array([BACKGROUNDS[parse_caption(c).background] for c in captions])
+    assert np.abs(ring.astype(int) - backgrounds[:, None]).max() <= 2
+    assert effect_scores(list(base), captions)["effect"] < 0.01
+    scores = effect_scores(list(styled), captions)
+    assert scores["effect"] == 1.0 and scores["median_area_ratio"] > 2.0 > EFFECT_RATIO
+    assert all(scores[name] == 1.0 for name in ("colour", "shape", "position", "background"))
