@@ -70,7 +70,7 @@ class VideoTrainConfig:
     # VAE: dim_mult of 3 -> 4x spatial; both downsamples temporal -> 4x temporal
     vae_base_dim: int = 16  # 16 = tiny-shapes' VAE, which `vae_init` needs
     vae_init: bool = True  # start from tiny-shapes' trained image VAE (`init_from_image_vae`)
-    vae_steps: int = 1200
+    vae_steps: int = 600  # ~0.6 s a step of 4 clips (session 8): 8 clips ~12 min
     vae_batch: int = 8
     vae_frames: int = 5  # a training window: the first frame plus one 4-frame causal chunk
     vae_lr: float = 1e-3
@@ -85,7 +85,7 @@ class VideoTrainConfig:
     dit_head_dim: int = 32
     dit_ffn: int = 256
     dit_freq_dim: int = 64
-    dit_steps: int = 3000
+    dit_steps: int = 2400  # ~0.6 s a step of 32 (est. from 16 at 0.74 s, load 3): ~24 min
     dit_batch: int = 32
     dit_lr: float = 6e-4
     dit_warmup: int = 100
