@@ -42,6 +42,16 @@ def _train_tiny_shapes_lora(args: argparse.Namespace) -> None:
                config=dataclasses.replace(base, threads=args.threads))
 
 
+def _train_tiny_shapes_video(args: argparse.Namespace) -> None:
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES_VIDEO
+    from stagemesh.models.tiny_shapes_video.train import VideoTrainConfig, train
+
+    base = (VideoTrainConfig.smoke() if args.smoke else
+            VideoTrainConfig.proxy() if args.proxy else VideoTrainConfig())
+    train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES_VIDEO, seed=args.seed,
+          config=dataclasses.replace(base, threads=args.threads))
+
+
 def _eval_tiny_shapes(args: argparse.Namespace) -> None:
     from stagemesh.models.tiny_shapes.mesh_eval import main as eval_main
 
@@ -54,12 +64,19 @@ def _eval_tiny_shapes_edit(args: argparse.Namespace) -> None:
     eval_main(args)
 
 
+def _eval_tiny_shapes_video(args: argparse.Namespace) -> None:
+    from stagemesh.models.tiny_shapes_video.mesh_eval import main as eval_main
+
+    eval_main(args)
+
+
 #: Model name -> what `stagemesh train NAME` / `stagemesh eval NAME` runs.
 TRAINERS: dict[str, Callable[[argparse.Namespace], None]] = {
     "tiny-shapes": _train_tiny_shapes, "tiny-shapes-edit": _train_tiny_shapes_edit,
-    "tiny-shapes-lora": _train_tiny_shapes_lora}
+    "tiny-shapes-lora": _train_tiny_shapes_lora, "tiny-shapes-video": _train_tiny_shapes_video}
 EVALUATORS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "tiny-shapes": _eval_tiny_shapes, "tiny-shapes-edit": _eval_tiny_shapes_edit}
+    "tiny-shapes": _eval_tiny_shapes, "tiny-shapes-edit": _eval_tiny_shapes_edit,
+    "tiny-shapes-video": _eval_tiny_shapes_video}
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +86,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "assets/tiny-shapes-loras/big-shapes, trained on assets/tiny-shapes)")
     parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
     parser.add_argument("--proxy", action="store_true",
-                        help="tiny-shapes-edit: the <= 10 minute config to iterate on")
+                        help="tiny-shapes-edit, tiny-shapes-video: the <= 10 minute config to "
+                             "iterate on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a busy 2-core machine)")
@@ -83,6 +101,8 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny-shapes: 0 = the whole grammar")
     parser.add_argument("--per-kind", type=int, default=60,
                         help="tiny-shapes-edit: held-out edits of each kind")
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="tiny-shapes-video: held-out prompts to ask for (0 = all 42)")
     parser.add_argument("--model-name", default=None, help="recipe to ask for (default: MODEL)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--guidance", type=float, default=4.0)

@@ -14,6 +14,7 @@ from typing import Literal
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TINY_SHAPES = REPO_ROOT / "assets" / "tiny-shapes"
 SHIPPED_TINY_SHAPES_EDIT = REPO_ROOT / "assets" / "tiny-shapes-edit"
+SHIPPED_TINY_SHAPES_VIDEO = REPO_ROOT / "assets" / "tiny-shapes-video"
 
 
 def _shipped(folder: Path, name: str) -> Callable[[], Path]:
@@ -74,6 +75,7 @@ def _whisper_tiny_en() -> Path:
 BUILTIN: dict[str, Callable[[], Path]] = {
     "tiny-shapes": _shipped(SHIPPED_TINY_SHAPES, "tiny-shapes"),
     "tiny-shapes-edit": _shipped(SHIPPED_TINY_SHAPES_EDIT, "tiny-shapes-edit"),
+    "tiny-shapes-video": _shipped(SHIPPED_TINY_SHAPES_VIDEO, "tiny-shapes-video"),
     "qwen-image-tiny": _qwen_image("tiny"),
     "qwen-image-bench": _qwen_image("bench"),
     "qwen-image-edit-tiny": _qwen_image_edit,

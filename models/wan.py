@@ -136,10 +136,10 @@ def build_tiny_wan(out_dir: Path, *, variant: WanVariant, seed: int = 0) -> Path
     return out_dir
 
 
-def build_t5_tokenizer() -> T5Tokenizer:
+def build_t5_tokenizer(corpus: str = _CORPUS) -> T5Tokenizer:
     """A T5-style Unigram tokenizer (`<pad>`=0, `</s>`=1, `<unk>`=2) whose pieces are the
     corpus' words (scored by log frequency) and single characters (scored below every word)."""
-    words = Counter(re.findall(r"\S+", _CORPUS))
+    words = Counter(re.findall(r"\S+", corpus))
     total = sum(words.values())
     vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     vocab += [(f"▁{word}", math.log(count / total)) for word, count in sorted(words.items())]
