@@ -22,7 +22,13 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
-from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
+from stagemesh.services.dit.compile import (
+    BlockCompiler,
+    CompileMode,
+    CompileOptions,
+    refuse_with_loras,
+    warm_up,
+)
 from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
 from stagemesh.services.dit.preview import (
@@ -393,35 +399,39 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     cache = StepCacheConfig.from_options(first_options)
     lora = LoraConfig.from_options(first_options)
     compile_mode = compile_from_options(first_options)
-    if compile_mode is not CompileMode.OFF and lora.enabled:
-        # the slots' per-row hooks change every step: they would recompile the blocks' graphs
-        raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
+    refuse_with_loras(compile_mode, lora.enabled)
     if pipeline_family(model_dir).name == WAN:
-        if compile_mode is not CompileMode.OFF:
-            raise ValueError("stage dit: option compile=blocks is not offered for Wan models yet")
         mode_options, engine_options, video_options, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
         video = WanDenoiseAdapter(model_dir, **video_options, placement=placement,
                                   step_cache=cache, lora=lora)
-        quantize((block for t in video.transformers for block in t.blocks), quantization)
+        _accelerate(video, [block for t in video.transformers for block in t.blocks],
+                    quantization, compile_mode)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
-                                             quantization), video.loras)
+                                             quantization, compile_mode), video.loras)
     mode_options, engine_options, limit_options, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
     image = DenoiseAdapter(model_dir, **limit_options, placement=placement, step_cache=cache,
                            lora=lora)
-    quantize(image.transformer.transformer_blocks, quantization)
-    if compile_mode is CompileMode.BLOCKS:
-        compiler = BlockCompiler()
-        compiler.compile(image.transformer.transformer_blocks)
-        warm_up(image, compiler)
+    _accelerate(image, list(image.transformer.transformer_blocks), quantization, compile_mode)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
                    CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
                               compile_mode), image.loras,
                    previews=image.projection is not None)
+
+
+def _accelerate(adapter: DenoiseAdapter | WanDenoiseAdapter, blocks: list[torch.nn.Module],
+                quantization: Quantization, compile_mode: CompileMode) -> None:
+    """Quantize the transformer blocks, then compile them and warm them up (quantized weights
+    are what the graphs compute with)."""
+    quantize(blocks, quantization)
+    if compile_mode is CompileMode.BLOCKS:
+        compiler = BlockCompiler()
+        compiler.compile(blocks)
+        warm_up(adapter, compiler)
 
 
 def _bundle(
