@@ -89,6 +89,11 @@ class BlockCompiler:
     `warmed()` every further one as a recompile."""
 
     def __init__(self) -> None:
+        # No duck sizing: torch gives two input sizes that happen to be equal when a graph is
+        # traced one symbol and guards that they stay equal. Qwen-Image's 16 image tokens at
+        # 64x64 equal its rotary table's 16 columns, so every size after that recompiled, and
+        # past dynamo's recompile_limit (8) the blocks ran eagerly without a word.
+        torch.fx.experimental._config.use_duck_shape = False
         self.graphs = 0  # graphs compiled so far (warm-up included)
         self._warm = False
         #: one compiled forward per block class: every block (of every transformer compiled
