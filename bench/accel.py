@@ -1,4 +1,5 @@
-"""`stagemesh bench accel`: the DiT's step cache against diffusers', alternating, at c=1 and c=8.
+"""`stagemesh bench accel`: the DiT's step cache, weight quantization and compiled blocks against
+diffusers, alternating, at c=1 and c=8.
 
 Arms, on one model folder, prompt set, size, steps and guidance (true CFG, empty negative):
 
@@ -6,17 +7,25 @@ Arms, on one model folder, prompt set, size, steps and guidance (true CFG, empty
 - `diffusers+fbc`: the same with `FirstBlockCacheConfig(threshold)` on its transformer;
 - `mesh-off`, `mesh-first_block`, `mesh-taylorseer`: one `stagemesh serve` with three recipes
   whose DiT stages differ only in their step-cache options (same threshold, warm-up, final
-  steps and max skips as given here).
+  steps and max skips as given here);
+- `mesh-int8`, `mesh-compile`, `mesh-int8-compile` (step cache off): `quantization: int8` on
+  the DiT and the tokenizer, `compile: blocks` on the DiT, and both.
+
+`--suite` picks the arms: `cache` (the default: diffusers, diffusers+fbc and the step-cache
+arms), `quant` (diffusers, mesh-off and the quantization/compile arms) or `all`. Every suite
+runs stock diffusers in the same run. `--dry-run` writes the recipes and the plan and runs
+nothing.
 
 Each round runs every arm at every concurrency, arms in turn (drift in the machine's load hits
 them alike): the mesh gets a burst of c simultaneous requests (seeds 0..c-1), diffusers serves
 the same c requests one after another (what a user of the library does). Reported per arm and
 c: images/s, p50/p99 latency, the reused share of DiT rows (the stage's
-`stagemesh_dit_rows_total{pass}`), and quality against the arm's cache-off twin on the same
-seeds (mesh arms against `mesh-off`, `diffusers+fbc` against `diffusers`): PSNR, and on
-tiny-shapes the four attributes' accuracy (`stagemesh.models.tiny_shapes.scoring`). JSON + PNG;
-the README table comes from the JSON's `table` field. A benchmark, not a test: run it on an
-otherwise idle machine.
+`stagemesh_dit_rows_total{pass}`), graphs the DiT compiled after its warm-up
+(`stagemesh_dit_recompiles_total`, 0 when healthy), and quality against the arm's exact twin
+on the same seeds (mesh arms against `mesh-off`: float weights, eager blocks, no cache;
+`diffusers+fbc` against `diffusers`): PSNR, and on tiny-shapes the four attributes' accuracy
+(`stagemesh.models.tiny_shapes.scoring`). JSON + PNG; the README table comes from the JSON's
+`table` field. A benchmark, not a test: run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -52,7 +61,9 @@ from stagemesh.bench.common import (
     write_bar_chart,
     write_json,
 )
+from stagemesh.services.dit.compile import CompileMode
 from stagemesh.services.dit.step_cache import StepCacheConfig, StepCacheMethod
+from stagemesh.shared.quantization import Quantization
 
 if TYPE_CHECKING:  # diffusers loads only when the benchmark runs
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
@@ -64,9 +75,33 @@ TINY_SHAPES = "builtin:tiny-shapes"
 GUIDANCE = 4.0
 REQUEST_TIMEOUT_S = 900.0
 PEER, PEER_FBC = "diffusers", "diffusers+fbc"
+#: The step-cache arms: each recipe's DiT runs one method.
 MESH_ARMS = {f"mesh-{method.value}": method for method in StepCacheMethod}
-#: Each arm's quality is measured against this twin without a cache.
-TWIN = {PEER_FBC: PEER, **{arm: "mesh-off" for arm in MESH_ARMS}}
+EXACT = "mesh-off"
+
+
+@dataclass(frozen=True)
+class Acceleration:
+    """What a quantization/compile arm sets (its step cache off)."""
+
+    quantization: Quantization = Quantization.NONE  # the DiT's and the tokenizer's
+    compile: CompileMode = CompileMode.OFF  # the DiT's
+
+
+#: The quantization and compile arms.
+QUANT_ARMS = {
+    "mesh-int8": Acceleration(quantization=Quantization.INT8),
+    "mesh-compile": Acceleration(compile=CompileMode.BLOCKS),
+    "mesh-int8-compile": Acceleration(Quantization.INT8, CompileMode.BLOCKS),
+}
+#: The arms each `--suite` runs, stock diffusers always among them.
+SUITES: dict[str, tuple[str, ...]] = {
+    "cache": (PEER, PEER_FBC, *MESH_ARMS),
+    "quant": (PEER, EXACT, *QUANT_ARMS),
+    "all": (PEER, PEER_FBC, *MESH_ARMS, *QUANT_ARMS),
+}
+#: Each arm's quality is measured against this exact twin (no cache, float weights, eager).
+TWIN = {PEER_FBC: PEER, **{arm: EXACT for arm in (*MESH_ARMS, *QUANT_ARMS)}}
 
 # Stage addresses are placeholders (`--stage-ports auto` moves every stage to a free port), but
 # distinct: recipes that name one address share that stage.
@@ -75,7 +110,8 @@ RECIPE_TEMPLATE = """\
     task: text-to-image
     model: {model}
     stages:
-      tokenizer: {{address: "127.0.0.1:{port}1", metrics_port: {port}1}}
+      tokenizer: {{address: "127.0.0.1:{port}1", metrics_port: {port}1,
+                  options: {{{tokenizer_options}}}}}
       dit: {{address: "127.0.0.1:{port}2", metrics_port: {port}2, options: {{{dit_options}}}}}
       vae: {{address: "127.0.0.1:{port}3", metrics_port: {port}3}}
     defaults: {{width: {size}, height: {size}, num_inference_steps: {steps},
@@ -92,6 +128,12 @@ class Options:
     rounds: int
     cache: StepCacheConfig  # method unset: each mesh arm sets its own
     out: Path
+    arms: tuple[str, ...] = SUITES["cache"]
+    dry_run: bool = False  # write the recipes and the plan, run nothing
+
+    def mesh_arms(self) -> list[str]:
+        """The arms served by the mesh (one recipe each), in run order."""
+        return [arm for arm in self.arms if arm not in (PEER, PEER_FBC)]
 
     def prompts(self, count: int) -> list[str]:
         """`count` prompts: the tiny-shapes grammar's (scored), else one fixed prompt."""
@@ -110,25 +152,30 @@ class Cell:
     images_per_s: list[float] = field(default_factory=list)
     rows: dict[str, float] = field(default_factory=lambda: {"full": 0.0, "reused": 0.0})
     images: dict[int, np.ndarray] = field(default_factory=dict)  # seed -> RGB, the last round
+    recompiles: float = 0.0  # graphs the DiT compiled after its warm-up, during the arm's bursts
 
 
 def recipes_yaml(options: Options) -> str:
-    """One recipe per mesh arm: the same model and defaults, the DiT's step cache apart."""
+    """One recipe per mesh arm: the same model and defaults, the DiT's step cache (and the
+    quantization and compile of the DiT and tokenizer) apart."""
     cache = options.cache
     entries = []
-    for index, (arm, method) in enumerate(MESH_ARMS.items(), start=1):
+    for index, arm in enumerate(options.mesh_arms(), start=1):
+        method = MESH_ARMS.get(arm, StepCacheMethod.OFF)
+        accel = QUANT_ARMS.get(arm, Acceleration())
         dit = (
             f"step_cache: '{method.value}', step_cache_threshold: {cache.threshold}, "
             f"max_step_cache_threshold: {max(cache.threshold, cache.max_threshold)}, "
             f"step_cache_interval: {cache.interval}, "
             f"step_cache_warmup_steps: {cache.warmup_steps}, "
             f"step_cache_final_steps: {cache.final_steps}, "
-            f"step_cache_max_skips: {cache.max_skips}"
+            f"step_cache_max_skips: {cache.max_skips}, "
+            f"quantization: '{accel.quantization.value}', compile: '{accel.compile.value}'"
         )
-        entries.append(RECIPE_TEMPLATE.format(name=arm, port=index, model=options.model,
-                                              size=options.size,
-                                              steps=options.steps, cfg=GUIDANCE,
-                                              dit_options=dit))
+        entries.append(RECIPE_TEMPLATE.format(
+            name=arm, port=index, model=options.model, size=options.size, steps=options.steps,
+            cfg=GUIDANCE, dit_options=dit,
+            tokenizer_options=f"quantization: '{accel.quantization.value}'"))
     return "recipes:\n" + "".join(entries)
 
 
@@ -157,6 +204,8 @@ async def mesh_burst(client: httpx.AsyncClient, arm: str, c: int, options: Optio
         labels = {"pass": kind}
         cell.rows[kind] += (metric_value(after, "stagemesh_dit_rows_total", **labels)
                             - metric_value(before, "stagemesh_dit_rows_total", **labels))
+    cell.recompiles += (metric_value(after, "stagemesh_dit_recompiles_total")
+                        - metric_value(before, "stagemesh_dit_recompiles_total"))
 
 
 async def _dit_metrics_url(client: httpx.AsyncClient, recipe: str) -> str:
@@ -232,7 +281,7 @@ def attribute_accuracy(images: dict[int, np.ndarray], options: Options) -> dict[
 def run(options: Options, pipe: QwenImagePipeline, base_url: str) -> dict[tuple[str, int], Cell]:
     """Every round: every concurrency, every arm in turn."""
     cells: dict[tuple[str, int], Cell] = {}
-    arms = [PEER, PEER_FBC, *MESH_ARMS]
+    arms, mesh_arms = options.arms, options.mesh_arms()
 
     async def mesh_round(client: httpx.AsyncClient, arm: str, c: int) -> None:
         await mesh_burst(client, arm, c, options, cells.setdefault((arm, c), Cell()))
@@ -240,13 +289,13 @@ def run(options: Options, pipe: QwenImagePipeline, base_url: str) -> dict[tuple[
     loop = asyncio.new_event_loop()
     client = httpx.AsyncClient(base_url=base_url)
     try:
-        for arm in MESH_ARMS:  # warm-up: one request per recipe
+        for arm in mesh_arms:  # warm-up: one request per recipe
             loop.run_until_complete(mesh_burst(client, arm, 1, options, Cell()))
         peer_serial(pipe, PEER, 1, options, Cell())
         for round_index in range(options.rounds):
             for c in options.concurrency:
                 for arm in arms:
-                    if arm in MESH_ARMS:
+                    if arm in mesh_arms:
                         loop.run_until_complete(mesh_round(client, arm, c))
                     else:
                         peer_serial(pipe, arm, c, options, cells.setdefault((arm, c), Cell()))
@@ -268,6 +317,7 @@ def report(options: Options, cells: dict[tuple[str, int], Cell]) -> dict[str, An
             "images_per_s": statistics.median(cell.images_per_s),
             "latency_s": summarize(cell.latencies),
             "reused_share": cell.rows["reused"] / total if total else None,
+            "recompiles": cell.recompiles,
         }
         if twin is not None and twin is not cell:
             entry["psnr_vs_off"] = statistics.mean(
@@ -278,8 +328,9 @@ def report(options: Options, cells: dict[tuple[str, int], Cell]) -> dict[str, An
         rows.append([arm, c, f"{entry['images_per_s']:.3f}", f"{entry['latency_s']['p50']:.2f}",
                      f"{entry['latency_s']['p99']:.2f}",
                      "-" if entry["reused_share"] is None else f"{entry['reused_share']:.0%}",
-                     f"{entry.get('psnr_vs_off', math.nan):.1f}"])
-    headers = ["arm", "c", "images/s", "p50 s", "p99 s", "reused", "PSNR vs off"]
+                     f"{entry.get('psnr_vs_off', math.nan):.1f}",
+                     f"{cell.recompiles:.0f}" if arm in options.mesh_arms() else "-"])
+    headers = ["arm", "c", "images/s", "p50 s", "p99 s", "reused", "PSNR vs off", "recompiles"]
     return {
         "benchmark": "accel", "date": datetime.now(UTC).isoformat(), "machine": machine_info(),
         "options": {**asdict(options), "cache": {**asdict(options.cache), "method": None},
@@ -292,11 +343,11 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     by_c: dict[int, dict[str, float]] = {}
     for entry in result["results"]:
         by_c.setdefault(entry["concurrency"], {})[entry["arm"]] = entry["images_per_s"]
-    arms = [PEER, PEER_FBC, *MESH_ARMS]
+    arms = list(result["options"]["arms"])
     panels = [BarGroup(title=f"c={c}", ylabel="images/s", categories=arms,
                        series={"images/s": [values.get(arm, 0.0) for arm in arms]})
               for c, values in sorted(by_c.items())]
-    return write_bar_chart(path, panels, "step cache: diffusers against the mesh")
+    return write_bar_chart(path, panels, "step cache, int8, compile: diffusers against the mesh")
 
 
 def parse(argv: list[str]) -> Options:
@@ -316,6 +367,10 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--max-skips", type=int, default=default.max_skips)
     parser.add_argument("--as-diffusers", action="store_true",
                         help="warm-up, final steps and max skips 0: diffusers' decisions")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="cache",
+                        help="cache: the step-cache arms; quant: int8 and compile; all: both")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write the recipes and the plan to --out, run nothing")
     parser.add_argument("--out", default="bench-results/accel")
     args = parser.parse_args(argv)
     cache = StepCacheConfig(
@@ -326,14 +381,18 @@ def parse(argv: list[str]) -> Options:
     )  # fmt: skip
     return Options(model=args.model, size=args.size, steps=args.steps,
                    concurrency=tuple(int(c) for c in args.concurrency.split(",") if c.strip()),
-                   rounds=args.rounds, cache=cache, out=Path(args.out))
+                   rounds=args.rounds, cache=cache, out=Path(args.out),
+                   arms=SUITES[args.suite], dry_run=args.dry_run)
 
 
 def main(argv: list[str]) -> None:
+    options = parse(argv)
+    if options.dry_run:
+        dry_run(options)
+        return
     from stagemesh.bench.throughput import load_peer
     from stagemesh.models.registry import resolve_model
 
-    options = parse(argv)
     interrupt_on_sigterm()
     pipe = load_peer(resolve_model(options.model))
     with tempfile.TemporaryDirectory() as tmp:
@@ -345,3 +404,16 @@ def main(argv: list[str]) -> None:
     write_json(options.out / "accel.json", result)
     chart(result, options.out / "accel.png")
     log.info("results in %s\n%s", options.out, result["table"])
+
+
+def dry_run(options: Options) -> None:
+    """The run's recipes (`recipes.yaml`) and plan (`plan.json`: arms, twins, rounds) in
+    --out, without loading a model or starting the mesh."""
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "recipes.yaml").write_text(recipes_yaml(options))
+    plan = {"arms": list(options.arms), "mesh_arms": options.mesh_arms(),
+            "twins": {arm: TWIN[arm] for arm in options.arms if TWIN.get(arm, arm) != arm},
+            "concurrency": list(options.concurrency), "rounds": options.rounds,
+            "model": options.model, "size": options.size, "steps": options.steps}
+    write_json(options.out / "plan.json", plan)
+    log.info("dry run: recipes and plan in %s", options.out)

@@ -28,7 +28,13 @@ from stagemesh.gateway.mesh.calls import (
     new_request_id,
     stage_request_id,
 )
-from stagemesh.gateway.mesh.stages import LORA_FIELD, Mesh, StageCancel, StageCatalog
+from stagemesh.gateway.mesh.stages import (
+    LORA_FIELD,
+    Mesh,
+    StageCancel,
+    StageCatalog,
+    publish_into,
+)
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.shared.logs import request_id_var
 from stagemesh.shared.proto.v1 import common_pb2, control_service_pb2, gateway_service_pb2
@@ -117,13 +123,14 @@ class GatewayCore:
     # -- control -------------------------------------------------------------------------------
 
     async def stage_infos(self) -> list[gateway_service_pb2.StageInfo]:
-        """Every stage's health, plus the device and dtype it published (empty if unreadable)."""
+        """Every stage's health, plus what it published: device, dtype, quantization and
+        compilation (`stages.publish_into`; empty if unreadable)."""
         infos = await self.mesh.stage_infos()
-        descriptions = await asyncio.gather(
-            *(self.catalog.description(endpoint) for endpoint in self.mesh.row_endpoints()))
-        for info, description in zip(infos, descriptions, strict=True):
-            if description is not None:
-                info.device, info.dtype = description.device, description.dtype
+        answers = await asyncio.gather(
+            *(self.catalog.answer(endpoint) for endpoint in self.mesh.row_endpoints()))
+        for info, answer in zip(infos, answers, strict=True):
+            if answer is not None:
+                publish_into(info, answer)
         return infos
 
     async def cancel(self, request_id: str, reason: str = "cancelled by id",

@@ -465,6 +465,26 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+#: A stage's Describe answer, whatever its role.
+StageAnswer: TypeAlias = (
+    tokenizer_service_pb2.DescribeTokenizerResponse | dit_service_pb2.DescribeDitResponse
+    | vae_service_pb2.DescribeVaeResponse | talker_service_pb2.DescribeTalkerResponse
+    | codec_service_pb2.DescribeCodecResponse | thinker_service_pb2.DescribeThinkerResponse
+    | transcriber_service_pb2.DescribeTranscriberResponse
+)
+
+
+def publish_into(info: gateway_service_pb2.StageInfo, answer: StageAnswer) -> None:
+    """What a stage's /v1/stages row shows of its Describe: where and in what dtype it
+    computes, and the quantization and compilation in force where the stage has those options
+    (the tokenizer: quantization; the DiT: both); the others leave them empty."""
+    info.device, info.dtype = answer.stage.device, answer.stage.dtype
+    if isinstance(answer, dit_service_pb2.DescribeDitResponse):
+        info.quantization, info.compile = answer.quantization, answer.compile
+    elif isinstance(answer, tokenizer_service_pb2.DescribeTokenizerResponse):
+        info.quantization = answer.quantization
+
+
 class DescribeCache(Generic[R]):
     """One stage kind's Describe answers by address, each kept until `drop(address)`."""
 
@@ -540,23 +560,29 @@ class StageCatalog:
     async def description(self, endpoint: StageEndpoint) -> common_pb2.StageDescription | None:
         """What the stage at `endpoint` says about itself (role, model, capacity, device,
         dtype), from the cached Describe; None while it cannot be read."""
+        answer = await self.answer(endpoint)
+        return None if answer is None else answer.stage
+
+    async def answer(self, endpoint: StageEndpoint) -> StageAnswer | None:
+        """The whole cached Describe answer of the stage at `endpoint`; None while it cannot
+        be read."""
         channel = self.mesh.channel(endpoint)
         try:
             match endpoint.name:
                 case "tokenizer":
-                    return (await self.tokenizer.get(endpoint.address, channel)).stage
+                    return await self.tokenizer.get(endpoint.address, channel)
                 case "dit":
-                    return (await self.dit.get(endpoint.address, channel)).stage
+                    return await self.dit.get(endpoint.address, channel)
                 case "vae":
-                    return (await self.vae.get(endpoint.address, channel)).stage
+                    return await self.vae.get(endpoint.address, channel)
                 case "talker":
-                    return (await self.talker.get(endpoint.address, channel)).stage
+                    return await self.talker.get(endpoint.address, channel)
                 case "codec":
-                    return (await self.codec.get(endpoint.address, channel)).stage
+                    return await self.codec.get(endpoint.address, channel)
                 case "thinker":
-                    return (await self.thinker.get(endpoint.address, channel)).stage
+                    return await self.thinker.get(endpoint.address, channel)
                 case "transcriber":
-                    return (await self.transcriber.get(endpoint.address, channel)).stage
+                    return await self.transcriber.get(endpoint.address, channel)
         except (grpc.aio.AioRpcError, NoReplica):
             return None
         return None

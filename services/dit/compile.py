@@ -12,6 +12,14 @@ specializes a dimension of size 1 (one row, one text token), so the warm-up at s
 sizes and batch shapes the stage serves (`warm_up`) and no request pays a compile. Every graph
 compiled after the warm-up is counted in `stagemesh_dit_recompiles_total` and logged: a rising
 count is a bug (a guard the warm-up did not cover).
+
+Every DiT model compiles: Qwen-Image, Qwen-Image-Edit (its condition image's tokens only
+lengthen the image sequence the blocks see; the warm-up's requests carry one) and Wan (both
+transformers of a Wan 2.2 folder share the block class, so its warm-up runs every step, past
+the boundary). Not with `lora_dir`: the slots' per-row product is a forward hook on the
+Linears inside the blocks (services/dit/lora_slots.py), so it would be traced into the graphs,
+and its bound/unbound state and adapter count per row are more specializations to warm up
+(`refuse_with_loras`).
 """
 
 from __future__ import annotations
@@ -19,15 +27,16 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from collections.abc import Callable, Iterable
-from typing import TypedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypedDict, TypeVar
 
 import torch
 from prometheus_client import Counter
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
-from stagemesh.services.dit.checks import check_size
+from stagemesh.services.dit.limits import DitLimits
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
+from stagemesh.services.dit.wan_adapter import VideoDenoiseInput, WanDenoiseAdapter
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepBudget
 
 logger = logging.getLogger(__name__)
@@ -65,11 +74,26 @@ def from_options(options: CompileOptions) -> CompileMode:
     return modes[name]
 
 
+def refuse_with_loras(mode: CompileMode, lora_dir: bool) -> None:
+    """`compile: blocks` with `lora_dir` stops the stage at start: the slots' per-row product
+    is a forward hook on the Linears inside the blocks, so it would run inside the compiled
+    graphs, and whether rows are bound and how many adapters a row runs are more
+    specializations (a graph each, times every batch shape) than a warm-up should compile."""
+    if mode is not CompileMode.OFF and lora_dir:
+        raise ValueError(f"stage dit: option {OPTION}=blocks cannot be combined with lora_dir "
+                         f"(LoRA's per-row product runs inside the blocks); set {OPTION}: off")
+
+
 class BlockCompiler:
     """Compiles a transformer's repeated blocks; counts the graphs it compiles, and after
     `warmed()` every further one as a recompile."""
 
     def __init__(self) -> None:
+        # No duck sizing: torch gives two input sizes that happen to be equal when a graph is
+        # traced one symbol and guards that they stay equal. Qwen-Image's 16 image tokens at
+        # 64x64 equal its rotary table's 16 columns, so every size after that recompiled, and
+        # past dynamo's recompile_limit (8) the blocks ran eagerly without a word.
+        torch.fx.experimental._config.use_duck_shape = False
         self.graphs = 0  # graphs compiled so far (warm-up included)
         self._warm = False
         #: one compiled forward per block class: every block (of every transformer compiled
@@ -117,36 +141,109 @@ WARMUP_BATCHES: tuple[tuple[tuple[int, ...], int, bool], ...] = (
     ((5,), 3, False),  # one guided request: two rows, padded
     ((4, 4, 4), 0, False),  # three rows, no mask
 )
+#: A Wan model's batches: it takes no mask, and runs rows of one text length in one forward,
+#: so a guided request whose prompts are equally long is its two-row batch.
+VIDEO_WARMUP_BATCHES: tuple[tuple[tuple[int, ...], int, bool], ...] = (
+    ((7,), 0, False),  # one row
+    ((1,), 0, False),  # one row, one text token
+    ((5,), 5, False),  # one guided request: two rows
+    ((4, 4, 4), 0, False),  # three rows
+)
 #: The image sides (height, width) the warm-up runs, each kept only where the stage serves it;
 #: every side is a dynamic dimension, so they cover the others.
 WARMUP_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (128, 96))
+#: Guidance of a warm-up request with a negative prompt (any scale above 1 guides).
+WARMUP_GUIDANCE = 4.0
+
+PayloadT = TypeVar("PayloadT")
+PayloadT_contra = TypeVar("PayloadT_contra", contravariant=True)
+StateT = TypeVar("StateT")
 
 
-def warm_up(adapter: DenoiseAdapter, compiler: BlockCompiler) -> None:
-    """One step of every `WARMUP_BATCHES` at every `WARMUP_SIZES` the stage serves, through the
-    adapter's own step (so the blocks see exactly the inputs a request gives them)."""
-    text_dim = adapter.transformer.config["joint_attention_dim"]
-    steps = adapter.limits.min_steps
+class _Stepped(Protocol[PayloadT_contra, StateT]):
+    """What the warm-up drives of a DiT adapter."""
+
+    limits: DitLimits
+
+    def check_inputs(self, payload: PayloadT_contra) -> None: ...
+
+    def prepare(self, request: EngineRequest[PayloadT_contra]) -> StateT: ...
+
+    def step(self, states: Sequence[StateT]) -> object: ...
+
+    def release(self, state: StateT) -> None: ...
+
+
+#: One warm-up request's payload, from (height, width, index, text length, negative length,
+#: masked, steps).
+MakePayload = Callable[[int, int, int, int, int, bool, int], PayloadT]
+
+
+def warm_up(adapter: DenoiseAdapter | WanDenoiseAdapter, compiler: BlockCompiler) -> None:
+    """Every warm-up batch at every `WARMUP_SIZES` the stage serves, through the adapter's own
+    steps (so the blocks see exactly the inputs a request gives them), then `warmed()`."""
+    if isinstance(adapter, WanDenoiseAdapter):
+        _warm_up(adapter, VIDEO_WARMUP_BATCHES, functools.partial(_video_payload, adapter))
+    else:
+        _warm_up(adapter, WARMUP_BATCHES, functools.partial(_image_payload, adapter))
+    compiler.warmed()
+
+
+def _warm_up(adapter: _Stepped[PayloadT, StateT],
+             batches: tuple[tuple[tuple[int, ...], int, bool], ...],
+             payload: MakePayload[PayloadT]) -> None:
+    """Each batch runs all its steps, so (Wan 2.2) the second transformer's blocks run too; a
+    size any request of the batches would be refused at is skipped."""
+    steps = max(adapter.limits.min_steps, 2)
     for height, width in WARMUP_SIZES:
+        payloads = [[payload(height, width, index, length, negative, masked, steps)
+                     for index, length in enumerate(lengths)]
+                    for lengths, negative, masked in batches]
         try:
-            check_size(adapter.limits, height, width)
-        except InvalidInputError:
+            for batch in payloads:
+                for one in batch:
+                    adapter.check_inputs(one)
+        except InvalidInputError as refused:
+            logger.info("compile warm-up skips %dx%d: the stage does not serve it (%s)",
+                        width, height, refused)
             continue
-        for lengths, negative, masked in WARMUP_BATCHES:
-            requests = [EngineRequest(
+        for batch in payloads:
+            states = [adapter.prepare(EngineRequest(
                 request_id=f"warm-up-{index}", budget=StepBudget(total_steps=steps),
-                payload=DenoiseInput(
-                    embeddings=_embeddings(length, negative, masked, text_dim),
-                    height=height, width=width, num_inference_steps=steps,
-                    true_cfg_scale=4.0 if negative else 1.0, seed=index))
-                for index, length in enumerate(lengths)]
-            states = [adapter.prepare(request) for request in requests]
+                payload=one)) for index, one in enumerate(batch)]
             try:
-                adapter.step(states)
+                for _ in range(steps):
+                    adapter.step(states)
             finally:
                 for state in states:
                     adapter.release(state)
-    compiler.warmed()
+
+
+def _image_payload(adapter: DenoiseAdapter, height: int, width: int, index: int, length: int,
+                   negative: int, masked: bool, steps: int) -> DenoiseInput:
+    """A Qwen-Image request; an edit model's carries a condition image of the output's size."""
+    factor, channels = adapter.vae_scale_factor, adapter.transformer.config["in_channels"] // 4
+    condition = torch.randn(1, channels, 1, height // factor, width // factor)
+    return DenoiseInput(
+        embeddings=_embeddings(length, negative, masked,
+                               adapter.transformer.config["joint_attention_dim"]),
+        height=height, width=width, num_inference_steps=steps,
+        true_cfg_scale=WARMUP_GUIDANCE if negative else 1.0, seed=index,
+        condition_latents=(condition,) * adapter.limits.max_condition_images)
+
+
+def _video_payload(adapter: WanDenoiseAdapter, height: int, width: int, index: int,
+                   length: int, negative: int, masked: bool, steps: int) -> VideoDenoiseInput:
+    """A Wan request of the fewest frames past one (a frame axis longer than 1); an
+    image-to-video model's carries its first-frame latents."""
+    frames = adapter.limits.frame_multiple + 1
+    shape = adapter.folder.latent_shape(frames, height, width)
+    return VideoDenoiseInput(
+        embeddings=_embeddings(length, negative, masked,
+                               adapter.transformers[0].config["text_dim"]),
+        height=height, width=width, num_frames=frames, num_inference_steps=steps,
+        guidance_scale=WARMUP_GUIDANCE if negative else 1.0, seed=index,
+        condition_latents=(torch.randn(shape),) * adapter.limits.max_condition_images)
 
 
 def _embeddings(length: int, negative: int, masked: bool, dim: int) -> PromptEmbeddings:

@@ -23,7 +23,13 @@ import torch
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.options import capped_option
-from stagemesh.services.dit.compile import BlockCompiler, CompileMode, CompileOptions, warm_up
+from stagemesh.services.dit.compile import (
+    BlockCompiler,
+    CompileMode,
+    CompileOptions,
+    refuse_with_loras,
+    warm_up,
+)
 from stagemesh.services.dit.compile import from_options as compile_from_options
 from stagemesh.services.dit.lora import LoraCatalog, LoraConfig, LoraOptions, LoraUse
 from stagemesh.services.dit.lora_slots import SlotBank
@@ -462,33 +468,26 @@ def build_stage(model_dir: Path, options: Mapping[str, object]) -> StageBundle:
     if degrees.world > 1:
         _check_group(first_options, device_options)
     painter = painter_choice(first_options)
-    if compile_mode is not CompileMode.OFF and lora.enabled:
-        # the slots' per-row hooks change every step: they would recompile the blocks' graphs
-        raise ValueError("stage dit: option compile=blocks cannot be combined with lora_dir yet")
+    refuse_with_loras(compile_mode, lora.enabled)
     if pipeline_family(model_dir).name == WAN:
-        if compile_mode is not CompileMode.OFF:
-            raise ValueError("stage dit: option compile=blocks is not offered for Wan models yet")
         mode_options, engine_options, _, device_options = parse_options(
             "dit", options, DitModeOptions, DitEngineOptions, VideoLimitOptions, DeviceOptions)
         placement = resolve_placement("dit", device_options, CPU_DTYPE)
         video = video_adapter(model_dir, options, painter)
         video.group, workers = _group(WanFamily(video.transformers), model_dir, options, degrees)
-        quantize((block for t in video.transformers for block in t.blocks), quantization)
+        _accelerate(video, [block for t in video.transformers for block in t.blocks],
+                    quantization, compile_mode)
         return _bundle(model_dir, video, video.limits, VIDEO_WIRE, mode_options, engine_options,
                        placement, CacheFacts(cache, video.step_cache_bytes_per_row(),
-                                             quantization), video.loras, video.lora_slots,
-                       painter=video.painter, degrees=degrees,
+                                             quantization, compile_mode), video.loras,
+                       video.lora_slots, painter=video.painter, degrees=degrees,
                        workers=workers)
     mode_options, engine_options, _, device_options = parse_options(
         "dit", options, DitModeOptions, DitEngineOptions, DitLimitOptions, DeviceOptions)
     placement = resolve_placement("dit", device_options, CPU_DTYPE)
     image = image_adapter(model_dir, options, painter)
     image.group, workers = _group(QwenImageFamily(image.transformer), model_dir, options, degrees)
-    quantize(image.transformer.transformer_blocks, quantization)
-    if compile_mode is CompileMode.BLOCKS:
-        compiler = BlockCompiler()
-        compiler.compile(image.transformer.transformer_blocks)
-        warm_up(image, compiler)
+    _accelerate(image, list(image.transformer.transformer_blocks), quantization, compile_mode)
     return _bundle(model_dir, image, image.limits, WIRE, mode_options, engine_options, placement,
                    CacheFacts(cache, image.step_cache_bytes_per_row(), quantization,
                               compile_mode), image.loras, image.lora_slots,
@@ -562,6 +561,17 @@ def _check_group(options: DitModeOptions, device: DeviceOptions) -> None:
     if named := [name for name, applies in refused.items() if applies]:
         raise ValueError(f"stage dit: parallel_cfg/parallel_ulysses cannot be combined with "
                          f"{', '.join(named)} yet")
+
+
+def _accelerate(adapter: DenoiseAdapter | WanDenoiseAdapter, blocks: list[torch.nn.Module],
+                quantization: Quantization, compile_mode: CompileMode) -> None:
+    """Quantize the transformer blocks, then compile them and warm them up (quantized weights
+    are what the graphs compute with)."""
+    quantize(blocks, quantization)
+    if compile_mode is CompileMode.BLOCKS:
+        compiler = BlockCompiler()
+        compiler.compile(blocks)
+        warm_up(adapter, compiler)
 
 
 def _bundle(

@@ -19,11 +19,17 @@ from stagemesh.gateway.grpc.transcoding import (
     annotated_routes,
     http_bindings,
     parse_error_field,
+    to_json,
 )
 from stagemesh.gateway.http.app import EXCEPTION_HANDLERS, RequestIdMiddleware
-from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
+from stagemesh.gateway.mesh.stages import Mesh, StageCatalog, publish_into
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
-from stagemesh.shared.proto.v1 import common_pb2
+from stagemesh.shared.proto.v1 import (
+    common_pb2,
+    dit_service_pb2,
+    tokenizer_service_pb2,
+    vae_service_pb2,
+)
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 
 RECIPE = Recipe(name="tiny", task=Task.TEXT_TO_IMAGE, model="m", stages={
@@ -211,3 +217,25 @@ def test_invalid_request_without_a_field_has_a_null_param() -> None:
 def test_a_native_image_request_carries_its_priority() -> None:
     assert image_request(pb.GenerateImageRequest(prompt="x", priority=-2)).priority == -2
     assert image_request(pb.GenerateImageRequest(prompt="x")).priority == 0  # the default
+
+
+def test_a_stage_row_shows_the_quantization_and_compile_its_describe_publishes() -> None:
+    """GET /v1/stages (ListStages as JSON): the DiT's quantization and compile, the tokenizer's
+    quantization, as their Describe answers say; empty for a stage without the options."""
+    where = common_pb2.StageDescription(device="cpu", dtype="float32")
+    answers = {
+        "dit": dit_service_pb2.DescribeDitResponse(stage=where, quantization="int8",
+                                                   compile="blocks"),
+        "tokenizer": tokenizer_service_pb2.DescribeTokenizerResponse(stage=where,
+                                                                     quantization="int8"),
+        "vae": vae_service_pb2.DescribeVaeResponse(stage=where),
+    }
+    rows = {}
+    for name, answer in answers.items():
+        info = pb.StageInfo(name=name)
+        publish_into(info, answer)
+        rows[name] = to_json(info)
+    assert {name: (row["quantization"], row["compile"], row["device"])
+            for name, row in rows.items()} == {"dit": ("int8", "blocks", "cpu"),
+                                               "tokenizer": ("int8", "", "cpu"),
+                                               "vae": ("", "", "cpu")}

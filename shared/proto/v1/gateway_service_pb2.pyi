@@ -791,6 +791,8 @@ class StageInfo(_message.Message):
     METRICS_URL_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    COMPILE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Stage name within its recipe, e.g. "dit"."""
     recipe: _builtins.str
@@ -805,6 +807,15 @@ class StageInfo(_message.Message):
     """Where the stage computes ("cpu", "cuda:0", ...), as it reports; empty if unreachable."""
     dtype: _builtins.str
     """The dtype its model computes in ("float32", "bfloat16", "float16"); empty if unreachable."""
+    quantization: _builtins.str
+    """The weight quantization in force ("none", "int8", "fp8"), as the stage's Describe
+    publishes it; empty for a stage without the option (the DiT and the tokenizer have it)
+    or one that cannot be read.
+    """
+    compile: _builtins.str
+    """The DiT's compilation of its blocks ("off", "blocks"), as its Describe publishes it;
+    empty for any other stage or one that cannot be read.
+    """
     def __init__(
         self,
         *,
@@ -815,10 +826,12 @@ class StageInfo(_message.Message):
         metrics_url: _builtins.str = ...,
         device: _builtins.str = ...,
         dtype: _builtins.str = ...,
+        quantization: _builtins.str = ...,
+        compile: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "dtype", b"dtype", "health", b"health", "metrics_url", b"metrics_url", "name", b"name", "recipe", b"recipe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compile", b"compile", "device", b"device", "dtype", b"dtype", "health", b"health", "metrics_url", b"metrics_url", "name", b"name", "quantization", b"quantization", "recipe", b"recipe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
