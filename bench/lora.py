@@ -150,7 +150,7 @@ def recipes_yaml(run: Run, steps: int, lora_dir: Path) -> str:
     dit = f"lora_dir: '{lora_dir}', max_loras: {ADAPTERS}, max_lora_rank: {RANK}"
     return "recipes:\n" + RECIPE_TEMPLATE.format(name=RECIPE, port=1, model=run.model,
                                                  size=run.size, steps=steps, cfg=GUIDANCE,
-                                                 dit_options=dit)
+                                                 dit_options=dit, tokenizer_options="")
 
 
 def request_body(run: Run, steps: int, seed: int, prompt: str, adapter: str | None
