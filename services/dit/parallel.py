@@ -304,6 +304,7 @@ class GroupForward:
         """Rank 0's interrupt: its flag is what every rank votes on before each block."""
         self._interrupt = interrupt
 
+    # jscpd:ignore-start (the keyword signatures of forward.py's functions, which these replace)
     def qwen_image(
         self, transformer: QwenImageTransformer2DModel, *, hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None,
@@ -324,6 +325,7 @@ class GroupForward:
         hooks: RowHooks | None = None, adapters: RowAdapters | None = None,
     ) -> torch.Tensor:
         """`wan_forward` over the group (rank 0), on whichever transformer it names."""
+        # jscpd:ignore-end
         _refuse(hooks, adapters)
         model = list(self.family.transformers).index(transformer)
         return self._lead(ForwardCall(
