@@ -12,7 +12,6 @@ import io
 import json
 import logging
 
-import av
 import httpx
 import numpy as np
 
@@ -33,6 +32,8 @@ FPS = 8
 
 def mp4_clip(data: bytes) -> np.ndarray:
     """The frames of an MP4 as a uint8 (frames, H, W, 3) array."""
+    import av  # PyAV is the GPL [video-gpl] extra: imported only when a clip is read
+
     with av.open(io.BytesIO(data), "r") as container:
         return np.stack([frame.to_ndarray(format="rgb24")
                          for frame in container.decode(video=0)])
