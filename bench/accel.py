@@ -138,9 +138,9 @@ class Options:
     def prompts(self, count: int) -> list[str]:
         """`count` prompts: the tiny-shapes grammar's (scored), else one fixed prompt."""
         if self.model == TINY_SHAPES:
-            from stagemesh.models.tiny_shapes.evaluate import subset_prompts
+            from stagemesh.models.tiny_shapes.evaluate import MIN_SUBSET_PROMPTS, subset_prompts
 
-            return [subset_prompts(max(count, 2))[i] for i in range(count)]
+            return subset_prompts(max(count, MIN_SUBSET_PROMPTS))[:count]
         return ["a red circle on the left"] * count
 
 

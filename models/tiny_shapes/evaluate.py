@@ -74,6 +74,10 @@ class Metrics(TypedDict):
     records: list[Record]
 
 
+# The fewest prompts in which every value of every attribute can appear.
+MIN_SUBSET_PROMPTS = max(len(values) for values in VALUES.values())
+
+
 def all_prompts() -> list[str]:
     """The whole grammar: 270 prompts in a fixed order."""
     return [spec.caption for spec in all_specs()]
@@ -85,9 +89,8 @@ def subset_prompts(n: int = 18) -> list[str]:
     Walks the grammar in a fixed pseudo-random order, first taking prompts that add an unseen
     value, then filling up to `n` in the same order; the same `n` always gives the same list.
     """
-    needed = max(len(v) for v in VALUES.values())
-    if n < needed:
-        raise ValueError(f"n must be at least {needed} to cover every value, got {n}")
+    if n < MIN_SUBSET_PROMPTS:
+        raise ValueError(f"n must be at least {MIN_SUBSET_PROMPTS} to cover every value, got {n}")
     order = [all_specs()[i] for i in np.random.default_rng(20261130).permutation(270)]
     chosen: list[Spec] = []
     seen: dict[str, set[str]] = {name: set() for name in ATTRIBUTES}

@@ -90,3 +90,11 @@ def test_recompiles_after_warm_up_are_reported_per_mesh_arm() -> None:
     assert (rows[EXACT]["recompiles"], rows["mesh-compile"]["recompiles"]) == (0.0, 2.0)
     assert rows["mesh-compile"]["psnr_vs_off"] == float("inf")  # the same image
     assert "recompiles" in result["table"].splitlines()[0]
+
+
+@pytest.mark.parametrize("count", [1, 2, 8, 30])
+def test_tiny_shapes_prompts_exist_for_every_concurrency(count: int) -> None:
+    """c=1 once crashed the bench after its runs: the scored prompt set needs >= 6 to cover."""
+    prompts = parse(["--model", "builtin:tiny-shapes"]).prompts(count)
+    assert len(prompts) == count and len(set(prompts)) == count
+    assert prompts == parse(["--model", "builtin:tiny-shapes"]).prompts(30)[:count]
