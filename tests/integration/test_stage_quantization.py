@@ -154,7 +154,10 @@ async def accelerated(int8_stages: dict[str, RunningStage],
                       tiny_model_dir: Path) -> AsyncIterator[Accelerated]:
     """A DiT with `quantization: int8` and `compile: blocks` between the int8 tokenizer and
     the VAE of `int8_stages`; the REST app (in process) and the public gRPC API over it."""
-    bundle = build_stage("dit", tiny_model_dir, {"quantization": "int8", "compile": "blocks"})
+    # max_side 64: the warm-up compiles only the size these tests ask for (every size and
+    # batch shape is tests/model/test_dit_compile.py's).
+    bundle = build_stage("dit", tiny_model_dir, {"quantization": "int8", "compile": "blocks",
+                                                 "max_side": 64})
     dit = RunningStage(bundle, await start_stage(bundle))
     addresses = {"tokenizer": int8_stages["tokenizer"].address, "dit": dit.address,
                  "vae": int8_stages["vae"].address}
