@@ -25,9 +25,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from stagemesh import __version__ as version
 from stagemesh.serve import free_port
 
 log = logging.getLogger(__name__)
+
+#: The repository root when running from a checkout (the root *is* the package), else the
+#: installed package's folder, which has no git history.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 #: How long `stagemesh serve` may take to build models and start every stage.
 SERVE_START_TIMEOUT_S = 300.0
@@ -148,9 +153,30 @@ def _draw_bars(ax: Any, panel: BarGroup) -> None:
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on: CPU count and load (other work skews every timing)."""
+    """What the numbers were measured on: CPU count and load (other work skews every timing),
+    and the code (`source_revision`), so that a number can be traced to the commit it states."""
     return {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "source": source_revision()}
+
+
+def source_revision(root: Path = PACKAGE_ROOT) -> dict[str, Any]:
+    """The code the benchmark ran: `{"commit": sha, "dirty": bool}` in a git checkout (dirty:
+    tracked files differ from the commit; untracked scratch files do not count), else
+    `{"version": ...}` of the installed package (also when that sits inside someone else's
+    repository, e.g. a virtual environment in a checkout)."""
+    if not (root / ".git").exists():  # a folder (a clone) or a file (a worktree)
+        return {"version": version}
+    try:
+        commit = _git(root, "rev-parse", "HEAD")
+        changed = _git(root, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return {"version": version}
+    return {"commit": commit, "dirty": bool(changed)}
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
 
 
 def interrupt_on_sigterm() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,13 @@ from PIL import Image
 
 from stagemesh.bench.common import (
     BarGroup,
+    machine_info,
     markdown_table,
     metric_value,
     overhead_pct,
     parse_metrics,
     percentile,
+    source_revision,
     summarize,
     write_bar_chart,
     write_json,
@@ -113,3 +116,35 @@ def test_bar_chart_is_a_png(tmp_path: Path) -> None:
         # Two panels of 6.5 x 4.8 inches at 110 dpi, drawn (not a blank canvas).
         assert chart.size == (1430, 528)
         assert len(chart.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 10
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                           *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_report_names_the_commit_it_ran_on_and_whether_tracked_files_changed(
+    tmp_path: Path,
+) -> None:
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "a.py")
+    _git(tmp_path, "commit", "-qm", "first")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    (tmp_path / "scratch.txt").write_text("untracked")  # scratch files do not make it dirty
+    assert source_revision(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert source_revision(tmp_path) == {"commit": head, "dirty": True}
+
+
+def test_outside_a_checkout_a_report_names_the_package_version(tmp_path: Path) -> None:
+    from stagemesh import __version__
+
+    assert source_revision(tmp_path) == {"version": __version__}
+
+
+def test_machine_info_carries_the_source_of_this_checkout() -> None:
+    source = machine_info()["source"]
+    assert set(source) in ({"commit", "dirty"}, {"version"})
+    if "commit" in source:
+        assert len(source["commit"]) == 40 and isinstance(source["dirty"], bool)
