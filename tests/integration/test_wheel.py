@@ -38,8 +38,8 @@ print("\\n".join(names))
 """
 
 
-#: Serves `/`, every asset the page names and every module those import, from the installed
-#: package (never the working tree), and prints their paths.
+#: Serves `/`, every asset the page names and every module those import or load (an
+#: AudioWorklet's), from the installed package (never the working tree), and prints their paths.
 SERVE_THE_PLAYGROUND = """
 import pathlib, re, sys
 from starlette.applications import Starlette
@@ -60,6 +60,7 @@ while todo:  # the page's assets, then every module they import, transitively
         assert asset.status_code == 200, path
         imported = re.findall(r'from "\\./([^"]+)"', asset.text)
         todo += [f"/playground/static/{name}" for name in imported]
+        todo += re.findall(r'"(/playground/static/[^"]+)"', asset.text)  # a worklet's module
 print("\\n".join(sorted(seen)))
 """
 
@@ -173,4 +174,5 @@ def test_the_installed_wheel_serves_the_playground(installed: tuple[Path, dict[s
                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert served.returncode == 0, served.stderr
     assert {"/playground/static/app.js", "/playground/static/audio.js",
-            "/playground/static/style.css"} <= set(served.stdout.split())
+            "/playground/static/style.css", "/playground/static/mic-worklet.js"} <= set(
+        served.stdout.split())

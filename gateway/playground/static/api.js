@@ -11,6 +11,19 @@ export function setApiKey(key) {
   sessionStorage.setItem(KEY_ITEM, key);
 }
 
+// A WebSocket to the gateway (the realtime route). A page cannot set headers on one, so the key
+// rides in the subprotocol the gateway reads it from (as OpenAI's browser clients send it);
+// "realtime" is offered too, since a browser drops a handshake whose answer names none.
+const KEY_SUBPROTOCOL = "openai-insecure-api-key.";
+const REALTIME_SUBPROTOCOL = "realtime";
+
+export function openSocket(path) {
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  const key = apiKey();
+  const protocols = [REALTIME_SUBPROTOCOL, ...(key ? [KEY_SUBPROTOCOL + key] : [])];
+  return new WebSocket(`${scheme}//${location.host}${path}`, protocols);
+}
+
 // The gateway's one error body ({"error": {"message", ...}}) as an Error, or the status line.
 export class ApiError extends Error {
   constructor(status, message, code) {

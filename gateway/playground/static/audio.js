@@ -1,6 +1,7 @@
-// Plays a streamed WAV (its header first, then 16-bit mono PCM as the stages produce it) while it
-// arrives: each piece becomes an AudioBuffer scheduled right after the previous one on one
-// AudioContext clock, so playback starts with the first chunk and has no gaps.
+// Plays streamed 16-bit mono PCM as it arrives: each piece becomes an AudioBuffer scheduled right
+// after the previous one on one AudioContext clock, so playback starts with the first piece and
+// has no gaps. The stream is a WAV (its header first, then samples: the speech and chat routes)
+// or raw PCM at a known rate (the realtime route's audio deltas).
 
 // Seconds of audio this page has scheduled, for the browser test (and anyone curious).
 window.stagemeshAudio = { scheduledSeconds: 0 };
@@ -24,17 +25,20 @@ function wavFormat(bytes) {
 }
 
 export class StreamPlayer {
-  constructor() {
-    // Created in the click handler that starts playback: browsers allow sound then.
-    this.context = new AudioContext();
+  // `rate`: the stream is raw PCM at this rate (else a WAV, whose header says it). `context`:
+  // where it plays (else a new one: created in the click handler that starts playback, since
+  // browsers allow sound then); stop() closes it either way.
+  constructor({ context = new AudioContext(), rate = 0 } = {}) {
+    this.context = context;
     this.pending = new Uint8Array(0);
-    this.rate = 0;
+    this.rate = rate;
     this.nextTime = 0;
     this.sources = new Set();
     this.stopped = false;
+    this.scheduledSeconds = 0;
   }
 
-  // Feed bytes of the WAV stream as they come.
+  // Feed bytes of the stream as they come.
   feed(chunk) {
     if (this.stopped) return;
     const joined = new Uint8Array(this.pending.length + chunk.length);
@@ -68,7 +72,16 @@ export class StreamPlayer {
     this.nextTime = start + buffer.duration;
     this.sources.add(source);
     source.onended = () => this.sources.delete(source);
+    this.scheduledSeconds += buffer.duration;
     window.stagemeshAudio.scheduledSeconds += buffer.duration;
+  }
+
+  // Drops what is scheduled and not yet heard (the listener spoke over it); a later piece
+  // plays at once.
+  silence() {
+    for (const source of this.sources) source.stop();
+    this.sources.clear();
+    this.nextTime = 0;
   }
 
   // Seconds of scheduled audio still to play.
@@ -79,12 +92,21 @@ export class StreamPlayer {
   stop() {
     if (this.stopped) return;
     this.stopped = true;
-    for (const source of this.sources) source.stop();
-    this.sources.clear();
+    this.silence();
     this.context.close();
   }
 }
 
 export function base64Bytes(text) {
   return Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
+}
+
+// The inverse, in slices (String.fromCharCode takes a bounded number of arguments).
+export function bytesBase64(bytes) {
+  const SLICE = 0x8000;
+  let text = "";
+  for (let at = 0; at < bytes.length; at += SLICE) {
+    text += String.fromCharCode(...bytes.subarray(at, at + SLICE));
+  }
+  return btoa(text);
 }
