@@ -15,6 +15,13 @@ and measures it through the DiT stage's own adapter and engine (no gRPC), at eac
   (no abort), in request mode (a running request cannot be stopped) and in step mode, one
   request at a time, as the seed ran it (its 1024x1024 numbers: +447% without step abort, +3%
   with it).
+- parallel arms: the same DiT as a group of ranks, one GPU each (`services/dit/parallel.py`:
+  `parallel_cfg: 2`, `parallel_ulysses: 2` and `4`, both), each on a fresh copy of the model
+  (its workers build the same seeded weights on their own GPUs), step time of one guided
+  request at each `--parallel-sizes` against the one-device arm (the first). The default
+  sizes are 1024x1024 and 2880x2880, whose 32,400 image tokens stand in for a video's (Wan
+  2.1 at 832x480x81 frames: 32,760). An arm needing more GPUs than the machine has, heads or
+  tokens its Ulysses degree does not divide, or time past the budget is skipped (recorded).
 
 Random weights draw noise, but a step costs the same whatever the weights. `--dry-run` runs
 every measurement on the CPU, with a 1-block, narrow model at 64x64 for 3 steps, in seconds,
@@ -30,14 +37,16 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import random
 import statistics
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import cast
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
@@ -55,6 +64,14 @@ from stagemesh.bench.common import (
 )
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.qwen_image import QWEN_IMAGE_SCHEDULER_CONFIG
+from stagemesh.services.dit.parallel import (
+    Degrees,
+    Family,
+    GroupDevices,
+    ParallelOptions,
+    QwenImageFamily,
+    running_group,
+)
 from stagemesh.services.dit.preview import Preview
 from stagemesh.services.dit.qwen_image_adapter import (
     MAX_STEPS,
@@ -87,6 +104,13 @@ PROMPT_TOKENS = 64
 TRUE_CFG_SCALE = 4.0
 #: Batch sizes stop growing once one more doubling adds less than this to images per second.
 CEILING_GAIN = 1.05
+#: The parallel arms (`--parallel`): name -> the group's degrees.
+PARALLEL_ARMS = {"one-device": Degrees(), "cfg2": Degrees(cfg=2), "ulysses2": Degrees(ulysses=2),
+                 "ulysses4": Degrees(ulysses=4), "cfg2-ulysses2": Degrees(cfg=2, ulysses=2)}
+#: The dry run's arms: 2 CPU ranks at most, degrees dividing DRY_RUN's 2 heads.
+DRY_RUN_ARMS = ("one-device", "cfg2", "ulysses2")
+#: What a parallel arm's workers build their model with (`services/dit/parallel_worker.py`).
+GROUP_BUILDER = "stagemesh.bench.gpu:group_family"
 
 
 @dataclass(frozen=True)
@@ -129,6 +153,8 @@ class Settings:
     abort_samples: int
     seed: int
     max_seconds: float
+    parallel: tuple[str, ...] = ()  # PARALLEL_ARMS names
+    parallel_sizes: tuple[int, ...] = ()
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -235,6 +261,15 @@ class PostAbort:
     rows: list[PostAbortRow]
 
 
+@dataclass(frozen=True)
+class ParallelRow:
+    arm: str
+    ranks: int
+    size: int
+    step_seconds: float  # p50 of 5 steps after a warm-up
+    speedup: float | None  # the one-device arm's step over this one's (None: not measured)
+
+
 @dataclass
 class Report:
     build_seconds: float
@@ -243,6 +278,7 @@ class Report:
     batching: list[Batching] = dataclasses.field(default_factory=list)
     abort_latency: list[AbortLatency] = dataclasses.field(default_factory=list)
     post_abort: list[PostAbort] = dataclasses.field(default_factory=list)
+    parallel: list[ParallelRow] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)  # sections past the budget
     max_memory_allocated_bytes: int | None = None
 
@@ -508,7 +544,68 @@ async def measure(settings: Settings) -> Report:
                                                               step_time.size, step_s))
     if device.type == "cuda":
         report.max_memory_allocated_bytes = torch.cuda.max_memory_allocated(device)
+    del adapter  # each parallel arm builds its own copy: two would not fit beside each other
+    report.parallel = measure_parallel(settings, budget)
     return report
+
+
+# -- parallel arms (a DiT group of ranks, one device each) -------------------------------------
+
+
+def group_family(source: str, options: Mapping[str, object]) -> tuple[Family, Degrees]:
+    """A parallel arm's worker model (GROUP_BUILDER): rank 0's seeded transformer, `source`
+    being its configuration, dtype and seed as JSON, on the worker's device."""
+    spec = json.loads(source)
+    config = DitConfig(**{**spec["config"], "axes_dims_rope": tuple(spec["config"]
+                                                                    ["axes_dims_rope"])})
+    placement = Placement(torch.device(str(options["device"])), DTYPES[spec["dtype"]])
+    degrees = Degrees.from_options(cast(ParallelOptions, options))
+    return QwenImageFamily(build_transformer(config, placement, spec["seed"])), degrees
+
+
+def arm_refusal(settings: Settings, degrees: Degrees, size: int | None = None) -> str | None:
+    """Why an arm cannot run here (at `size`), or None."""
+    try:
+        degrees.check_heads(settings.config.num_attention_heads)
+        GroupDevices.named(settings.placement.device).check(degrees)
+    except ValueError as error:
+        return str(error)
+    if size is not None and (size // LATENT_FACTOR) ** 2 % degrees.ulysses:
+        return f"{(size // LATENT_FACTOR) ** 2} tokens do not divide among {degrees.ulysses}"
+    return None
+
+
+def measure_parallel(settings: Settings, budget: Budget) -> list[ParallelRow]:
+    """Each arm's step time at each size, on a freshly built model (a Ulysses arm's hooks stay
+    on the transformer they were applied to), against the one-device arm's (run first)."""
+    baseline: dict[int, float] = {}
+    source = json.dumps({"config": dataclasses.asdict(settings.config),
+                         "dtype": settings.placement.dtype_name, "seed": settings.seed})
+    rows = []
+    for arm in settings.parallel:
+        degrees = PARALLEL_ARMS[arm]
+        if refused := arm_refusal(settings, degrees):
+            budget.skipped.append(f"parallel {arm}: {refused}")
+            continue
+        if not budget.allows(f"parallel {arm}"):
+            continue
+        adapter = build_adapter(settings)
+        family = QwenImageFamily(adapter.transformer)
+        with (running_group(family, source, degrees, GROUP_BUILDER) if degrees.world > 1
+              else contextlib.nullcontext()) as adapter.group:
+            for size in settings.parallel_sizes:
+                if refused := arm_refusal(settings, degrees, size):
+                    budget.skipped.append(f"parallel {arm} {size}: {refused}")
+                elif budget.allows(f"parallel {arm} {size}"):
+                    p50 = float(measure_step_time(adapter, settings, size).step_seconds["p50"])
+                    if degrees.world == 1:
+                        baseline[size] = p50
+                    rows.append(ParallelRow(arm, degrees.world, size, p50,
+                                            baseline[size] / p50 if size in baseline else None))
+        del adapter, family
+        if settings.placement.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def device_facts(device: torch.device) -> dict[str, object]:
@@ -538,15 +635,23 @@ def tables(report: Report) -> str:
     parts += [markdown_table(["configuration", "size", "B latency", "overhead", "A's steps"], [
         [row.configuration, f"{p.size}x{p.size}", f"{row.b_seconds:.2f} s",
          f"{row.overhead_pct:+.0f}%", row.a_steps] for row in p.rows]) for p in report.post_abort]
+    parts.append(markdown_table(["arm", "ranks", "size", "step p50", "speed-up"], [
+        [row.arm, row.ranks, f"{row.size}x{row.size}", ms(row.step_seconds),
+         "-" if row.speedup is None else f"{row.speedup:.2f}x"] for row in report.parallel]))
     return "\n\n".join(parts)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     """The run's settings; a device this machine lacks is a SystemExit saying so."""
-    if args.dry_run:
+    arms = tuple(arm for arm in args.parallel.split(",") if arm)
+    if unknown := sorted(set(arms) - set(PARALLEL_ARMS)):
+        raise SystemExit(f"unknown parallel arms {unknown}; known: {list(PARALLEL_ARMS)}")
+    if args.dry_run:  # the arms whose degrees divide the tiny model's 2 heads
         return Settings(placement=Placement(torch.device("cpu"), DTYPES[args.dtype]),
                         config=DRY_RUN, sizes=(64,), steps=3, batches=(1, 2), abort_samples=2,
-                        seed=args.seed, max_seconds=args.max_seconds)
+                        seed=args.seed, max_seconds=args.max_seconds,
+                        parallel=tuple(a for a in arms if a in DRY_RUN_ARMS),
+                        parallel_sizes=(64,))
     try:
         device = resolve_device("bench gpu", args.device)
     except ValueError as error:
@@ -555,7 +660,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(placement=Placement(device, DTYPES[args.dtype]), config=config,
                     sizes=_ints(args.sizes), steps=args.steps, batches=_ints(args.batches),
                     abort_samples=args.abort_samples, seed=args.seed,
-                    max_seconds=args.max_seconds)
+                    max_seconds=args.max_seconds, parallel=arms,
+                    parallel_sizes=_ints(args.parallel_sizes))
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -579,6 +685,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=420.0,
                         help="skip sections that would start later than this")
+    parser.add_argument("--parallel", default=",".join(PARALLEL_ARMS),
+                        help="parallel arms, comma-separated ('' for none)")
+    parser.add_argument("--parallel-sizes", default="1024,2880",
+                        help="square image sides of the parallel arms")
     parser.add_argument("--out", default="bench-results/gpu")
     return parser.parse_args(argv)
 

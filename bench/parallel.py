@@ -4,8 +4,8 @@ On a CPU this compares 1 rank x N threads with N ranks x 1 thread (`parallel_cfg
 `parallel_ulysses: 2`), on the same cores, one guided request at a time at one size. No gain is
 expected on a machine of two cores: the group's point here is to be correct (its results equal
 one device's within 1e-5, see tests/model/test_dit_parallel.py), and this shows what the
-collectives cost. On several GPUs the same arms are the question; the group runs gloo on CPU
-processes only for now.
+collectives cost. On several GPUs the same arms are the question: `stagemesh bench gpu` has
+them (its parallel arms, on the real-size model).
 
 Arms run one after another in this process (it is rank 0 of each group in turn: one
 torch.distributed group at a time), each timed best of `--rounds` after a warm-up request.

@@ -20,7 +20,14 @@ every rank runs its share, and rank 0 collects the prediction:
 Block-level interrupt is a collective: before every block every rank (those of an empty half
 too, block by block) takes part in one all-reduce of rank 0's interrupt flag, so all ranks stop
 at the same block. A rank that raises anything else, or dies, is a group fault (see
-`GroupWatch`).
+`Workers`).
+
+Where the ranks compute is chosen in one place, `GroupDevices`, from where rank 0's transformer
+lies: on the CPU every rank is a CPU process and gloo carries everything; on CUDA rank r
+computes on `cuda:<base + r>` (base: rank 0's index), the forward's tensors and collectives are
+on the device (NCCL, a CUDA device mesh), and the interrupt vote stays a host flag on a gloo
+group of its own (no device sync per block). Both paths run the same code; only the CPU one
+has run (tests/model/test_dit_parallel.py and friends), the CUDA one awaits a multi-GPU machine.
 """
 
 from __future__ import annotations
@@ -90,6 +97,12 @@ HEADER_LEN = 2 + MAX_DIMS + 8 + 3 * MAX_SHAPES
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
           torch.int32)
 OP_FORWARD, OP_STOP = 1, 2
+#: The collectives' backend by device type; the interrupt vote always runs on VOTE_BACKEND.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+VOTE_BACKEND = "gloo"
+#: What a worker builds its transformers with (`Builder`, as `module:function`): a stage's
+#: are the model folder's, built with the stage's options.
+STAGE_BUILDER = "stagemesh.services.dit.servicer:group_family"
 #: Environment of a worker: its rank, the group's size, where rank 0 listens.
 RANK_ENV, WORLD_ENV, PORT_ENV = "STAGEMESH_DIT_RANK", "STAGEMESH_DIT_WORLD", "STAGEMESH_DIT_PORT"
 
@@ -133,6 +146,63 @@ class Degrees:
 
 
 @dataclass(frozen=True)
+class GroupDevices:
+    """Where each rank of a group computes: the one place a group's devices are chosen.
+    `cpu`: every rank on the CPU (its share of the cores). `cuda`: rank r on
+    `cuda:<base + r>`, base being rank 0's device index."""
+
+    type: str = "cpu"
+    base: int = 0
+
+    @classmethod
+    def named(cls, device: torch.device | str) -> GroupDevices:
+        """The group whose rank 0 computes on `device`."""
+        device = torch.device(device)
+        if device.type not in BACKENDS:
+            raise ValueError(f"a DiT group runs on {' or '.join(BACKENDS)} devices, not "
+                             f"{device.type}")
+        return cls(device.type, device.index or 0)
+
+    @classmethod
+    def of(cls, family: Family) -> GroupDevices:
+        """The group whose rank 0 holds `family` (where its first transformer lies)."""
+        return cls.named(next(family.transformers[0].parameters()).device)
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.type]
+
+    def rank(self, rank: int) -> torch.device:
+        """The device of `rank`."""
+        return torch.device("cpu") if self.type == "cpu" else torch.device(self.type,
+                                                                           self.base + rank)
+
+    def names(self, degrees: Degrees) -> list[str]:
+        """Every rank's device, in rank order (Describe's group_devices)."""
+        return [str(self.rank(rank)) for rank in range(degrees.world)]
+
+    def check(self, degrees: Degrees) -> None:
+        """The machine has a device for every rank (a ValueError naming the shortfall)."""
+        if self.type == "cuda" and self.base + degrees.world > torch.cuda.device_count():
+            raise ValueError(f"a DiT group of {degrees.world} ranks from cuda:{self.base} "
+                             f"needs {self.base + degrees.world} CUDA devices, this machine has "
+                             f"{torch.cuda.device_count()}")
+
+    def enter(self, rank: int) -> None:
+        """Make `rank`'s device the current one (before its process group starts)."""
+        if self.type == "cuda":
+            torch.cuda.set_device(self.rank(rank))
+
+
+def worker_options(options: Mapping[str, object], rank: int) -> tuple[dict[str, object],
+                                                                       GroupDevices]:
+    """A worker's stage options (rank 0's, which name rank 0's device: `start_group`) with
+    its own device, and the group's devices."""
+    devices = GroupDevices.named(str(options.get("device", "cpu")))
+    return {**options, "device": str(devices.rank(rank))}, devices
+
+
+@dataclass(frozen=True)
 class ForwardCall:
     """One transformer forward as every rank receives it."""
 
@@ -145,7 +215,7 @@ class ForwardCall:
     model: int = 0  # which of the family's transformers (Wan 2.2: 0 or 1)
 
     def select(self, rows: Sequence[int]) -> ForwardCall:
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=self.hidden_states.device)
         mask = self.encoder_hidden_states_mask
         return replace(
             self, hidden_states=self.hidden_states[index],
@@ -170,6 +240,10 @@ class Family(Protocol):
     def run(self, call: ForwardCall, ulysses: int) -> torch.Tensor: ...
 
     def row_output(self, call: ForwardCall) -> tuple[int, ...]: ...
+
+
+#: A worker's model: (source, its stage options) -> its family and the group's degrees.
+Builder = Callable[[str, Mapping[str, object]], tuple["Family", Degrees]]
 
 
 @dataclass(frozen=True)
@@ -218,8 +292,12 @@ class WanFamily:
 
 
 class Channel:
-    """Rank 0's forwards, broadcast to every rank as tensors (nothing is pickled): a header of
-    integers (the shapes, dtypes, image shapes and transformer), then the tensors."""
+    """Rank 0's forwards, broadcast to every rank as tensors on the rank's device (nothing is
+    pickled): a header of integers (the shapes, dtypes, image shapes and transformer), then the
+    tensors."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
     def send(self, call: ForwardCall) -> None:
         hidden, encoder = call.hidden_states, call.encoder_hidden_states
@@ -237,15 +315,14 @@ class Channel:
     def stop(self) -> None:
         self._header([OP_STOP])
 
-    @staticmethod
-    def _header(values: list[int]) -> None:
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    def _header(self, values: list[int]) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header[: len(values)] = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=0)
 
-    @staticmethod
-    def _tensors(call: ForwardCall) -> list[torch.Tensor]:
-        branches = torch.tensor([b is Branch.UNCOND for b in call.branches], dtype=torch.uint8)
+    def _tensors(self, call: ForwardCall) -> list[torch.Tensor]:
+        branches = torch.tensor([b is Branch.UNCOND for b in call.branches], dtype=torch.uint8,
+                                device=self.device)
         # timesteps travel as float64: exact for every dtype a scheduler hands out
         tensors = [call.hidden_states, call.encoder_hidden_states,
                    call.timestep.to(torch.float64), branches]
@@ -255,7 +332,7 @@ class Channel:
 
     def receive(self) -> ForwardCall | None:
         """The next forward (a worker's side); None when rank 0 stops the group."""
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=0)
         values = header.tolist()
         if values[0] == OP_STOP:
@@ -263,16 +340,16 @@ class Channel:
         ndim, dims = values[1], values[2: 2 + MAX_DIMS]
         text, dim, has_mask, model, hidden_t, encoder_t, timestep_t, count, *rest = values[
             2 + MAX_DIMS:]
-        rows = dims[0]
-        hidden = torch.empty(dims[:ndim], dtype=DTYPES[hidden_t])
-        encoder = torch.empty(rows, text, dim, dtype=DTYPES[encoder_t])
-        timestep = torch.empty(rows, dtype=torch.float64)
-        branches = torch.empty(rows, dtype=torch.uint8)
+        rows, device = dims[0], self.device
+        hidden = torch.empty(dims[:ndim], dtype=DTYPES[hidden_t], device=device)
+        encoder = torch.empty(rows, text, dim, dtype=DTYPES[encoder_t], device=device)
+        timestep = torch.empty(rows, dtype=torch.float64, device=device)
+        branches = torch.empty(rows, dtype=torch.uint8, device=device)
         for tensor in (hidden, encoder, timestep, branches):
             dist.broadcast(tensor, src=0)
         mask = None
         if has_mask:
-            mask = torch.empty(rows, text, dtype=torch.uint8)
+            mask = torch.empty(rows, text, dtype=torch.uint8, device=device)
             dist.broadcast(mask, src=0)
         return ForwardCall(
             hidden, encoder, None if mask is None else mask.to(torch.bool),
@@ -286,11 +363,16 @@ class GroupForward:
     adapters' transformer forwards: broadcast, compute this rank's share, collect), `serve` on
     workers."""
 
-    def __init__(self, family: Family, degrees: Degrees, rank: int) -> None:
+    def __init__(self, family: Family, degrees: Degrees, rank: int, devices: GroupDevices,
+                 votes: dist.ProcessGroup | None = None) -> None:
+        """votes: the (gloo) group the interrupt votes run on; None: the default group."""
         self.family = family
         self.degrees = degrees
         self.rank = rank
-        self._channel = Channel()
+        self.devices = devices
+        self.device = devices.rank(rank)
+        self._channel = Channel(self.device)
+        self._votes = votes
         self._interrupt: StepInterrupt | None = None
         #: Rank 0's workers: a forward that fails on rank 0 fails the group (`Workers.fail`).
         self.workers: Workers | None = None
@@ -384,9 +466,9 @@ class GroupForward:
         if self.rank != 0:
             return call.hidden_states[:0]
         shape, dtype = self.family.row_output(call), call.hidden_states.dtype
-        full = torch.empty(len(call.branches), *shape, dtype=dtype)
+        full = torch.empty(len(call.branches), *shape, dtype=dtype, device=self.device)
         if theirs:
-            received = torch.empty(len(theirs), *shape, dtype=dtype)
+            received = torch.empty(len(theirs), *shape, dtype=dtype, device=self.device)
             dist.recv(received, src=leader)
             full[theirs] = received
         if mine:  # always: every state has a conditional row
@@ -400,11 +482,12 @@ class GroupForward:
         return call.hidden_states[:0]
 
     def _vote(self) -> None:
-        """One all-reduce of rank 0's interrupt flag; every rank raises alike."""
+        """One all-reduce of rank 0's interrupt flag (a host tensor on the vote group); every
+        rank raises alike."""
         flag = torch.zeros(1, dtype=torch.int32)
         if self._interrupt is not None and self._interrupt.requested():
             flag[0] = 1
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._votes)
         if flag.item():
             raise StepInterrupted
 
@@ -439,13 +522,19 @@ def check_tokens(degrees: Degrees, tokens: int) -> None:
 # -- the group's processes ------------------------------------------------------------------
 
 
-def join_group(rank: int, world: int, port: int) -> None:
-    """A worker joins the group's gloo process group once its model is loaded: it says so in
+def join_group(rank: int, world: int, port: int, devices: GroupDevices) -> None:
+    """A worker joins the group's process group once its model is loaded: it says so in
     rank 0's store (`lead_group` waits for that), then joins."""
     store = TCPStore(LOOPBACK, port, world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.set(f"{READY_KEY}{rank}", "1")
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
+    _init(store, rank, world, devices)
+
+
+def _init(store: TCPStore, rank: int, world: int, devices: GroupDevices) -> None:
+    devices.enter(rank)
+    device_id = devices.rank(rank) if devices.type != "cpu" else None
+    dist.init_process_group(devices.backend, store=store, rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT, device_id=device_id)
 
 
 def lead_group(workers: Workers) -> None:
@@ -465,20 +554,22 @@ def lead_group(workers: Workers) -> None:
         except dist.DistStoreError:
             if time.monotonic() > deadline:
                 raise
-    dist.init_process_group("gloo", store=store, rank=0, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
+    _init(store, 0, world, workers.devices)
 
 
-def shard_family(family: Family, degrees: Degrees, rank: int) -> GroupForward:
+def shard_family(family: Family, degrees: Degrees, rank: int,
+                 devices: GroupDevices) -> GroupForward:
     """Apply the group to the family's transformers on this rank: the device mesh (every rank
     builds every sub-group, in one order), diffusers' Ulysses attention and `_cp_plan` hooks
-    when ulysses > 1, the interrupt votes. What `enable_parallelism` does, minus the
-    accelerator it insists on."""
-    mesh = init_device_mesh("cpu", (degrees.cfg, 1, degrees.ulysses), mesh_dim_names=MESH_DIMS)
+    when ulysses > 1, the interrupt votes' gloo group. What `enable_parallelism` does, minus
+    the accelerator it insists on."""
+    mesh = init_device_mesh(devices.type, (degrees.cfg, 1, degrees.ulysses),
+                            mesh_dim_names=MESH_DIMS)
+    votes = dist.new_group(backend=VOTE_BACKEND)
     if degrees.ulysses > 1:
         context = ContextParallelConfig(ulysses_degree=degrees.ulysses)
         config = ParallelConfig(context_parallel_config=context)
-        config.setup(rank, degrees.world, torch.device("cpu"), mesh=mesh)
+        config.setup(rank, degrees.world, devices.rank(rank), mesh=mesh)
         for transformer in family.transformers:
             for module in transformer.modules():
                 processor = getattr(module, "processor", None)
@@ -486,7 +577,7 @@ def shard_family(family: Family, degrees: Degrees, rank: int) -> GroupForward:
                     processor._parallel_config = config
             plan = cast(dict[str, ContextParallelModelPlan], transformer._cp_plan)
             apply_context_parallel(transformer, context, plan)
-    return GroupForward(family, degrees, rank)
+    return GroupForward(family, degrees, rank, devices, votes)
 
 
 def free_port() -> int:
@@ -500,10 +591,11 @@ class Workers:
     """Rank 0's worker processes: started together, watched by pid, stopped together."""
 
     def __init__(self, args: Sequence[str], degrees: Degrees, threads: int,
-                 env: Mapping[str, str] | None = None) -> None:
+                 devices: GroupDevices, env: Mapping[str, str] | None = None) -> None:
         """args: what a worker is started with after `python -m <worker module>`."""
         self.port = free_port()
         self.degrees = degrees
+        self.devices = devices
         base = {**os.environ, **(env or {}), "STAGEMESH_PARENT_PID": str(os.getpid()),
                 "STAGEMESH_THREADS": str(threads), PORT_ENV: str(self.port),
                 WORLD_ENV: str(degrees.world)}
@@ -572,19 +664,23 @@ class Workers:
 
 
 
-def start_group(family: Family, model_dir: Path, options: Mapping[str, object],
-                degrees: Degrees) -> tuple[GroupForward, Workers]:
-    """Rank 0's start: the workers (each builds the folder's model with the stage's `options`)
-    with this process's share of the cores each, then the group joined and sharded. The group
-    starts as one: a failure stops every worker."""
+def start_group(family: Family, source: Path | str, options: Mapping[str, object],
+                degrees: Degrees, builder: str = STAGE_BUILDER) -> tuple[GroupForward, Workers]:
+    """Rank 0's start: the workers (each builds `family`'s equal from `source` with `builder`
+    and the stage's `options`, on its own device: `worker_options`) with this process's share
+    of the cores each, then the group joined and sharded. The group starts as one: a failure
+    stops every worker."""
     for transformer in family.transformers:
         degrees.check_heads(transformer.config["num_attention_heads"])
+    devices = GroupDevices.of(family)
+    devices.check(degrees)
     threads = max(1, torch.get_num_threads() // degrees.world)
     torch.set_num_threads(threads)
-    workers = Workers([str(model_dir), json.dumps(dict(options))], degrees, threads)
+    options = {**options, "device": str(devices.rank(0))}
+    workers = Workers([builder, str(source), json.dumps(options)], degrees, threads, devices)
     try:
         lead_group(workers)
-        group = shard_family(family, degrees, 0)
+        group = shard_family(family, degrees, 0, devices)
         group.workers = workers
         return group, workers
     except BaseException:
@@ -593,11 +689,12 @@ def start_group(family: Family, model_dir: Path, options: Mapping[str, object],
 
 
 @contextmanager
-def running_group(family: Family, model_dir: Path, degrees: Degrees) -> Iterator[GroupForward]:
+def running_group(family: Family, source: Path | str, degrees: Degrees,
+                  builder: str = STAGE_BUILDER) -> Iterator[GroupForward]:
     """A group over `family` while the block runs, this process its rank 0 (benchmarks, tests:
-    a stage's group lives as long as its process)."""
+    a stage's group lives as long as its process); its workers build from `source`."""
     options = {"parallel_cfg": degrees.cfg, "parallel_ulysses": degrees.ulysses}
-    group, workers = start_group(family, model_dir, options, degrees)
+    group, workers = start_group(family, source, options, degrees, builder)
     try:
         yield group
     finally:

@@ -1,16 +1,18 @@
 """A worker rank of a DiT group (`services/dit/parallel.py`): started by rank 0 as
-`python -m stagemesh.services.dit.parallel_worker <model_dir> <options as JSON>`, it loads the
-same transformer, joins the group and runs its share of every forward until rank 0 stops it.
-It dies with rank 0 (PR_SET_PDEATHSIG); anything it raises ends it with status 1, which rank 0
-sees as a group fault."""
+`python -m stagemesh.services.dit.parallel_worker <builder> <source> <options as JSON>`, it
+builds the same transformers as rank 0 on its own device (`parallel.GroupDevices`) with the
+builder, a `module:function` taking (source, options) (`parallel.STAGE_BUILDER`: the stage's
+model folder; `stagemesh bench gpu`: a seeded real-size model), joins the group and runs its
+share of every forward until rank 0 stops it. It dies with rank 0 (PR_SET_PDEATHSIG); anything
+it raises ends it with status 1, which rank 0 sees as a group fault."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from stagemesh.shared.process import die_with_parent, stage_threads, stay_offline
 
@@ -24,15 +26,17 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from stagemesh.services.dit import parallel
-    from stagemesh.services.dit.servicer import group_family
 
     torch.set_num_threads(stage_threads("dit"))
-    model_dir, options = Path(argv[0]), json.loads(argv[1])
+    builder, source, given = argv
+    module, _, function = builder.partition(":")
+    build: parallel.Builder = getattr(importlib.import_module(module), function)
     rank, world = int(os.environ[parallel.RANK_ENV]), int(os.environ[parallel.WORLD_ENV])
-    family, degrees = group_family(model_dir, options)
-    parallel.join_group(rank, world, int(os.environ[parallel.PORT_ENV]))
-    group = parallel.shard_family(family, degrees, rank)
-    log.info("DiT group rank %d of %d serving", rank, world)
+    options, devices = parallel.worker_options(json.loads(given), rank)
+    family, degrees = build(source, options)
+    parallel.join_group(rank, world, int(os.environ[parallel.PORT_ENV]), devices)
+    group = parallel.shard_family(family, degrees, rank, devices)
+    log.info("DiT group rank %d of %d serving on %s", rank, world, group.device)
     group.serve()
     dist.destroy_process_group()
     return 0

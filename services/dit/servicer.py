@@ -37,6 +37,7 @@ from stagemesh.services.dit.lora_updates import LoraRefused, LoraUpdates, update
 from stagemesh.services.dit.parallel import (
     Degrees,
     Family,
+    GroupDevices,
     GroupForward,
     ParallelOptions,
     QwenImageFamily,
@@ -413,7 +414,7 @@ def _describe(
         default_preview_size=DEFAULT_PREVIEW_SIZE if previews else 0,
         min_preview_every=MIN_PREVIEW_EVERY if previews else 0,
         parallel_cfg=degrees.cfg, parallel_ulysses=degrees.ulysses,
-        group_devices=[placement.device_name] * degrees.world)
+        group_devices=GroupDevices.named(placement.device).names(degrees))
     _describe_loras(description, loras)
     return description
 
@@ -530,9 +531,11 @@ def video_adapter(model_dir: Path, options: Mapping[str, object],
                              preview_painter=painter)
 
 
-def group_family(model_dir: Path, options: Mapping[str, object]) -> tuple[Family, Degrees]:
-    """What a worker rank of a group builds (`services/dit/parallel_worker.py`): the same
-    transformers as rank 0, and the group's degrees."""
+def group_family(model_dir: Path | str,
+                 options: Mapping[str, object]) -> tuple[Family, Degrees]:
+    """What a worker rank of a group builds (`services/dit/parallel_worker.py`,
+    `parallel.STAGE_BUILDER`): the same transformers as rank 0, and the group's degrees."""
+    model_dir = Path(model_dir)
     mode_options, *_ = parse_options("dit", options, DitModeOptions, DitEngineOptions,
                                      AnyLimitOptions, DeviceOptions)
     degrees = Degrees.from_options(mode_options)
@@ -550,13 +553,15 @@ def _group(family: Family, model_dir: Path, options: Mapping[str, object],
 
 
 def _check_group(options: DitModeOptions, device: DeviceOptions) -> None:
-    """What a parallel group does not run yet: a ValueError naming it."""
+    """What a parallel group does not run yet: a ValueError naming it (a device a group cannot
+    span, before the model is read)."""
+    if "device" in device:
+        GroupDevices.named(device["device"])
     refused = {
         "step_cache": StepCacheConfig.from_options(options).method.value != "off",
         "lora_dir": LoraConfig.from_options(options).enabled,
         "compile": compile_from_options(options) is not CompileMode.OFF,
         "quantization": options.get("quantization", "none") != "none",
-        "a device other than cpu": device.get("device", "cpu") != "cpu",
     }
     if named := [name for name, applies in refused.items() if applies]:
         raise ValueError(f"stage dit: parallel_cfg/parallel_ulysses cannot be combined with "

@@ -163,6 +163,27 @@ async def test_cancel_in_a_batch_stops_one_row_at_the_step_boundary(
     assert (from_proto(done.result.latents) - want).abs().max().item() <= TOLERANCE
 
 
+async def test_a_lone_request_cancelled_mid_run_stops_every_rank(
+        group: Group, one_device: DenoiseAdapter, tiny_model_dir: Path) -> None:
+    """The whole batch cancelled: the engine interrupts the forward (every rank votes, block by
+    block), the request ends aborted where it was, and the group serves on in step."""
+    dim = _dim(tiny_model_dir)
+
+    async def cancel_at_2(call: Any, step: int) -> None:
+        if step == 2:
+            await call.write(dit_service_pb2.DenoiseRequest(cancel=common_pb2.Cancel()))
+
+    aborted = await _denoise(group.address, "alone", _input(dim, 8, steps=40, guided=True),
+                             cancel_at_2)
+    assert aborted.WhichOneof("event") == "aborted"
+    assert aborted.aborted.reason == common_pb2.ABORT_REASON_CANCELLED
+    assert 2 <= aborted.aborted.step_index < 40
+    after = _input(dim, 9, steps=2, guided=False)
+    done = await _denoise(group.address, "after", after)
+    want = await asyncio.to_thread(_solo, one_device, Job("after", after))
+    assert (from_proto(done.result.latents) - want).abs().max().item() <= TOLERANCE
+
+
 async def test_an_urgent_request_preempts_a_row_of_the_group(
         group: Group, one_device: DenoiseAdapter, tiny_model_dir: Path) -> None:
     dim = _dim(tiny_model_dir)

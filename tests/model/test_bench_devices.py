@@ -1,6 +1,7 @@
 """The device benchmarks, on this CPU: `stagemesh bench gpu --dry-run` checks everything but the
 GPU (the real-size model's configuration on the meta device, every measurement with a tiny
-model), and `stagemesh bench dtypes` times a stage in both dtypes."""
+model, the parallel arms as groups of CPU ranks), and `stagemesh bench dtypes` times a stage in
+both dtypes."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ def test_the_gpu_dry_run_measures_every_section(tmp_path: Path) -> None:
     assert rows["no abort (A runs on)"]["a_outcome"] == "completed"
     assert rows["no abort (A runs on)"]["a_steps"] == post_abort["steps"]
     assert rows["abort waiting + running (step mode)"]["a_outcome"] == "aborted"
+    # the parallel arms: one device, then groups of 2 CPU ranks on fresh copies of the model
+    arms = {row["arm"]: row for row in report["parallel"]}
+    assert list(arms) == ["one-device", "cfg2", "ulysses2"]
+    assert [arms[arm]["ranks"] for arm in arms] == [1, 2, 2]
+    assert all(row["size"] == 64 and row["step_seconds"] > 0 for row in arms.values())
+    assert arms["one-device"]["speedup"] == pytest.approx(1.0)
+    assert arms["cfg2"]["speedup"] == pytest.approx(
+        arms["one-device"]["step_seconds"] / arms["cfg2"]["step_seconds"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

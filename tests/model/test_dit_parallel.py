@@ -1,59 +1,89 @@
-"""A DiT group (services/dit/parallel.py) computes what one device computes.
+"""A DiT group (services/dit/parallel.py) computes what one device computes: text-to-image and
+image edit, under each layout.
 
-One module-scoped CFG-parallel group of 2 CPU ranks (parallel_cfg 2, 1 thread each): rank 0 is
-this process, rank 1 a worker process. Mixed batches (prompts of different lengths, guided and
-unguided rows, different steps and seeds) and a lone unguided request (the unconditional half
-has no rows) must match one device within 1e-5, and a whole-batch cancel stops every rank at
-the same block. Ulysses alone: tests/model/test_dit_wan_parallel.py; both at once, over gRPC:
+Three module-scoped groups in turn, one per layout: `parallel_cfg: 2` (2 ranks),
+`parallel_ulysses: 2` (2 ranks) and both (4 ranks); rank 0 is this process, the others worker
+processes, 1 thread each. Each group runs over the tiny Qwen-Image-Edit folder and serves two
+rank-0 adapters: the edit folder's, and a text-to-image folder over the same transformer files
+(the group runs every forward on the transformer it was started with, so one group start serves
+both tasks). Mixed batches (prompts of different lengths, guided and unguided rows, different
+steps, seeds and condition images, a request joining later) and a lone unguided request (under
+CFG-parallel its unconditional half has no rows) must match one device within 1e-5; a cancel
+stops every rank at the same block (before the first, or between two), after which the group
+serves on. Text-to-video: tests/model/test_dit_wan_parallel.py; the engine's promises over gRPC:
 tests/integration/test_dit_group.py.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from diffusers import __version__ as diffusers_version
 from diffusers.models._modeling_parallel import ContextParallelConfig
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.services.dit.parallel import (
     Degrees,
+    GroupDevices,
     QwenImageFamily,
     running_group,
     start_group,
+    worker_options,
 )
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
-from stagemesh.services.tokenizer.qwen_image_adapter import PromptEncoderAdapter
 from stagemesh.shared.engine import (
     EngineRequest,
     StepInterrupt,
     StepInterrupted,
 )
-from tests.model import test_dit_batching as batching
-from tests.model.test_dit_batching import TOLERANCE, Job, _continuous, _embed, _solo
+from tests.model import test_dit_edit as edit_tests
+from tests.model.test_dit_batching import TOLERANCE, Job, _continuous, _solo
+from tests.model.test_dit_edit import HEIGHT, WIDTH, _embeddings
 
-SIZE = 64
-DEGREES = Degrees(cfg=2)
+#: The layouts every test runs under (a group start each, about 6 s of CPU per worker).
+LAYOUTS = {"cfg2": Degrees(cfg=2), "ulysses2": Degrees(ulysses=2),
+           "cfg2-ulysses2": Degrees(cfg=2, ulysses=2)}
+TASKS = ("text-to-image", "edit")
+#: The condition image's latents: [1, C, 1, 4, 6] (64x96 pixels through the 16x VAE), 6 tokens
+#: beside the output's 6: 12 tokens divide among 2 Ulysses ranks.
+CONDITION = (1, 1, 4, 6)
+
+#: The tiny edit folder, and a text-to-image folder over its transformer, as the edit tests
+#: build them.
+edit_dir = edit_tests.edit_dir
+text_to_image_dir = edit_tests.text_to_image_dir
 
 
-#: The tiny Qwen-Image folder and its prompt encoder, as the batching tests build them.
-model_dir = batching.model_dir
-encoder = batching.encoder
+@dataclass(frozen=True)
+class Adapters:
+    """One adapter per task."""
+
+    text_to_image: DenoiseAdapter
+    edit: DenoiseAdapter
+
+    def of(self, task: str) -> DenoiseAdapter:
+        return self.edit if task == "edit" else self.text_to_image
 
 
 @pytest.fixture(scope="module")
-def one_device(model_dir: Path) -> DenoiseAdapter:
-    return DenoiseAdapter(model_dir)
+def one_device(edit_dir: Path, text_to_image_dir: Path) -> Adapters:
+    return Adapters(DenoiseAdapter(text_to_image_dir), DenoiseAdapter(edit_dir))
 
 
-@pytest.fixture(scope="module")
-def group(model_dir: Path) -> Iterator[DenoiseAdapter]:
-    adapter = DenoiseAdapter(model_dir)
-    with running_group(QwenImageFamily(adapter.transformer), model_dir, DEGREES) as adapter.group:
-        yield adapter
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def group(request: pytest.FixtureRequest, edit_dir: Path,
+          text_to_image_dir: Path) -> Iterator[Adapters]:
+    adapters = Adapters(DenoiseAdapter(text_to_image_dir), DenoiseAdapter(edit_dir))
+    family = QwenImageFamily(adapters.edit.transformer)
+    with running_group(family, edit_dir, LAYOUTS[request.param]) as adapters.edit.group:
+        adapters.text_to_image.group = adapters.edit.group
+        yield adapters
 
 
 def test_diffusers_context_parallel_is_the_one_set_up_by_hand() -> None:
@@ -63,15 +93,26 @@ def test_diffusers_context_parallel_is_the_one_set_up_by_hand() -> None:
     assert ContextParallelConfig(ulysses_degree=2).mesh_dim_names == ("ring", "ulysses")
 
 
-def test_group_equals_one_device(encoder: PromptEncoderAdapter, one_device: DenoiseAdapter,
-                                 group: DenoiseAdapter) -> None:
-    short = _embed(encoder, "a cat", "")
-    long = _embed(encoder, "a large blue square above a small red circle", "dark")
-    plain = _embed(encoder, "a green triangle", None)
+def _condition(adapter: DenoiseAdapter, seed: int) -> tuple[torch.Tensor, ...]:
+    channels = adapter.transformer.config["out_channels"]
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(CONDITION[0], channels, *CONDITION[1:], generator=generator),)
 
-    def job(name: str, emb: PromptEmbeddings, seed: int, *, arrives: int = 0, steps: int = 3,
-            cfg: float = 4.0) -> Job:
-        return Job(name, DenoiseInput(emb, SIZE, SIZE, steps, cfg, seed), arrives)
+
+def _job(adapter: DenoiseAdapter, task: str, name: str, emb: PromptEmbeddings, seed: int, *,
+         arrives: int = 0, steps: int = 3, cfg: float = 4.0) -> Job:
+    condition = _condition(adapter, seed) if task == "edit" else ()
+    return Job(name, DenoiseInput(emb, HEIGHT, WIDTH, steps, cfg, seed,
+                                  condition_latents=condition), arrives)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_group_equals_one_device(task: str, one_device: Adapters, group: Adapters) -> None:
+    short = _embeddings(1, 3, 2)
+    long = _embeddings(2, 9, 5)
+    plain = _embeddings(3, 6, None)
+    grouped = group.of(task)
+    job = functools.partial(_job, grouped, task)
 
     jobs = [
         job("guided-short", short, 1),
@@ -79,40 +120,70 @@ def test_group_equals_one_device(encoder: PromptEncoderAdapter, one_device: Deno
         job("unguided", plain, 3, arrives=1, steps=2),
         job("cfg-off", long, 5, arrives=2, cfg=1.0),
     ]
-    batched = _continuous(group, jobs)
+    batched = _continuous(grouped, jobs)
     for j in jobs:
-        want = _solo(one_device, j)
+        want = _solo(one_device.of(task), j)
         assert (batched[j.name] - want).abs().max().item() <= TOLERANCE, j.name
     # a lone unguided request: the unconditional half of the group has no rows at all
     lone = job("lone-unguided", plain, 8, steps=2)
-    got = _solo(group, lone)
-    assert (got - _solo(one_device, lone)).abs().max().item() <= TOLERANCE
+    got = _solo(grouped, lone)
+    assert (got - _solo(one_device.of(task), lone)).abs().max().item() <= TOLERANCE
 
 
 def test_a_worker_that_cannot_load_fails_the_start_at_once(
-        one_device: DenoiseAdapter, tmp_path: Path) -> None:
-    family = QwenImageFamily(one_device.transformer)  # no worker joins: it stays unsharded
+        one_device: Adapters, tmp_path: Path) -> None:
+    family = QwenImageFamily(one_device.edit.transformer)  # no worker joins: it stays unsharded
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] ended before the group started"):
-        start_group(family, tmp_path / "no-model", {"parallel_cfg": 2}, DEGREES)
+        start_group(family, tmp_path / "no-model", {"parallel_cfg": 2}, Degrees(cfg=2))
     assert time.monotonic() - started < 60  # not a collective's timeout
 
 
+@pytest.mark.parametrize(("block", "guided"), [(0, True), (1, True), (1, False)],
+                         ids=["first-block", "mid-forward", "mid-forward-unguided"])
 def test_interrupt_stops_every_rank_then_the_group_serves_on(
-        encoder: PromptEncoderAdapter, one_device: DenoiseAdapter,
-        group: DenoiseAdapter) -> None:
-    emb = _embed(encoder, "a cat", "")
-    payload = DenoiseInput(emb, SIZE, SIZE, 2, 4.0, 4)
+        block: int, guided: bool, one_device: Adapters, group: Adapters) -> None:
+    """A cancel before block `block` of the forward: every rank (those of an empty CFG half
+    too, when the request is unguided) stops there, and the next forward runs in step."""
+    emb = _embeddings(4, 5, 3 if guided else None)
+    payload = DenoiseInput(emb, HEIGHT, WIDTH, 2, 4.0, 4)
+    grouped = group.text_to_image
     interrupt = StepInterrupt()
-    group.bind_interrupt(interrupt)
-    state = group.prepare(EngineRequest(request_id="r", payload=payload))
+    grouped.bind_interrupt(interrupt)
+    state = grouped.prepare(EngineRequest(request_id="r", payload=payload))
     interrupt.arm(["r"])
-    interrupt.cancel("r")  # cancelled before the first block: every rank stops there
+    # rank 0 runs every forward on the edit adapter's transformer (see `group`)
+    blocks = group.edit.transformer.transformer_blocks
+    if block == 0:
+        interrupt.cancel("r")  # cancelled before the first block: every rank stops there
+    else:  # cancelled while block `block - 1` runs on rank 0: every rank stops before `block`
+        hook = blocks[block - 1].register_forward_hook(lambda *_: interrupt.cancel("r"))
     with pytest.raises(StepInterrupted):
-        group.step([state])
+        grouped.step([state])
+    if block:
+        hook.remove()
     assert state.step_index == 0
     interrupt.disarm()
-    group.release(state)
+    grouped.release(state)
     # the same ranks run the next forward in step: no collective was left half taken
-    got = _solo(group, Job("after", payload))
-    assert (got - _solo(one_device, Job("after", payload))).abs().max().item() <= TOLERANCE
+    got = _solo(grouped, Job("after", payload))
+    want = _solo(one_device.text_to_image, Job("after", payload))
+    assert (got - want).abs().max().item() <= TOLERANCE
+
+
+def test_every_rank_gets_its_device_from_one_place() -> None:
+    """`GroupDevices` is where a group's devices are chosen, on CPU and CUDA alike (the CPU
+    groups above run the same code; no CUDA device was lent to run the other path)."""
+    cpu = GroupDevices.named("cpu")
+    assert (cpu.backend, cpu.names(Degrees(2, 2))) == ("gloo", ["cpu"] * 4)
+    cuda = GroupDevices.named("cuda:2")
+    assert cuda.backend == "nccl"
+    assert cuda.names(Degrees(2, 2)) == ["cuda:2", "cuda:3", "cuda:4", "cuda:5"]
+    options, devices = worker_options({"device": "cuda:2", "parallel_cfg": 2}, rank=1)
+    assert (options, devices) == ({"device": "cuda:3", "parallel_cfg": 2}, cuda)
+    assert worker_options({"parallel_cfg": 2}, rank=1)[0]["device"] == "cpu"
+    if torch.cuda.device_count() < 6:
+        with pytest.raises(ValueError, match="needs 6 CUDA devices"):
+            cuda.check(Degrees(2, 2))
+    with pytest.raises(ValueError, match="cpu or cuda devices, not mps"):
+        GroupDevices.named("mps")

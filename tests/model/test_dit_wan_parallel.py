@@ -1,9 +1,10 @@
 """A Wan DiT over a group (services/dit/parallel.py) computes what one device computes.
 
-One module-scoped Ulysses group of 2 CPU ranks (parallel_ulysses 2, 1 thread each: each rank
-holds half of every forward's video tokens) over the tiny text-to-video model: guided and
-unguided requests of different steps and seeds advancing together match one device within
-1e-5.
+Three module-scoped groups in turn over the tiny text-to-video model, one per layout (1 thread
+a rank): `parallel_ulysses: 2` (each rank holds half of every forward's video tokens),
+`parallel_cfg: 2` (conditional and unconditional rows on different ranks) and both (4 ranks).
+Guided and unguided requests of different steps and seeds advancing together, and a lone
+unguided request, match one device within 1e-5.
 """
 
 from __future__ import annotations
@@ -21,17 +22,25 @@ from stagemesh.shared.engine import EngineRequest, InvalidInputError
 from tests.model import test_dit_wan as one_device_wan
 from tests.model.test_dit_wan import TOLERANCE, _embeddings, _run, _video
 
-DEGREES = Degrees(ulysses=2)
+#: The layouts every test runs under (a group start each).
+LAYOUTS = {"ulysses2": Degrees(ulysses=2), "cfg2": Degrees(cfg=2),
+           "cfg2-ulysses2": Degrees(cfg=2, ulysses=2)}
 
 #: The tiny text-to-video folder, as the Wan tests build it.
 t2v_dir = one_device_wan.t2v_dir
 
 
-@pytest.fixture(scope="module")
-def group(t2v_dir: Path) -> Iterator[WanDenoiseAdapter]:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def group(request: pytest.FixtureRequest, t2v_dir: Path) -> Iterator[WanDenoiseAdapter]:
     adapter = WanDenoiseAdapter(t2v_dir)
-    with running_group(WanFamily(adapter.transformers), t2v_dir, DEGREES) as adapter.group:
+    degrees = LAYOUTS[request.param]
+    with running_group(WanFamily(adapter.transformers), t2v_dir, degrees) as adapter.group:
         yield adapter
+
+
+@pytest.fixture(scope="module")
+def one_device(t2v_dir: Path) -> WanDenoiseAdapter:
+    return WanDenoiseAdapter(t2v_dir)
 
 
 def _together(adapter: WanDenoiseAdapter,
@@ -52,19 +61,21 @@ def _together(adapter: WanDenoiseAdapter,
     return results
 
 
-def test_a_video_group_equals_one_device(t2v_dir: Path, group: WanDenoiseAdapter) -> None:
+def test_a_video_group_equals_one_device(group: WanDenoiseAdapter,
+                                         one_device: WanDenoiseAdapter) -> None:
     payloads = {
         "guided": _video(_embeddings(1)),
         "unguided": _video(_embeddings(2), guidance_scale=1.0, num_inference_steps=2,
                            seed=3),
         "guided-short": _video(_embeddings(3), num_inference_steps=3, seed=9),
     }
-    # the ranks really share the tokens: diffusers' Ulysses attention is set on every block
-    processors = [block.attn1.processor for block in group.transformers[0].blocks]
-    assert all(p._parallel_config.context_parallel_config.ulysses_degree == 2
-               for p in processors)
+    assert group.group is not None
+    if (ulysses := group.group.degrees.ulysses) > 1:
+        # the ranks really share the tokens: diffusers' Ulysses attention is set on every block
+        processors = [block.attn1.processor for block in group.transformers[0].blocks]
+        assert all(p._parallel_config.context_parallel_config.ulysses_degree == ulysses
+                   for p in processors)
     got = _together(group, payloads)
-    one_device = WanDenoiseAdapter(t2v_dir)
     for rid, payload in payloads.items():
         want = _run(one_device, payload).latents
         assert (got[rid] - want).abs().max().item() <= TOLERANCE, rid
@@ -73,5 +84,10 @@ def test_a_video_group_equals_one_device(t2v_dir: Path, group: WanDenoiseAdapter
 
 
 def test_video_tokens_must_divide_among_ulysses_ranks(group: WanDenoiseAdapter) -> None:
+    odd = _video(_embeddings(1), height=48)  # 3 x 3 x 3 tokens
+    assert group.group is not None
+    if group.group.degrees.ulysses == 1:
+        group.check_inputs(odd)  # CFG-parallel alone splits rows, never tokens
+        return
     with pytest.raises(InvalidInputError, match="parallel_ulysses"):
-        group.check_inputs(_video(_embeddings(1), height=48))  # 3 x 3 x 3 tokens
+        group.check_inputs(odd)

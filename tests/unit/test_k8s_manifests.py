@@ -570,6 +570,36 @@ def test_gpu_overlay_gives_gpus_to_the_heavy_stages_only() -> None:
     assert with_gpu == GPU_STAGES
 
 
+#: overlays/gpu-parallel: the gpu overlay with this DiT as one group of ranks in one pod.
+GROUP_DIT = "wan-t2v-tiny-dit"
+
+
+def test_gpu_parallel_overlay_gives_a_group_one_pod_with_a_gpu_per_rank() -> None:
+    """One Deployment per group: the DiT's pod holds parallel_cfg x parallel_ulysses GPUs and a
+    memory-backed /dev/shm (NCCL between the pod's GPUs); KEDA scales that Deployment, so the
+    scaling unit is the group; everything else is the gpu overlay, validated as strictly."""
+    overlay, gpu = "overlays/gpu-parallel", "overlays/gpu"
+    errors = [e for doc in render(overlay) for e in validator().resource_errors(doc, "1.32.0")]
+    assert not errors, errors
+    dit = of_kind(overlay, "Deployment")[GROUP_DIT]
+    options = _stage_options(dit)
+    cfg, ulysses = options.pop("parallel_cfg"), options.pop("parallel_ulysses")
+    assert isinstance(cfg, int) and isinstance(ulysses, int) and cfg * ulysses > 1
+    assert options == _stage_options(of_kind(gpu, "Deployment")[GROUP_DIT])
+    resources = container(dit, "stage")["resources"]
+    gpus = {resources[kind]["nvidia.com/gpu"] for kind in ("requests", "limits")}
+    assert gpus == {str(cfg * ulysses)}
+    pod = dit["spec"]["template"]["spec"]
+    assert named(pod["volumes"], "dshm")["emptyDir"]["medium"] == "Memory"
+    assert named(container(dit, "stage")["volumeMounts"], "dshm")["mountPath"] == "/dev/shm"
+    scaled = of_kind(overlay, "ScaledObject")[GROUP_DIT]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == GROUP_DIT
+    others = [doc for doc in render(overlay) if doc["metadata"]["name"] != GROUP_DIT
+              or doc["kind"] != "Deployment"]
+    assert others == [doc for doc in render(gpu) if doc["metadata"]["name"] != GROUP_DIT
+                      or doc["kind"] != "Deployment"]
+
+
 def _stage_options(deployment: Doc) -> dict[str, object]:
     """A stage's --options (none given: {})."""
     args = container(deployment, "stage")["args"]
