@@ -11,6 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from stagemesh.models.families import PIPER_FAMILY, STAGE_EXTRAS
+from stagemesh.shared.extras import Extra
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TINY_SHAPES = REPO_ROOT / "assets" / "tiny-shapes"
 SHIPPED_TINY_SHAPES_EDIT = REPO_ROOT / "assets" / "tiny-shapes-edit"
@@ -86,6 +89,19 @@ BUILTIN: dict[str, Callable[[], Path]] = {
     "smollm2-135m": _smollm2,
     "whisper-tiny-en": _whisper_tiny_en,
 }
+
+#: The family of each built-in model whose family has a stage that needs an optional extra
+#: (`stagemesh.models.families.STAGE_EXTRAS`): known before the model is built, so that
+#: `stagemesh serve --strict` refuses at once instead of after preparing every model.
+BUILTIN_FAMILIES: dict[str, str] = {"piper-joe": PIPER_FAMILY}
+
+
+def builtin_stage_extras(spec: str) -> dict[str, Extra]:
+    """Stage -> the extra it needs, for a `builtin:<name>` spec, without building the model;
+    empty for a folder path (its family is read once prepared: `families.stage_extras`)."""
+    if not spec.startswith("builtin:"):
+        return {}
+    return STAGE_EXTRAS.get(BUILTIN_FAMILIES.get(spec.removeprefix("builtin:"), ""), {})
 
 
 def resolve_model(spec: str) -> Path:

@@ -2,9 +2,10 @@
 gateway, and keep the stages running.
 
 This process hosts the gateway, so it never imports torch, diffusers, transformers or
-stagemesh.models: its children do. They come from the stage launcher (`stagemesh.launcher`), one
-child process that imports those once and forks each of them, so that none imports them again
-(~6.5 s of CPU each; most of serve's start-up on two cores before it). Without it
+stagemesh.models (but the registry's tables, for `--strict`): its children do. They come from
+the stage launcher (`stagemesh.launcher`), one child process that imports those once and forks
+each of them, so that none imports them again (~6.5 s of CPU each; most of serve's start-up on
+two cores before it). Without it
 (STAGEMESH_STAGE_LAUNCHER=spawn, elsewhere than Linux, or once it is gone) each child is
 `python -m stagemesh ...` and imports them itself. First one `stagemesh model prepare SPEC...`
 child resolves the distinct models of the recipes (a built-in one built on first use) and
@@ -39,7 +40,7 @@ from stagemesh.gateway.recipes import Recipe
 from stagemesh.launcher import Launcher, StartMode, start_mode
 from stagemesh.serve.children import child_env
 from stagemesh.serve.extras import MissingExtra, servable_recipes
-from stagemesh.serve.models import prepare, prepare_models
+from stagemesh.serve.models import builtin_extras, prepare, prepare_models
 from stagemesh.serve.plan import StageLaunch, plan_launches, stage_argv, stage_command
 from stagemesh.serve.ports import (
     PortInUse,
@@ -93,12 +94,15 @@ def serve(recipes: dict[str, Recipe], config: GatewayConfig, strict: bool = Fals
     """Prepare models, leave out the recipes whose optional extras are missing (MissingExtra
     instead when `strict`), start stages, wait for them, run the gateway (and restart stages
     that exit) until Ctrl-C, then stop."""
+    if strict:  # the built-in models' extras are known unprepared: refuse before any child
+        servable_recipes(recipes, builtin_extras(r.model for r in recipes.values()), strict)
     ensure_mesh_token()  # before any child starts: they inherit it through the environment
     launcher = Launcher.start(child_env()) if start_mode() is StartMode.FORK else None
     supervisor: Supervisor | None = None
     try:
         prepared = prepare((r.model for r in recipes.values()), launcher=launcher)
-        recipes = servable_recipes(recipes, prepared, strict)
+        recipes = servable_recipes(recipes, {spec: p.extras for spec, p in prepared.items()},
+                                   strict)
         launches = plan_launches(recipes, {spec: p.folder for spec, p in prepared.items()})
         supervisor = Supervisor(launches, launcher)
         supervisor.start_all()

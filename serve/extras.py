@@ -5,7 +5,8 @@ A recipe with a stage whose extra is missing is skipped, with one warning per ex
 recipes it skips and the install command; so is a chat recipe whose `speech:` names a skipped
 recipe (it would answer text but fail every spoken answer; without the extra, chat goes with
 its voice). The gateway then lists only what is served (/v1/models, /health). `--strict` makes
-a missing extra fatal instead.
+a missing extra fatal instead: before any model is prepared where the recipes' models are
+built-in (`stagemesh.models.registry.builtin_stage_extras`), so that it refuses in seconds.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import logging
 from collections.abc import Mapping
 
 from stagemesh.gateway.recipes import Recipe
-from stagemesh.serve.models import PreparedModel
 from stagemesh.shared.extras import Extra
 
 log = logging.getLogger(__name__)
@@ -24,13 +24,15 @@ class MissingExtra(RuntimeError):
     """An optional extra a recipe needs is not installed, and serve must not skip it."""
 
 
-def servable_recipes(recipes: Mapping[str, Recipe], prepared: Mapping[str, PreparedModel],
+def servable_recipes(recipes: Mapping[str, Recipe],
+                     extras: Mapping[str, Mapping[str, Extra]],
                      strict: bool = False) -> dict[str, Recipe]:
-    """`recipes` without those that need a missing extra (see the module docstring);
-    MissingExtra when `strict`, or when nothing is left to serve."""
+    """`recipes` without those that need a missing extra (see the module docstring), given
+    model spec -> stage -> the extra it needs (a spec not in `extras`: none); MissingExtra when
+    `strict`, or when nothing is left to serve."""
     lacking: dict[str, tuple[Extra, str]] = {}  # recipe -> the extra it lacks, and why
     for name, recipe in recipes.items():
-        needs = prepared[recipe.model].extras
+        needs = extras.get(recipe.model, {})
         stage = next((s for s in recipe.stages if s in needs and not needs[s].installed()), None)
         if stage is not None:
             lacking[name] = (needs[stage], f"its {stage} stage")

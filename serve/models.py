@@ -51,6 +51,15 @@ def prepare_models(specs: Iterable[str], timeout: float = MODEL_PREPARE_TIMEOUT_
     return {spec: model.folder for spec, model in prepared.items()}
 
 
+def builtin_extras(specs: Iterable[str]) -> dict[str, dict[str, Extra]]:
+    """Model spec -> stage -> the extra it needs, for the built-in specs whose family the
+    registry knows before building (the others are known once prepared). Imports the
+    registry's tables alone, no model library."""
+    from stagemesh.models.registry import builtin_stage_extras
+
+    return {spec: builtin_stage_extras(spec) for spec in specs}
+
+
 def prepare(specs: Iterable[str], timeout: float = MODEL_PREPARE_TIMEOUT_S,
             launcher: Launcher | None = None) -> dict[str, PreparedModel]:
     """Model spec -> its folder and the extras its stages need, as `prepare_models`."""

@@ -1,5 +1,6 @@
 """Faults a mesh must survive, with every stage a real `stagemesh stage` process (carrying a
-mesh token, as `serve` runs them) and the gateway's REST app over them: a stage killed
+mesh token, forked by the stage launcher as `serve` runs them, so that torch & co. are imported
+once, not once a stage) and the gateway's REST app over them: a stage killed
 mid-request, a stage slower than the request's deadline, a stage restarted, and more requests
 than the gateway admits.
 
@@ -12,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -29,9 +28,11 @@ from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.gateway.wire.admission import Admission
+from stagemesh.launcher import ChildProcess, Launcher
 from stagemesh.models.qwen_image import ensure_model
 from stagemesh.models.speech import ensure_speech_model
 from stagemesh.serve import HEALTH_CHECK_METHOD, free_port
+from stagemesh.serve.children import child_env, start_child
 from stagemesh.shared import mesh_auth
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,22 +53,23 @@ START_TIMEOUT_S = 180.0
 class StageProcess:
     """One `stagemesh stage` child on fixed ports (so it can be restarted where it was)."""
 
-    def __init__(self, name: str, model: Path) -> None:
-        self.name, self.model = name, model
+    def __init__(self, name: str, model: Path, launcher: Launcher) -> None:
+        self.name, self.model, self.launcher = name, model, launcher
         self.port, self.metrics_port = free_port(), free_port()
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: ChildProcess | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "stagemesh", "stage", self.name, "--model", str(self.model),
-             "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-             "--threads", "1", "--options", json.dumps({**OPTIONS.get(self.name, {}), **DRAIN})],
-            env={**os.environ, mesh_auth.TOKEN_ENV: TOKEN, "HF_HUB_OFFLINE": "1",
-                 "TRANSFORMERS_OFFLINE": "1"})
+        """As serve starts a stage (`start_child`: offline, with this process's environment,
+        which carries the token while the module runs)."""
+        self.process = start_child(
+            ["stage", self.name, "--model", str(self.model), "--port", str(self.port),
+             "--metrics-port", str(self.metrics_port), "--threads", "1",
+             "--options", json.dumps({**OPTIONS.get(self.name, {}), **DRAIN})],
+            self.launcher)
 
     def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
         """Poll grpc.health (open without the token) until SERVING; a new channel each try,
@@ -121,20 +123,24 @@ class StageProcess:
 @pytest.fixture(scope="module")
 def stages() -> Iterator[dict[str, StageProcess]]:
     image, speech = ensure_model("tiny"), ensure_speech_model()
-    stages = {name: StageProcess(name, model) for name, model in
-              [("tokenizer", image), ("dit", image), ("vae", image), ("talker", speech),
-               ("codec", speech)]}
-    for stage in stages.values():
-        stage.start()
-    try:
-        for stage in stages.values():
-            stage.wait_serving()
-        yield stages
-    finally:
-        for stage in stages.values():
-            stage.terminate()  # all at once: they drain side by side
-        for stage in stages.values():
-            stage.wait_stopped()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(mesh_auth.TOKEN_ENV, TOKEN)
+        launcher = Launcher.start(child_env())
+        stages = {name: StageProcess(name, model, launcher) for name, model in
+                  [("tokenizer", image), ("dit", image), ("vae", image), ("talker", speech),
+                   ("codec", speech)]}
+        try:
+            for stage in stages.values():
+                stage.start()
+            for stage in stages.values():
+                stage.wait_serving()
+            yield stages
+        finally:
+            for stage in stages.values():
+                stage.terminate()  # all at once: they drain side by side
+            for stage in stages.values():
+                stage.wait_stopped()
+            launcher.close()
 
 
 @pytest.fixture

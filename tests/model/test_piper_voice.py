@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("piper", reason="the Piper voice needs the voice-gpl extra")
 
+from stagemesh.models.families import family_of
 from stagemesh.models.families.piper import (
     CODEC_INPUT,
     DURATION_NOISE,
@@ -22,7 +23,8 @@ from stagemesh.models.families.piper import (
     PiperVoiceFolder,
     open_session,
 )
-from stagemesh.models.piper import _stock_voice, ensure_piper_model
+from stagemesh.models.piper import MODEL_NAME, _stock_voice, ensure_piper_model
+from stagemesh.models.registry import BUILTIN_FAMILIES
 from stagemesh.services.codec.piper_adapter import (
     LatentDecodeInput,
     LatentFramesInput,
@@ -70,6 +72,11 @@ def run_talker(talker: PiperTalkerAdapter, state: PiperTalkerState) -> list[Floa
             chunks.append(out.partial)
         if out.finished:
             return chunks
+
+
+def test_the_registry_names_the_family_the_builder_writes(folder: Path) -> None:
+    """`serve --strict` checks a built-in model's extras from the registry, before building."""
+    assert family_of(folder) == BUILTIN_FAMILIES[MODEL_NAME]
 
 
 def test_talker_then_codec_equals_the_stock_voice_bit_for_bit(

@@ -1,6 +1,7 @@
 """`stagemesh serve` leaves out the recipes whose optional extras are not installed (one warning
 per extra, naming the install command), with the chat recipes that speak through them, unless
---strict makes that fatal; `model prepare --json` reports the extras a family's stages need."""
+--strict makes that fatal; `model prepare --json` reports the extras a family's stages need,
+and the registry those of a built-in model before it is built."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.models.families import CONFIG_FILE, PIPER_FAMILY
 from stagemesh.serve import MissingExtra
 from stagemesh.serve.extras import servable_recipes
-from stagemesh.serve.models import PreparedModel
+from stagemesh.serve.models import builtin_extras
 from stagemesh.shared.extras import VOICE_GPL, Extra
 
 #: An extra whose module is installed nowhere, and one whose module is always there.
@@ -38,10 +39,9 @@ RECIPES = {
 }
 
 
-def _prepared(talker_extra: Extra) -> dict[str, PreparedModel]:
-    return {"img": PreparedModel(Path("/img")), "llm": PreparedModel(Path("/llm")),
-            "piper": PreparedModel(Path("/piper"), {"talker": talker_extra}),
-            "csm": PreparedModel(Path("/csm"))}
+def _prepared(talker_extra: Extra) -> dict[str, dict[str, Extra]]:
+    """Model spec -> stage -> extra, as the prepared models report them."""
+    return {"img": {}, "llm": {}, "piper": {"talker": talker_extra}, "csm": {}}
 
 
 def test_a_recipe_lacking_its_extra_is_skipped_with_the_chat_that_speaks_through_it(
@@ -97,3 +97,9 @@ def test_model_prepare_json_names_the_extra_each_stage_of_the_family_needs(
     assert [json.loads(line) for line in done.stdout.splitlines()] == [
         {"folder": str(piper), "extras": {"talker": VOICE_GPL.name}},
         {"folder": str(plain), "extras": {}}]
+
+
+def test_the_registry_knows_a_built_in_models_extras_before_building_it() -> None:
+    assert builtin_extras(["builtin:piper-joe", "builtin:tiny-shapes", "/a/piper/folder"]) == {
+        "builtin:piper-joe": {"talker": VOICE_GPL}, "builtin:tiny-shapes": {},
+        "/a/piper/folder": {}}
