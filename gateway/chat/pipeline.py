@@ -53,10 +53,12 @@ FIRST_CLAUSE_WORDS = 3
 FIRST_PIECE_MAX_WORDS = 8
 #: Words a capped first piece does not end on (its voice would fall mid-phrase): the cut moves
 #: before them ("... lies | in the spider's anatomy", not "... lies in | the spider's ...").
-_LEADING_WORDS = frozenset(
-    "a an the of in on at to for with by from into about as and or but nor so that which who "
-    "whose is are was were be been being has have had do does did will would can could should "
-    "my your his her its our their this these those".split())
+_LEADING_WORDS = frozenset({
+    "a", "an", "the", "of", "in", "on", "at", "to", "for", "with", "by", "from", "into", "about",
+    "as", "and", "or", "but", "nor", "so", "that", "which", "who", "whose", "is", "are", "was",
+    "were", "be", "been", "being", "has", "have", "had", "do", "does", "did", "will", "would",
+    "can", "could", "should", "my", "your", "his", "her", "its", "our", "their", "this", "these",
+    "those"})
 #: Text that stands in for the sentences while the speech request is checked before any stage.
 _PROBE_TEXT = "Hello."
 
