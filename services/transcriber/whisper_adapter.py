@@ -36,7 +36,7 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ctranslate2  # type: ignore[import-untyped]  # ships no type information
 import numpy as np
@@ -166,14 +166,38 @@ class _Kind(enum.Enum):
     PARTIAL = enum.auto()  # the open segment so far
 
 
+class _Job(Protocol):
+    """A decode started: done yet, and its text once done."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> _Decoded: ...
+
+
+@dataclass
+class _Whispered:
+    """One example of a decode pass running on CTranslate2's thread."""
+
+    running: Any  # ctranslate2's WhisperGenerationResultAsync
+    tokenizer: tokenizers.Tokenizer
+    features: Floats  # the batch's log-mel input: CTranslate2 reads it until the pass is done
+
+    def done(self) -> bool:
+        return bool(self.running.done())
+
+    def result(self) -> _Decoded:
+        result = self.running.result()
+        return _Decoded(self.tokenizer.decode(result.sequences_ids[0]).strip(),
+                        float(result.no_speech_prob))
+
+
 @dataclass
 class _Decode:
-    """One decode pass in flight on CTranslate2's thread, for one state."""
+    """One state's decode in flight."""
 
     kind: _Kind
     span: _Span
-    job: Any  # ctranslate2's WhisperGenerationResultAsync
-    features: Floats  # the batch's log-mel input: CTranslate2 reads it until the job is done
+    job: _Job
     submitted: float  # time.perf_counter()
     batch: int  # states decoded in the same pass
     decoded: _Decoded | None = None  # once collected
@@ -507,26 +531,28 @@ class WhisperTranscriberAdapter:
 
     def _submit(self, wanted: list[tuple[tuple[_Kind, _Span], list[int], Floats]]
                 ) -> list[_Decode]:
-        """Start one greedy decode pass over a batch of (what, prompt, audio) on CTranslate2's
-        thread; returns at once."""
+        """Start one decode pass over a batch of (what, prompt, audio); returns at once."""
         if not wanted:
             return []
-        features = np.stack([log_mel(audio, self.folder.n_mels) for _, _, audio in wanted])
-        jobs = self._model.generate(
-            ctranslate2.StorageView.from_array(features), [prompt for _, prompt, _ in wanted],
-            beam_size=1, return_no_speech_prob=True, asynchronous=True)
+        jobs = self._generate([(audio, prompt) for _, prompt, audio in wanted])
         now = time.perf_counter()
-        decodes = [_Decode(kind, span, job, features, now, len(wanted))
+        decodes = [_Decode(kind, span, job, now, len(wanted))
                    for ((kind, span), _, _), job in zip(wanted, jobs, strict=True)]
         self._in_flight += decodes
         return decodes
 
+    def _generate(self, spans: list[tuple[Floats, list[int]]]) -> list[_Job]:
+        """One greedy decode pass over a batch of (audio, prompt), on CTranslate2's thread."""
+        features = np.stack([log_mel(audio, self.folder.n_mels) for audio, _ in spans])
+        running = self._model.generate(
+            ctranslate2.StorageView.from_array(features), [prompt for _, prompt in spans],
+            beam_size=1, return_no_speech_prob=True, asynchronous=True)
+        return [_Whispered(one, self._tokenizer, features) for one in running]
+
     def _collect(self, decode: _Decode) -> _Decode:
         """A done decode with its text (kept: a step rerun after a failure reads it again)."""
         if decode.decoded is None:
-            result = decode.job.result()
-            decode.decoded = _Decoded(self._tokenizer.decode(result.sequences_ids[0]).strip(),
-                                      float(result.no_speech_prob))
+            decode.decoded = decode.job.result()
         return decode
 
     def _segment(self, state: TranscribeState, index: int, start: int, end: int,
