@@ -3,15 +3,20 @@ hears it: from the last voiced sample of a question to the first audio of its an
 
 One mesh (`stagemesh serve` with the chat recipe, the speech recipe it speaks through and the
 listener it hears with). Questions are recorded once in our own voice (the mesh's Piper, 24 kHz
-PCM16) and replayed in real time, 100 ms a chunk, with server VAD on (silence_duration_ms 500),
-by c sessions at once (c = 1 and 4 by default). Per answer, from the client's clock:
+PCM16) and replayed by c sessions at once (c = 1 and 4 by default), each through a microphone
+that never stops: 100 ms chunks in real time, silence between questions, each chunk sent once
+its 100 ms have been "recorded" (as a real microphone can), with server VAD on
+(silence_duration_ms 500). Every server event is timed as it arrives (a task reads the socket
+all the time). Per answer, from the client's clock:
 
-- VAD wait: last voiced sample -> `input_audio_buffer.speech_stopped`;
+- VAD wait: last voiced sample -> `input_audio_buffer.speech_stopped` (includes the 500 ms of
+  silence the client asked for, and the microphone's chunking);
 - transcription: speech_stopped -> `...input_audio_transcription.completed`;
-- thinker to first sentence: transcript -> the answer's first transcript delta (a sentence is
-  spoken as soon as the thinker completes it);
-- talker + codec: first sentence -> first `response.output_audio.delta`;
-- total: last voiced sample -> first audio (p50, p99);
+- thinker to first sentence: transcript -> the answer's first transcript delta, which the
+  gateway sends as it hands the answer's first piece (its first clause or sentence) to the
+  talker;
+- talker + codec: that first transcript delta -> the first `response.output_audio.delta`;
+- total: last voiced sample -> first audio (p50, p99); the four phases add up to it;
 - barge-in: our voice talks over a long answer 0.5 s after its first audio; the time from
   `speech_started` to the last audio delta received (<= 0: nothing came after it);
 - transcription real-time factor: the listener's time for a recorded question / its duration.
@@ -26,6 +31,7 @@ import argparse
 import asyncio
 import base64
 import io
+import itertools
 import json
 import logging
 import tempfile
@@ -91,7 +97,7 @@ def voice_recipes(path: Path) -> Path:
 
 
 def record(client: httpx.Client, text: str) -> Pcm16:
-    """`text` in our own voice, at 24 kHz, followed by a second of silence."""
+    """`text` in our own voice, at 24 kHz."""
     wav = client.post("/v1/audio/speech", json={"input": text, "voice": "default",
                                                 "response_format": "wav"})
     wav.raise_for_status()
@@ -99,13 +105,13 @@ def record(client: httpx.Client, text: str) -> Pcm16:
 
     pcm, rate = soundfile.read(io.BytesIO(wav.content), dtype="float32")
     resampled = StreamResampler(rate, RATE).push(np.asarray(pcm, np.float32), final=True)
-    voiced = np.round(np.clip(resampled, -1, 1) * 32767).astype(np.int16)
-    return np.concatenate([voiced, np.zeros(RATE, np.int16)])
+    return np.round(np.clip(resampled, -1, 1) * 32767).astype(np.int16)
 
 
-def last_voiced_s(pcm: Pcm16) -> float:
+def last_voiced(pcm: Pcm16) -> int:
+    """The index just after the last voiced sample of `pcm`."""
     loud = np.flatnonzero(np.abs(pcm.astype(np.float32)) > VOICED * 32767)
-    return float(loud[-1] + 1) / RATE if loud.size else 0.0
+    return int(loud[-1]) + 1 if loud.size else 0
 
 
 def transcription_rtf(client: httpx.Client, pcm: Pcm16) -> float:
@@ -120,23 +126,46 @@ def transcription_rtf(client: httpx.Client, pcm: Pcm16) -> float:
 
 
 class _Client:
-    """One realtime session: a microphone replaying audio in real time, events timed."""
+    """One realtime session: a microphone that streams in real time, and every event, timed
+    as it arrives."""
 
     def __init__(self, socket: Any) -> None:
         self.socket = socket
         self.events: list[tuple[float, dict[str, Any]]] = []
+        self._arrived = asyncio.Event()
+        #: Audio to say, with the future of the clock time its last voiced sample is spoken.
+        self._speaking: asyncio.Queue[tuple[Pcm16, asyncio.Future[float]]] = asyncio.Queue()
+
+    async def receive(self) -> None:
+        async for message in self.socket:
+            self.events.append((time.perf_counter(), json.loads(message)))
+            self._arrived.set()
+
+    async def microphone(self) -> None:
+        """100 ms chunks in real time, each sent once its audio has been "recorded": what
+        is queued to say, else silence."""
+        size = int(RATE * CHUNK_S)
+        pending = np.zeros(0, np.int16)
+        started = time.perf_counter()
+        for tick in itertools.count():
+            at = tick * size  # the stream's sample where this chunk starts
+            if not pending.size and not self._speaking.empty():
+                pending, spoken = self._speaking.get_nowait()
+                spoken.set_result(started + (at + last_voiced(pending)) / RATE)
+            chunk = pending[:size] if pending.size else np.zeros(size, np.int16)
+            pending = pending[size:]
+            chunk = np.concatenate([chunk, np.zeros(size - chunk.shape[0], np.int16)])
+            await asyncio.sleep(max(0.0, started + (tick + 1) * CHUNK_S - time.perf_counter()))
+            await self.socket.send(json.dumps({"type": "input_audio_buffer.append",
+                                               "audio": base64.b64encode(chunk.tobytes())
+                                               .decode()}))
 
     async def say(self, pcm: Pcm16) -> float:
-        """Stream `pcm` in real time; returns the clock time of its last voiced sample."""
-        size = int(RATE * CHUNK_S)
-        started = time.perf_counter()
-        for index, at in enumerate(range(0, pcm.shape[0], size)):
-            chunk = base64.b64encode(pcm[at:at + size].tobytes()).decode()
-            await self.socket.send(json.dumps({"type": "input_audio_buffer.append",
-                                               "audio": chunk}))
-            await asyncio.sleep(max(0.0, started + (index + 1) * CHUNK_S
-                                    - time.perf_counter()))
-        return started + last_voiced_s(pcm)
+        """Queue `pcm` for the microphone; the clock time of its last voiced sample (in the
+        future while it is still being said)."""
+        spoken: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        await self._speaking.put((pcm, spoken))
+        return await spoken
 
     async def until(self, kind: str, after: int) -> tuple[int, float]:
         while True:
@@ -144,8 +173,8 @@ class _Client:
                 if self.events[index][1]["type"] == kind:
                     return index, self.events[index][0]
             after = len(self.events)
-            event = json.loads(await asyncio.wait_for(self.socket.recv(), 120))
-            self.events.append((time.perf_counter(), event))
+            self._arrived.clear()
+            await asyncio.wait_for(self._arrived.wait(), 120)
 
     async def ask(self, pcm: Pcm16) -> Turn:
         mark = len(self.events)
@@ -163,14 +192,12 @@ class _Client:
     async def barge_in(self, question: Pcm16, interruption: Pcm16) -> float:
         """Talk over a long answer; seconds from speech_started to the last audio delta."""
         mark = len(self.events)
-        asking = asyncio.create_task(self.say(question))
+        await self.say(question)
         first, at = await self.until("response.output_audio.delta", mark)
         await asyncio.sleep(max(0.0, at + BARGE_IN_AFTER_S - time.perf_counter()))
-        await asking
-        saying = asyncio.create_task(self.say(interruption))
+        await self.say(interruption)
         started, heard_at = await self.until("input_audio_buffer.speech_started", first)
         done, _ = await self.until("response.done", started)
-        await saying
         deltas = [t for t, e in self.events[first:done]
                   if e["type"] == "response.output_audio.delta"]
         return max(deltas) - heard_at
@@ -183,12 +210,18 @@ async def session(base_url: str, questions: list[Pcm16], long: Pcm16,
     url = base_url.replace("http://", "ws://") + f"/v1/realtime?model={RECIPE_NAME}"
     async with connect(url, max_size=2**24) as socket:
         client = _Client(socket)
+        receiving = asyncio.create_task(client.receive())
         await socket.send(json.dumps({"type": "session.update", "session": {
             "type": "realtime", "max_output_tokens": 400, "audio": {"input": {
                 "turn_detection": {"type": "server_vad", "silence_duration_ms": SILENCE_MS}}}}}))
         await client.until("session.updated", 0)
-        turns = [await client.ask(pcm) for pcm in questions]
-        return turns, await client.barge_in(long, interruption)
+        microphone = asyncio.create_task(client.microphone())
+        try:
+            turns = [await client.ask(pcm) for pcm in questions]
+            return turns, await client.barge_in(long, interruption)
+        finally:
+            for task in (microphone, receiving):
+                task.cancel()
 
 
 async def run_level(base_url: str, concurrency: int, questions: list[Pcm16], long: Pcm16,

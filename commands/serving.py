@@ -29,6 +29,16 @@ def _add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent-requests", type=int, default=None,
                         help="requests running at once before 429 (default: sized from the "
                              "stages' queues)")
+    parser.add_argument("--realtime-max-sessions", type=int, default=None,
+                        help="GET /v1/realtime sessions open at once (default: as many as the "
+                             "recipe's transcriber holds)")
+    parser.add_argument("--realtime-idle-timeout", type=float, default=None, metavar="SECONDS",
+                        help="close a realtime session with no client event for this long "
+                             "while no answer plays (default: 120)")
+    parser.add_argument("--realtime-max-buffer-seconds", type=float, default=None,
+                        metavar="SECONDS",
+                        help="audio a realtime client may buffer before a commit with turn "
+                             "detection off (default: 600)")
 
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +55,20 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
     from stagemesh.gateway.app import GatewayConfig
+    from stagemesh.gateway.realtime.protocol import RealtimeLimits
 
+    given = {name: value for name, value in (
+        ("max_sessions", args.realtime_max_sessions),
+        ("idle_timeout_s", args.realtime_idle_timeout),
+        ("max_buffer_seconds", args.realtime_max_buffer_seconds)) if value is not None}
+    try:
+        realtime = RealtimeLimits(**given)
+    except ValueError as error:
+        raise SystemExit(f"stagemesh {args.command}: {error}") from None
     return GatewayConfig(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                          api_keys_file=args.api_keys_file,
-                         max_concurrent_requests=args.max_concurrent_requests)
+                         max_concurrent_requests=args.max_concurrent_requests,
+                         realtime=realtime)
 
 
 def _serve(args: argparse.Namespace) -> None:

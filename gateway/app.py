@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -25,7 +25,7 @@ from stagemesh.gateway.grpc.decode import DecodeErrorInterceptor
 from stagemesh.gateway.grpc.native import NativeApi
 from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
-from stagemesh.gateway.realtime.protocol import WS_MAX_BYTES
+from stagemesh.gateway.realtime.protocol import WS_MAX_BYTES, RealtimeLimits
 from stagemesh.gateway.recipes import Recipe
 from stagemesh.gateway.videos.jobs import video_jobs
 from stagemesh.gateway.wire.admission import Admission
@@ -73,6 +73,8 @@ class GatewayConfig:
     api_keys_file: Path | None = None
     #: Requests running at once before 429; None = sized from the stages' queues.
     max_concurrent_requests: int | None = None
+    #: GET /v1/realtime's sessions, idle timeout and buffer.
+    realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
 
 
 async def _serve_http(app: Starlette, config: GatewayConfig) -> tuple[uvicorn.Server,
@@ -109,7 +111,8 @@ async def run_gateway(recipes: dict[str, Recipe], config: GatewayConfig,
         http: uvicorn.Server | None = None
         http_task: asyncio.Task[None] | None = None
         try:
-            http, http_task = await _serve_http(build_rest_app(core, keys, admission), config)
+            http, http_task = await _serve_http(build_rest_app(core, keys, admission,
+                                                           config.realtime), config)
             log.info("gateway: REST on http://%s:%d, gRPC on %s:%d", config.host,
                      config.http_port, config.host, grpc_server.port)
             if ready is not None:

@@ -1,12 +1,16 @@
-"""Chat: Thinker -> (sentence by sentence) Talker -> Codec, streaming text and speech together.
+"""Chat: Thinker -> (piece by piece) Talker -> Codec, streaming text and speech together.
 
 The thinker writes the answer token by token; each `delta` is emitted at once as text. With
-audio output, a SentenceSplitter cuts the text into sentences as it arrives, and each finished
-sentence is spoken through the speech recipe's own pipeline (`speech.pipeline.speak`)
-while the thinker keeps writing: the first sentence's audio leaves long before the answer
-ends. Sentences are spoken one after another, in order, so the audio is one continuous stream.
+audio output, a SentenceSplitter cuts the text into pieces as it arrives, and each finished
+piece is spoken through the speech recipe's own pipeline (`speech.pipeline.speak`) while the
+thinker keeps writing: the first piece's audio leaves long before the answer ends. Pieces are
+sentences; with `first_clause` (the realtime route's turns) the first piece is the answer's
+first clause (a few words up to a comma, or a capped number of words), so the voice starts
+after a handful of tokens, and the later ones stay whole sentences, for their prosody, written
+while the first one plays. Pieces are spoken one after another, in order, so the audio is one
+continuous stream; each is announced (`SpokenText`) as it goes to the talker.
 
-Every stage call (the thinker's and each sentence's talker and codec) runs under the request's
+Every stage call (the thinker's and each piece's talker and codec) runs under the request's
 one CancelScope: a cancel by id, a passed deadline or a client that goes away stops all of them
 at their next step, and the first failure of either side cancels the other.
 """
@@ -42,6 +46,19 @@ if TYPE_CHECKING:  # the async stub class exists only in the generated .pyi file
 
 #: A sentence longer than this is cut at a space: the talker starts sooner, and stays bounded.
 MAX_SENTENCE_CHARS = 300
+#: An answer's first piece ends at a clause mark once it has FIRST_CLAUSE_WORDS words, or at a
+#: space once it has FIRST_PIECE_MAX_WORDS, whichever comes first (else at its sentence's end):
+#: the voice starts after a few tokens instead of a whole sentence's.
+FIRST_CLAUSE_WORDS = 3
+FIRST_PIECE_MAX_WORDS = 8
+#: Words a capped first piece does not end on (its voice would fall mid-phrase): the cut moves
+#: before them ("... lies | in the spider's anatomy", not "... lies in | the spider's ...").
+_LEADING_WORDS = frozenset({
+    "a", "an", "the", "of", "in", "on", "at", "to", "for", "with", "by", "from", "into", "about",
+    "as", "and", "or", "but", "nor", "so", "that", "which", "who", "whose", "is", "are", "was",
+    "were", "be", "been", "being", "has", "have", "had", "do", "does", "did", "will", "would",
+    "can", "could", "should", "my", "your", "his", "her", "its", "our", "their", "this", "these",
+    "those"})
 #: Text that stands in for the sentences while the speech request is checked before any stage.
 _PROBE_TEXT = "Hello."
 
@@ -63,6 +80,9 @@ class ChatJob:
     speech: SpeechJob | None
     #: Each `input_audio` part, checked against the listener: (message index, its audio).
     heard: tuple[tuple[int, TranscriptionJob], ...] = ()
+    #: Speak the answer's first clause as soon as it is written (a spoken conversation's
+    #: turn-taking); otherwise every piece is a sentence.
+    first_clause: bool = False
 
 
 def chat_recipe(core: GatewayCore, model: str) -> Recipe | None:
@@ -171,14 +191,21 @@ async def _speech_job(core: GatewayCore, recipe: Recipe, audio: AudioOutput,
 #: The end of a sentence: . ! ? (closing quotes or brackets may follow) before a space, or a
 #: line break. A number's point ("3.5") and a list's "1. " are no ends (see `_is_end`).
 _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s)|\n+")
+#: The end of a clause: , ; : (closing quotes or brackets may follow) or a dash, before a space
+#: ("1,000" is no end).
+_CLAUSE_END = re.compile(r"[,;:]+[\"')\]]*(?=\s)|(?<=\s)(?:-+|\u2013|\u2014)(?=\s)")
+#: A word followed by a space: the first piece's cap counts these.
+_WORD = re.compile(r"\S+(?=\s)")
 
 
 class SentenceSplitter:
-    """Text in pieces -> whole sentences, each as soon as its end has been written."""
+    """Text in pieces -> whole sentences, each as soon as its end has been written; with
+    `first_clause`, the first one ends sooner, at its first clause (FIRST_CLAUSE_WORDS)."""
 
-    def __init__(self, max_chars: int = MAX_SENTENCE_CHARS) -> None:
+    def __init__(self, max_chars: int = MAX_SENTENCE_CHARS, first_clause: bool = False) -> None:
         self.max_chars = max_chars
         self._text = ""
+        self._first = first_clause  # the next cut is the first piece's
 
     def push(self, piece: str) -> list[str]:
         """Add written text; return the sentences it completed, in order."""
@@ -188,6 +215,7 @@ class SentenceSplitter:
             sentence, self._text = self._text[:cut].strip(), self._text[cut:]
             if _speakable(sentence):
                 sentences.append(sentence)
+                self._first = False
             else:  # "1." or a stray mark: keep it with what follows
                 self._text = sentence + " " + self._text.lstrip()
                 break
@@ -199,13 +227,31 @@ class SentenceSplitter:
         return [rest] if _speakable(rest) else []
 
     def _next_cut(self) -> int | None:
-        for match in _SENTENCE_END.finditer(self._text):
-            if _is_end(self._text, match.start()):
-                return match.end()
+        cuts = [match.end() for match in _SENTENCE_END.finditer(self._text)
+                if _is_end(self._text, match.start())][:1]
+        if self._first:
+            cuts += [match.end() for match in _CLAUSE_END.finditer(self._text)
+                     if len(self._text[:match.start()].split()) >= FIRST_CLAUSE_WORDS][:1]
+            cuts += self._capped_cut()
+        if cuts:
+            return min(cuts)
         if len(self._text) > self.max_chars:
             space = self._text.rfind(" ", 0, self.max_chars)
             return space if space > 0 else self.max_chars
         return None
+
+
+    def _capped_cut(self) -> list[int]:
+        """Where the first piece ends for want of a mark: after FIRST_PIECE_MAX_WORDS words,
+        moved back over the words that lead into what follows (never below
+        FIRST_CLAUSE_WORDS); none before that many words are written."""
+        words = list(_WORD.finditer(self._text))[:FIRST_PIECE_MAX_WORDS]
+        if len(words) < FIRST_PIECE_MAX_WORDS:
+            return []
+        while (len(words) > FIRST_CLAUSE_WORDS
+               and words[-1].group().lower().strip("\"'()[],;:") in _LEADING_WORDS):
+            words.pop()
+        return [words[-1].end()]
 
 
 def _is_end(text: str, at: int) -> bool:
@@ -231,15 +277,23 @@ class TextPiece:
 
 
 @dataclass(frozen=True)
+class SpokenText:
+    """A piece of the answer (a sentence, or the first clause) going to the talker now; its
+    audio follows."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class SpokenPiece:
-    """Audio of the answer, in order; `transcript` is set on a sentence's first piece."""
+    """Audio of the answer, in order; `transcript` is set on a spoken text's first piece."""
 
     pcm: Samples
     sample_rate: int
     transcript: str = ""
 
 
-ChatPiece = TextPiece | SpokenPiece
+ChatPiece = TextPiece | SpokenText | SpokenPiece
 
 
 @dataclass(frozen=True)
@@ -263,7 +317,7 @@ def _thinker_start(scope: CancelScope, job: ChatJob,
 
 
 class _Voice:
-    """Speaks finished sentences one after another while the thinker writes the next ones."""
+    """Speaks finished pieces one after another while the thinker writes the next ones."""
 
     def __init__(self, core: GatewayCore, speech: SpeechJob, scope: CancelScope,
                  emit: Emit[ChatPiece]) -> None:
@@ -272,8 +326,14 @@ class _Voice:
         self.scope = scope
         self.emit = emit
         self.sample_rate = 0
-        #: Sentences waiting to be spoken; None: the answer is complete.
+        #: Pieces waiting to be spoken; None: the answer is complete.
         self.sentences: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def say(self, sentences: list[str]) -> None:
+        """Announce each piece, then queue it for the talker (so its text leaves first)."""
+        for sentence in sentences:
+            await self.emit(Output(SpokenText(sentence)))
+            self.sentences.put_nowait(sentence)
 
     async def speak_all(self) -> None:
         while (sentence := await self.sentences.get()) is not None:
@@ -298,7 +358,7 @@ async def run_chat(core: GatewayCore, job: ChatJob, scope: CancelScope,
                    emit: Emit[ChatPiece]) -> ChatSummary:
     """Thinker (and, with audio, the speech stages sentence by sentence) for one answer."""
     voice = _Voice(core, job.speech, scope, emit) if job.speech is not None else None
-    splitter = SentenceSplitter()
+    splitter = SentenceSplitter(first_clause=job.first_clause)
     written: list[str] = []
 
     async def on_delta(stage: str, response: pb.GenerateTokensResponse) -> None:
@@ -306,8 +366,7 @@ async def run_chat(core: GatewayCore, job: ChatJob, scope: CancelScope,
             written.append(response.delta.text)
             await emit(Output(TextPiece(response.delta.text)))
             if voice is not None:
-                for sentence in splitter.push(response.delta.text):
-                    voice.sentences.put_nowait(sentence)
+                await voice.say(splitter.push(response.delta.text))
 
     messages = await _heard_messages(core, job, scope) if job.heard else job.messages
 
@@ -316,8 +375,7 @@ async def run_chat(core: GatewayCore, job: ChatJob, scope: CancelScope,
                                     _thinker_start(scope, job, messages), pb.GenerateTokensRequest,
                                     on_event=on_delta)
         if voice is not None:
-            for sentence in splitter.flush():
-                voice.sentences.put_nowait(sentence)
+            await voice.say(splitter.flush())
             voice.sentences.put_nowait(None)
         return answered.result
 

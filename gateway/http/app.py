@@ -20,6 +20,7 @@ from stagemesh.gateway.errors import GatewayError, InvalidRequest
 from stagemesh.gateway.http.metrics import RequestMetricsMiddleware
 from stagemesh.gateway.http.routes import rest_routes
 from stagemesh.gateway.mesh.calls import new_request_id
+from stagemesh.gateway.realtime.protocol import RealtimeLimits
 from stagemesh.gateway.realtime.routes import RealtimeRoutes
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.wire.admission import Admission, AdmissionMiddleware
@@ -75,13 +76,15 @@ class RequestIdMiddleware(HttpMiddleware):
 
 
 def build_rest_app(core: GatewayCore, keys: ApiKeys | None = None,
-                   admission: Admission | None = None) -> Starlette:
+                   admission: Admission | None = None,
+                   realtime_limits: RealtimeLimits | None = None) -> Starlette:
     """The REST app over an open core (see routes.py for the routes). Outermost first: the
     request id (every answer carries one), metrics (refusals are counted), API keys, then
     admission (a refused caller takes no slot)."""
     keys = ApiKeys() if keys is None else keys
     admission = Admission(core) if admission is None else admission
-    realtime = RealtimeRoutes(core, keys, admission)  # checks keys and admits by itself
+    # The realtime route checks keys and admits by itself.
+    realtime = RealtimeRoutes(core, keys, admission, realtime_limits)
     app = Starlette(routes=[*rest_routes(core), WebSocketRoute("/v1/realtime", realtime.realtime)],
                     exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(AdmissionMiddleware, admission=admission)

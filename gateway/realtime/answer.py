@@ -1,13 +1,14 @@
-"""One realtime response: the conversation -> Thinker -> (sentence by sentence) Talker -> Codec,
+"""One realtime response: the conversation -> Thinker -> (piece by piece) Talker -> Codec,
 the audio resampled to 24 kHz PCM16 and sent as `response.output_audio.delta` events.
 
 Barge-in (`stop`): the answer is marked stopped at once, before anything else is sent, and no
 audio delta leaves after that (every send re-checks the mark under the socket's lock). Then the
 response's CancelScope cancels every stage call open for it (thinker, talker, codec: each ends
 aborted at its next step) and no later one starts; `response.done` says `cancelled` with the
-reason. The transcript deltas run a sentence ahead of the audio (each as the thinker completes
-it); the assistant item keeps the text of the sentences whose audio was sent, each with the span
-of audio it had, so that `conversation.item.truncate` can cut it where playback stopped.
+reason. Each transcript delta is a piece of the answer (the first clause, then sentences) sent
+as the piece goes to the talker, so it runs ahead of its audio; the assistant item keeps the
+text of the pieces whose audio was sent, each with the span of audio it had, so that
+`conversation.item.truncate` can cut it where playback stopped.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from stagemesh.gateway.chat.pipeline import (
     ChatJob,
     ChatPiece,
     ChatSummary,
-    SentenceSplitter,
-    TextPiece,
+    SpokenPiece,
+    SpokenText,
     run_chat,
 )
 from stagemesh.gateway.core import GatewayCore, RequestContext
@@ -99,7 +100,6 @@ class Answer:
         self._cancelling: asyncio.Task[object] | None = None
         self._resampler: StreamResampler | None = None
         self._samples = 0  # sent, at PCM_RATE
-        self._sentences = SentenceSplitter()
         self._transcribed = False  # a transcript delta was sent
 
     def stopped(self) -> bool:
@@ -173,11 +173,12 @@ class Answer:
     async def _emit(self, item: StageEvent | Output[ChatPiece]) -> None:
         if not isinstance(item, Output):
             return
-        if isinstance(item.value, TextPiece):  # a sentence is complete: it goes to the talker
-            for sentence in self._sentences.push(item.value.text):
-                await self._transcript(sentence)
+        if isinstance(item.value, SpokenText):  # a piece goes to the talker now
+            await self._transcript(item.value.text)
             return
         piece = item.value
+        if not isinstance(piece, SpokenPiece):  # the text as written: the pieces carry it
+            return
         if self._resampler is None:
             self._resampler = StreamResampler(piece.sample_rate, PCM_RATE)
         if piece.transcript and not self.stopped():  # the sentence's audio starts
@@ -186,8 +187,8 @@ class Answer:
         await self._audio(self._resampler.push(piece.pcm))
 
     async def _transcript(self, sentence: str) -> None:
-        """The transcript runs a sentence ahead of the audio (the chat pipeline's own sentences:
-        the same splitter over the same text); the item keeps only what was spoken."""
+        """The transcript runs a piece ahead of the audio (the pieces the chat pipeline
+        speaks); the item keeps only what was spoken."""
         delta = sentence if not self._transcribed else " " + sentence
         if await self.send(server_event("response.output_audio_transcript.delta",
                                         **self._where(), delta=delta), self.stopped):
@@ -206,8 +207,6 @@ class Answer:
         return round(1000 * self._samples / PCM_RATE)
 
     async def _tail(self) -> None:
-        for sentence in self._sentences.flush():
-            await self._transcript(sentence)
         if self._resampler is not None:
             await self._audio(self._resampler.push(np.zeros(0, np.float32), final=True))
 

@@ -45,6 +45,32 @@ MAX_SILENCE_MS: Final = 10_000
 Pcm16 = npt.NDArray[np.int16]
 
 
+@dataclass(frozen=True)
+class RealtimeLimits:
+    """What an operator bounds on `GET /v1/realtime` (`stagemesh serve` / `gateway` flags
+    `--realtime-max-sessions`, `--realtime-idle-timeout`, `--realtime-max-buffer-seconds`).
+    The per-event sizes above are the protocol's own (an append is one Transcriber input, at
+    most its 10 s), not options."""
+
+    #: Sessions open at once; None: as many as the recipe's Transcriber holds at once.
+    max_sessions: int | None = None
+    #: A session with no client event for this long, while no answer plays, is closed.
+    idle_timeout_s: float = 120.0
+    #: Audio a client may buffer before a commit, with turn detection off.
+    max_buffer_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ValueError(f"realtime max_sessions must be at least 1, got "
+                             f"{self.max_sessions}")
+        if not self.idle_timeout_s > 0:
+            raise ValueError(f"realtime idle timeout must be positive, got "
+                             f"{self.idle_timeout_s}")
+        if not self.max_buffer_seconds > 0:
+            raise ValueError(f"realtime max buffer seconds must be positive, got "
+                             f"{self.max_buffer_seconds}")
+
+
 def new_id(prefix: str) -> str:
     """An id of OpenAI's shape (`item_...`, `resp_...`, `event_...`), within MAX_ID_CHARS."""
     return f"{prefix}_{uuid.uuid4().hex[:24]}"

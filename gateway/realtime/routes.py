@@ -7,7 +7,7 @@ session is then admitted like every request (it holds an admission slot for its 
 counted against `max_sessions` (default: the sessions the recipe's Transcriber holds at once);
 over either limit it gets an `error` event and is closed with 1013 (try again later). A session
 silent for `idle_timeout_s` while no answer plays is closed. A socket that closes mid-answer
-stops every stage call of the session.
+stops every stage call of the session. The limits are the operator's (`RealtimeLimits`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from starlette.websockets import WebSocket
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import GatewayError, Unauthenticated
 from stagemesh.gateway.realtime.answer import Send
-from stagemesh.gateway.realtime.protocol import RealtimeError, parse_client_event
+from stagemesh.gateway.realtime.protocol import RealtimeError, RealtimeLimits, parse_client_event
 from stagemesh.gateway.realtime.session import RealtimeSession
 from stagemesh.gateway.recipes import Recipe, Task
 from stagemesh.gateway.wire.admission import Admission
@@ -34,8 +34,6 @@ log = logging.getLogger(__name__)
 #: The subprotocol that carries a browser's key, and the one a browser asks to speak.
 KEY_SUBPROTOCOL = "openai-insecure-api-key."
 REALTIME_SUBPROTOCOL = "realtime"
-#: A session with no client event for this long, and no answer playing, is closed.
-DEFAULT_IDLE_TIMEOUT_S = 120.0
 #: WebSocket close codes (RFC 6455): policy violation, try again later.
 CLOSE_POLICY, CLOSE_TRY_LATER, CLOSE_NORMAL = 1008, 1013, 1000
 
@@ -55,11 +53,9 @@ class RealtimeRoutes:
     """The realtime route, bound to the gateway core, its keys and its admission."""
 
     def __init__(self, core: GatewayCore, keys: ApiKeys, admission: Admission,
-                 max_sessions: int | None = None,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+                 limits: RealtimeLimits | None = None) -> None:
         self.core, self.keys, self.admission = core, keys, admission
-        self.max_sessions = max_sessions
-        self.idle_timeout_s = idle_timeout_s
+        self.limits = RealtimeLimits() if limits is None else limits
         self.sessions = 0  # open now
 
     async def realtime(self, websocket: WebSocket) -> None:
@@ -74,7 +70,7 @@ class RealtimeRoutes:
         try:
             recipe = self.core.mesh.recipe(websocket.query_params.get("model", ""), Task.CHAT)
             listener = self.core.mesh.recipe(recipe.listen, Task.SPEECH_TO_TEXT)
-            limit = self.max_sessions or (await self.core.catalog.read(
+            limit = self.limits.max_sessions or (await self.core.catalog.read(
                 self.core.catalog.transcriber, listener)).max_sessions
             if self.sessions >= limit:
                 raise RealtimeError(f"{limit} realtime sessions are open, the limit; try again "
@@ -110,7 +106,8 @@ class RealtimeRoutes:
                     return False
                 return True
 
-        session = RealtimeSession(self.core, recipe, owner, send)
+        session = RealtimeSession(self.core, recipe, owner, send,
+                                  self.limits.max_buffer_seconds)
         try:
             await session.open()
             await self._receive(websocket, session, send)
@@ -121,13 +118,14 @@ class RealtimeRoutes:
                        send: Send) -> None:
         while True:
             try:
-                message = await asyncio.wait_for(websocket.receive(), self.idle_timeout_s)
+                message = await asyncio.wait_for(websocket.receive(),
+                                                 self.limits.idle_timeout_s)
             except TimeoutError:
                 if session.busy:
                     continue
-                await send(RealtimeError(f"no event for {self.idle_timeout_s:g} s: the session "
-                                         "is closed", None, "session_idle_timeout").event(),
-                           None)
+                await send(RealtimeError(f"no event for {self.limits.idle_timeout_s:g} s: the "
+                                         "session is closed", None, "session_idle_timeout"
+                                         ).event(), None)
                 await websocket.close(code=CLOSE_NORMAL)
                 return
             if message["type"] == "websocket.disconnect":

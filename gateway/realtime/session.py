@@ -50,9 +50,6 @@ log = logging.getLogger(__name__)
 
 #: Items a session keeps (the thinker is given the newest that fit its limits).
 MAX_ITEMS = 256
-#: Audio the client may buffer before a commit, with VAD off (the listener's own limit, its
-#: max_seconds, is checked at the commit).
-MAX_BUFFER_SECONDS = 600
 
 
 @dataclass
@@ -123,9 +120,13 @@ def _hearing(config: SessionConfig) -> tuple[int, float] | None:
 class RealtimeSession:
     """A session over a chat recipe (see the module docstring)."""
 
-    def __init__(self, core: GatewayCore, recipe: Recipe, owner: str, send: Send) -> None:
+    def __init__(self, core: GatewayCore, recipe: Recipe, owner: str, send: Send,
+                 max_buffer_seconds: float) -> None:
         self.core, self.recipe, self.owner = core, recipe, owner
         self.send = send
+        #: Audio the client may buffer before a commit, with VAD off (the listener's own
+        #: limit, its max_seconds, is checked at the commit).
+        self.max_buffer_samples = int(max_buffer_seconds * PCM_RATE)
         self.id = new_id("sess")
         self.config = SessionConfig()
         self.conversation = Conversation()
@@ -198,10 +199,10 @@ class RealtimeSession:
     async def _append(self, pcm: Pcm16) -> None:
         vad = self.config.turn_detection
         if vad is None:
-            if self._buffered + pcm.shape[0] > MAX_BUFFER_SECONDS * PCM_RATE:
+            if self._buffered + pcm.shape[0] > self.max_buffer_samples:
                 raise RealtimeError(f"the input audio buffer holds at most "
-                                    f"{MAX_BUFFER_SECONDS} s; commit or clear it", "audio",
-                                    "input_audio_buffer_full")
+                                    f"{self.max_buffer_samples / PCM_RATE:g} s; commit or "
+                                    "clear it", "audio", "input_audio_buffer_full")
             self._buffer.append(pcm)
             self._buffered += pcm.shape[0]
             return
@@ -307,6 +308,7 @@ class RealtimeSession:
             param = {"audio.voice": "session.audio.output.voice",
                      "max_tokens": "session.max_output_tokens"}.get(error.field_name or "")
             raise RealtimeError(error.message, param or error.field_name) from None
+        job = dataclasses.replace(job, first_clause=True)  # a turn's answer starts sooner
         answer = self.answer = Answer(self.core, job, self.owner, self.send)
         item = Item(answer.item.id, "assistant", answer=answer.item)
         previous = self.conversation.add(item)

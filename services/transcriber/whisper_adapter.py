@@ -9,10 +9,22 @@ segment is still open, a partial transcript of what it holds so far is decoded e
 reaches MAX_SEGMENT_SECONDS is closed where it is (Whisper hears 30 s at most). Without VAD the
 audio is one segment, split the same way, closed at the end of the input.
 
-One step does one thing for a state, in this order: send its next queued event; decode its
-next closed segment (one decode pass, batched across the states that decode in this step);
-classify the audio that arrived (one detector call); decode a partial; close the segment at
-the end of the input. A cancel therefore lands after at most one decode pass.
+The ears never wait for the decoder: a decode pass runs on CTranslate2's own thread
+(`asynchronous=True`) while the steps go on classifying the audio that arrives, so a speech
+start or stop is sent the step after the window that decided it, not after a decode (a
+realtime client's turn ends, and its barge-in is heard, that much sooner). Decodes are also
+started early: once a pause in a segment reaches SPEECH_PAD_MS, the segment as it would be
+closed there is decoded ("early"); when the pause then lasts `silence_duration_ms`, the
+segment closes on exactly that audio and the early text is its final text (the same samples
+and prompt: the same greedy decode), often ready as the stop is sent. Speech resuming makes it
+stale, and it is dropped. A state has at most one decode in flight; a decode cannot be stopped
+part-way, so a cancelled state's last decode finishes unseen.
+
+One step, for each state: take its decode if it finished; classify the whole windows that
+arrived (one detector call) and queue the speech events and closed segments they decide;
+start its next decode (the oldest closed segment, else an early or a partial one); close the
+segment at the end of the input; send its next event. Events leave in the audio's order: a
+segment's final text after its stop, before anything later. A cancel lands at the next step.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import ctranslate2  # type: ignore[import-untyped]  # ships no type information
 import numpy as np
@@ -71,6 +84,9 @@ DEFAULT_SILENCE_MS = 500
 DEFAULT_VAD_THRESHOLD = 0.5
 DEFAULT_PARTIAL_MS = 1000
 DEFAULT_MAX_SECONDS = 600.0
+#: A step with nothing to do but wait for decodes in flight sleeps this long (rather than spin
+#: the engine's loop): the most a finished decode waits to be seen.
+DECODE_POLL_SECONDS = 0.005
 
 
 @dataclass(frozen=True)
@@ -130,10 +146,61 @@ class TranscribeResult:
 
 @dataclass(frozen=True)
 class _Span:
-    """A closed segment to decode: model-rate sample indices [start, end)."""
+    """A segment to decode: model-rate sample indices [start, end)."""
 
     start: int
     end: int
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    text: str
+    no_speech_prob: float
+
+
+class _Kind(enum.Enum):
+    """What a decode is for (see the module docstring)."""
+
+    FINAL = enum.auto()  # the oldest closed segment
+    EARLY = enum.auto()  # the open segment as a pause would close it
+    PARTIAL = enum.auto()  # the open segment so far
+
+
+class _Job(Protocol):
+    """A decode started: done yet, and its text once done."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> _Decoded: ...
+
+
+@dataclass
+class _Whispered:
+    """One example of a decode pass running on CTranslate2's thread."""
+
+    running: Any  # ctranslate2's WhisperGenerationResultAsync
+    tokenizer: tokenizers.Tokenizer
+    features: Floats  # the batch's log-mel input: CTranslate2 reads it until the pass is done
+
+    def done(self) -> bool:
+        return bool(self.running.done())
+
+    def result(self) -> _Decoded:
+        result = self.running.result()
+        return _Decoded(self.tokenizer.decode(result.sequences_ids[0]).strip(),
+                        float(result.no_speech_prob))
+
+
+@dataclass
+class _Decode:
+    """One state's decode in flight."""
+
+    kind: _Kind
+    span: _Span
+    job: _Job
+    submitted: float  # time.perf_counter()
+    batch: int  # states decoded in the same pass
+    decoded: _Decoded | None = None  # once collected
 
 
 @dataclass
@@ -151,9 +218,13 @@ class TranscribeState:
     speech_start: int | None = None  # the open segment's first sample (padded)
     silence_since: int | None = None  # where the current pause in it began
     closed_end: int = 0  # where the last closed segment ended
-    last_partial: int = 0  # `heard` when the last partial was decoded
+    last_partial: int = 0  # `heard` when the last partial was started
+    #: Events to send and closed segments to decode, in the audio's order.
     queue: collections.deque[TranscriptEvent | _Span] = field(
         default_factory=collections.deque)
+    decoding: _Decode | None = None
+    early: tuple[_Span, _Decoded] | None = None  # the last early decode's span and text
+    early_end: int | None = None  # the span end of the last early decode started
     texts: list[str] = field(default_factory=list)
     steps: int = 0
     decode_seconds: float = 0.0
@@ -163,23 +234,13 @@ class TranscribeState:
         """Model-rate samples received so far."""
         return self.base + int(self.audio.shape[0])
 
+    def unheard_windows(self) -> int:
+        return (self.available - self.heard) // VAD_WINDOW
 
-class _Work(enum.Enum):
-    """What one step does for one state (see the module docstring for the order)."""
-
-    EMIT = enum.auto()
-    DECODE = enum.auto()  # the queued span at the head, final
-    LISTEN = enum.auto()
-    PARTIAL = enum.auto()
-    CLOSE = enum.auto()
-    WAIT = enum.auto()
-    DONE = enum.auto()
-
-
-@dataclass(frozen=True)
-class _Decoded:
-    text: str
-    no_speech_prob: float
+    def first_span(self) -> tuple[int, _Span] | None:
+        """The oldest closed segment not yet decoded, with its place in the queue."""
+        return next(((i, item) for i, item in enumerate(self.queue)
+                     if isinstance(item, _Span)), None)
 
 
 class WhisperTranscriberAdapter:
@@ -201,6 +262,11 @@ class WhisperTranscriberAdapter:
             compute_type=self.compute_type, intra_threads=threads)
         self._tokenizer = tokenizers.Tokenizer.from_file(str(self.folder.tokenizer_file))
         self._vad = SileroVad(self.folder.vad_graph)
+        # The mel filters' first use imports their builder (seconds): at start, not in the
+        # first turn's decode, where it stalled the steps that listen.
+        log_mel(np.zeros(VAD_WINDOW, np.float32), self.folder.n_mels)
+        #: Every decode not yet done, a released state's too (its features must stay alive).
+        self._in_flight: list[_Decode] = []
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -251,23 +317,22 @@ class WhisperTranscriberAdapter:
         state.audio = np.concatenate([state.audio, audio])
 
     def step(self, states: Sequence[TranscribeState]) -> list[StepOutput[TranscriptEvent]]:
-        work = [self._plan(state) for state in states]
-        # The fallible work first (detector and decoder), states untouched until it is done.
-        decoding = [(s, w) for s, w in zip(states, work, strict=True)
-                    if w in (_Work.DECODE, _Work.PARTIAL)]
-        started = time.perf_counter()
-        spans = [(self._span(s, w), s.prompt_ids) for s, w in decoding]
-        decoded = self._decode(spans) if spans else []
-        seconds = (time.perf_counter() - started) / max(len(decoding), 1)
-        heard = {id(s): self._listen(s) for s, w in zip(states, work, strict=True)
-                 if w is _Work.LISTEN}  # (probabilities, the detector's next state)
-        by_state = {id(s): d for (s, _), d in zip(decoding, decoded, strict=True)}
-        outputs = []
-        for state, what in zip(states, work, strict=True):
-            if id(state) in by_state:
-                state.decode_seconds += seconds
-            outputs.append(self._apply(state, what, by_state.get(id(state)),
-                                       heard.get(id(state))))
+        self._in_flight = [d for d in self._in_flight if not d.job.done()]
+        # The fallible work first (decoder results, detector, new decodes), states untouched
+        # until it is done; starting the decodes comes last, so a failure starts none.
+        done = {id(s): self._collect(s.decoding) for s in states
+                if s.decoding is not None and s.decoding.job.done()}
+        heard = {id(s): self._listen(s) for s in states if s.unheard_windows()}
+        wanted = [(s, plan) for s in states if s.decoding is None
+                  and (plan := self._next_decode(s)) is not None]
+        started = dict(zip([id(s) for s, _ in wanted],
+                           self._submit([(plan, s.prompt_ids, self._audio(s, plan[1]))
+                                         for s, plan in wanted]), strict=True))
+        outputs = [self._apply(s, done.get(id(s)), heard.get(id(s)), started.get(id(s)))
+                   for s in states]
+        if (not done and not heard and not started and all(o.partial is None for o in outputs)
+                and any(s.decoding is not None for s in states)):
+            time.sleep(DECODE_POLL_SECONDS)  # only decodes in flight: wait, do not spin
         return outputs
 
     def finish(self, state: TranscribeState) -> TranscribeResult:
@@ -279,22 +344,38 @@ class WhisperTranscriberAdapter:
     def release(self, state: TranscribeState) -> None:
         state.audio = np.zeros(0, np.float32)
         state.queue.clear()
+        state.decoding = state.early = None  # a decode in flight finishes unseen
 
     def batch_key(self, state: TranscribeState) -> Hashable:
         return self.stage
 
     # -- planning and applying one step -------------------------------------------------------
 
-    def _plan(self, state: TranscribeState) -> _Work:
-        if state.queue:
-            return _Work.EMIT if not isinstance(state.queue[0], _Span) else _Work.DECODE
-        if state.available - state.heard >= VAD_WINDOW:
-            return _Work.LISTEN
+    def _next_decode(self, state: TranscribeState) -> tuple[_Kind, _Span] | None:
+        """The decode this state should start now, if any (it has none in flight)."""
+        first = state.first_span()
+        if first is not None:
+            early = state.early
+            return None if early is not None and early[0] == first[1] else (_Kind.FINAL,
+                                                                             first[1])
+        if self._early_due(state):
+            assert state.speech_start is not None and state.silence_since is not None
+            return _Kind.EARLY, _Span(state.speech_start,
+                                      state.silence_since + self._samples(SPEECH_PAD_MS))
         if self._partial_due(state):
-            return _Work.PARTIAL
-        if state.final:
-            return _Work.CLOSE if state.speech_start is not None else _Work.DONE
-        return _Work.WAIT
+            assert state.speech_start is not None
+            return _Kind.PARTIAL, _Span(state.speech_start, state.heard)
+        return None
+
+    def _early_due(self, state: TranscribeState) -> bool:
+        """A pause in the open segment has lasted SPEECH_PAD_MS (a close would keep that much
+        of it), is shorter than the silence that closes, and has no early decode yet."""
+        pad, rule = self._samples(SPEECH_PAD_MS), state.rule
+        if not rule.vad or state.speech_start is None or state.silence_since is None:
+            return False
+        return (pad < self._samples(rule.silence_duration_ms)
+                and state.early_end != state.silence_since + pad
+                and state.heard - state.silence_since >= pad)
 
     def _partial_due(self, state: TranscribeState) -> bool:
         interval = state.rule.partial_interval_ms
@@ -303,45 +384,72 @@ class WhisperTranscriberAdapter:
         return (state.heard - state.last_partial >= self._samples(interval)
                 and state.heard - state.speech_start >= self._samples(MIN_PARTIAL_MS))
 
-    def _span(self, state: TranscribeState, work: _Work) -> Floats:
-        if work is _Work.DECODE:
-            span = state.queue[0]
-            assert isinstance(span, _Span)
-            start, end = span.start, span.end
-        else:
-            assert state.speech_start is not None
-            start, end = state.speech_start, state.heard
-        return state.audio[start - state.base : end - state.base]
+    def _audio(self, state: TranscribeState, span: _Span) -> Floats:
+        return state.audio[span.start - state.base : span.end - state.base]
 
-    def _apply(self, state: TranscribeState, work: _Work, decoded: _Decoded | None,
-               heard: tuple[Floats, VadStream] | None) -> StepOutput[TranscriptEvent]:
-        if work is _Work.WAIT:
-            return StepOutput(step_index=state.steps, waiting_for_input=True)
-        if work is _Work.DONE:
-            return StepOutput(step_index=state.steps, finished=True)
-        state.steps += 1
-        event: TranscriptEvent | None = None
-        if work is _Work.DECODE and decoded is not None:
-            span = state.queue.popleft()
-            assert isinstance(span, _Span)
-            event = self._segment(state, len(state.texts), span.start, span.end, decoded, True)
-            state.texts.append(decoded.text)
-        elif work is _Work.PARTIAL and decoded is not None:
-            assert state.speech_start is not None
-            event = self._segment(state, len(state.texts) + _queued_spans(state),
-                                  state.speech_start, state.heard, decoded, False)
-            state.last_partial = state.heard
-        elif work is _Work.LISTEN and heard is not None:
+    def _apply(self, state: TranscribeState, finished: _Decode | None,
+               heard: tuple[Floats, VadStream] | None,
+               started: _Decode | None) -> StepOutput[TranscriptEvent]:
+        before = (len(state.queue), state.heard)
+        if finished is not None:
+            state.decoding = None
+            state.decode_seconds += (time.perf_counter() - finished.submitted) / finished.batch
+            self._take(state, finished)
+        if heard is not None:
             state.vad = heard[1]
             self._segment_speech(state, heard[0])
-        elif work is _Work.CLOSE:
+        if started is not None:
+            state.decoding = started
+            if started.kind is _Kind.PARTIAL:
+                state.last_partial = started.span.end
+            elif started.kind is _Kind.EARLY:
+                state.early_end = started.span.end
+        if state.final and state.speech_start is not None and not state.unheard_windows():
             self._close(state, state.heard, stopped=state.rule.vad)
-        if event is None and state.queue and not isinstance(state.queue[0], _Span):
-            item = state.queue.popleft()  # an event the work just queued, or one waiting
+        self._settle(state)
+        event: TranscriptEvent | None = None
+        if state.queue and not isinstance(state.queue[0], _Span):
+            item = state.queue.popleft()
             assert not isinstance(item, _Span)
             event = item
         self._trim(state)
-        return StepOutput(step_index=state.steps, partial=event)
+        if finished is not None or started is not None or (len(state.queue), state.heard) != before:
+            state.steps += 1
+        done = (event is None and state.final and not state.queue and state.decoding is None
+                and state.speech_start is None and not state.unheard_windows())
+        busy = bool(state.queue or state.decoding is not None or state.unheard_windows()
+                    or self._early_due(state) or self._partial_due(state) or state.final)
+        return StepOutput(step_index=state.steps, partial=event, finished=done,
+                          waiting_for_input=not (busy or done))
+
+    def _take(self, state: TranscribeState, decode: _Decode) -> None:
+        """A finished decode: a final text in its segment's place, an early text kept for the
+        close, a partial text queued while its segment is still open (else dropped)."""
+        decoded = decode.decoded
+        assert decoded is not None
+        if decode.kind is _Kind.FINAL:
+            first = state.first_span()
+            assert first is not None and first[1] == decode.span
+            self._finalize(state, first[0], decode.span, decoded)
+        elif decode.kind is _Kind.EARLY:
+            state.early = (decode.span, decoded)
+        elif state.speech_start == decode.span.start:
+            state.queue.append(self._segment(
+                state, len(state.texts) + _queued_spans(state), decode.span.start,
+                decode.span.end, decoded, False))
+
+    def _settle(self, state: TranscribeState) -> None:
+        """The oldest closed segment takes the early text decoded on exactly its audio."""
+        first, early = state.first_span(), state.early
+        if first is not None and early is not None and early[0] == first[1]:
+            self._finalize(state, first[0], first[1], early[1])
+            state.early = None
+
+    def _finalize(self, state: TranscribeState, place: int, span: _Span,
+                  decoded: _Decoded) -> None:
+        state.queue[place] = self._segment(state, len(state.texts), span.start, span.end,
+                                           decoded, True)
+        state.texts.append(decoded.text)
 
     # -- voice activity -----------------------------------------------------------------------
 
@@ -377,6 +485,7 @@ class WhisperTranscriberAdapter:
             elif state.heard - state.speech_start >= longest:  # too long for one window
                 state.queue.append(_Span(state.speech_start, state.heard))
                 state.speech_start = state.last_partial = state.heard
+                state.silence_since = None  # a pause is counted within its segment
 
     def _close(self, state: TranscribeState, speech_end: int, stopped: bool) -> None:
         """Close the open segment where its speech ended; queue SpeechStopped and its decode."""
@@ -420,14 +529,31 @@ class WhisperTranscriberAdapter:
             raise ValueError(f"{self.folder.tokenizer_file} has no token {text}")
         return int(token)
 
-    def _decode(self, spans: list[tuple[Floats, list[int]]]) -> list[_Decoded]:
-        """One greedy decode pass over a batch of (audio, prompt)."""
+    def _submit(self, wanted: list[tuple[tuple[_Kind, _Span], list[int], Floats]]
+                ) -> list[_Decode]:
+        """Start one decode pass over a batch of (what, prompt, audio); returns at once."""
+        if not wanted:
+            return []
+        jobs = self._generate([(audio, prompt) for _, prompt, audio in wanted])
+        now = time.perf_counter()
+        decodes = [_Decode(kind, span, job, now, len(wanted))
+                   for ((kind, span), _, _), job in zip(wanted, jobs, strict=True)]
+        self._in_flight += decodes
+        return decodes
+
+    def _generate(self, spans: list[tuple[Floats, list[int]]]) -> list[_Job]:
+        """One greedy decode pass over a batch of (audio, prompt), on CTranslate2's thread."""
         features = np.stack([log_mel(audio, self.folder.n_mels) for audio, _ in spans])
-        results = self._model.generate(
+        running = self._model.generate(
             ctranslate2.StorageView.from_array(features), [prompt for _, prompt in spans],
-            beam_size=1, return_no_speech_prob=True)
-        return [_Decoded(self._tokenizer.decode(r.sequences_ids[0]).strip(),
-                         float(r.no_speech_prob)) for r in results]
+            beam_size=1, return_no_speech_prob=True, asynchronous=True)
+        return [_Whispered(one, self._tokenizer, features) for one in running]
+
+    def _collect(self, decode: _Decode) -> _Decode:
+        """A done decode with its text (kept: a step rerun after a failure reads it again)."""
+        if decode.decoded is None:
+            decode.decoded = decode.job.result()
+        return decode
 
     def _segment(self, state: TranscribeState, index: int, start: int, end: int,
                  decoded: _Decoded, final: bool) -> Segment:

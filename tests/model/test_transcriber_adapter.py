@@ -138,3 +138,38 @@ def test_a_prompt_is_context_before_the_transcript(adapter: WhisperTranscriberAd
     pcm, rate = spoken(SENTENCES[:1])
     _, result = listen(adapter, pcm, rate, prompt="Joe from stagemesh.", partial_interval_ms=-1)
     assert word_error_rate([SENTENCES[0]], [result.text]) <= MAX_WER, result.text
+
+
+def test_a_stop_does_not_wait_for_a_decode_and_a_pause_decodes_the_final_text_early(
+    adapter: WhisperTranscriberAdapter, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One step per 100 ms chunk, as a microphone feeds it, never waiting for a decode: the
+    decode started 200 ms into the pause is still running when the stop is sent, and it is the
+    segment's final text (no decode after the close)."""
+    pcm, rate = spoken(SENTENCES[1:2])  # no comma: one pause, after the sentence
+    kinds: list[str] = []
+    submit = adapter._submit
+
+    def recording(wanted: list[Any]) -> list[Any]:
+        kinds.extend(kind.name for (kind, _), _, _ in wanted)
+        return submit(wanted)
+
+    monkeypatch.setattr(adapter, "_submit", recording)
+    state = adapter.prepare(EngineRequest("early", TranscribeInput(
+        sample_rate=rate, partial_interval_ms=-1)))
+    events: list[TranscriptEvent] = []
+    decoding_at_stop = None
+    pieces = chunks(pcm, rate)
+    for i, piece in enumerate(pieces):
+        adapter.add_input(state, AudioInput(piece, final=i == len(pieces) - 1))
+        out = adapter.step([state])[0]
+        if isinstance(out.partial, SpeechStopped):
+            decoding_at_stop = state.decoding is not None
+        events += [out.partial] if out.partial is not None else []
+    while not (out := adapter.step([state])[0]).finished:
+        events += [out.partial] if out.partial is not None else []
+    assert decoding_at_stop is True
+    assert kinds == ["EARLY"], kinds
+    final = [e for e in events if isinstance(e, Segment)]
+    assert [type(e) for e in events] == [SpeechStarted, SpeechStopped, Segment]
+    assert word_error_rate([SENTENCES[1]], [final[0].text]) <= MAX_WER, final

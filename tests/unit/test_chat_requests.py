@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from stagemesh.gateway.chat.pipeline import AudioOutput, ChatTurn, SentenceSplitter
+from stagemesh.gateway.chat.pipeline import (
+    FIRST_PIECE_MAX_WORDS,
+    AudioOutput,
+    ChatTurn,
+    SentenceSplitter,
+)
 from stagemesh.gateway.chat.routes import chat_request
 from stagemesh.gateway.errors import InvalidRequest
 
@@ -77,3 +82,33 @@ def test_a_bad_field_is_a_400_naming_it(body: dict[str, object], field: str) -> 
     with pytest.raises(InvalidRequest) as refused:
         chat_request(body)
     assert refused.value.field_name == field
+
+
+def first_pieces(text: str, piece: int = 2) -> list[str]:
+    """An answer's pieces as the chat pipeline speaks them (the first one ends at a clause)."""
+    splitter = SentenceSplitter(first_clause=True)
+    pieces: list[str] = []
+    for start in range(0, len(text), piece):
+        pieces += splitter.push(text[start:start + piece])
+    return pieces + splitter.flush()
+
+
+def test_the_first_piece_of_an_answer_ends_at_its_first_clause_the_others_are_sentences() -> None:
+    assert first_pieces("Once upon a time, a ship sailed the sea, far away. It was old, and "
+                        "slow.") == ["Once upon a time,", "a ship sailed the sea, far away.",
+                                     "It was old, and slow."]
+    # Too few words for a clause: the sentence goes on; a number's comma is no clause mark.
+    assert first_pieces("Yes, the capital of France is Paris. It is big.") == [
+        "Yes, the capital of France is Paris.", "It is big."]
+    assert first_pieces("About 1,000 people live there now.") == [
+        "About 1,000 people live there now."]
+    # A long first sentence without a mark is cut after FIRST_PIECE_MAX_WORDS words, or just
+    # before the words there that lead into the rest.
+    long = "The old ship sailed slowly across the wide and quiet sea at night."
+    pieces = first_pieces(long)
+    assert len(pieces[0].split()) == FIRST_PIECE_MAX_WORDS and " ".join(pieces) == long
+    assert len(pieces) == 2
+    assert first_pieces("The answer to this classic question lies in the spider's anatomy. "
+                        "It has eight legs.") == [
+        "The answer to this classic question lies", "in the spider's anatomy.",
+        "It has eight legs."]

@@ -22,6 +22,7 @@ from stagemesh.gateway.realtime.protocol import (
     MAX_APPEND_CHARS,
     Append,
     RealtimeError,
+    RealtimeLimits,
     SessionConfig,
     SessionUpdate,
     parse_client_event,
@@ -130,7 +131,8 @@ def core() -> GatewayCore:
 
 @pytest.fixture
 def served(core: GatewayCore) -> Iterator[tuple[TestClient, RealtimeRoutes]]:
-    routes = RealtimeRoutes(core, ApiKeys.of([KEY]), Admission(None, 8), max_sessions=1)
+    routes = RealtimeRoutes(core, ApiKeys.of([KEY]), Admission(None, 8),
+                            RealtimeLimits(max_sessions=1))
     app = Starlette(routes=[WebSocketRoute("/v1/realtime", routes.realtime)])
     with TestClient(app) as client:
         yield client, routes
@@ -214,13 +216,35 @@ def test_an_unknown_model_is_an_error_naming_model(
 
 
 def test_a_silent_session_is_closed_after_the_idle_timeout(core: GatewayCore) -> None:
-    routes = RealtimeRoutes(core, ApiKeys(), Admission(None, 8), max_sessions=2,
-                            idle_timeout_s=0.2)
+    routes = RealtimeRoutes(core, ApiKeys(), Admission(None, 8), RealtimeLimits(
+        max_sessions=2, idle_timeout_s=0.2, max_buffer_seconds=0.05))
     app = Starlette(routes=[WebSocketRoute("/v1/realtime", routes.realtime)])
     with TestClient(app) as client, client.websocket_connect("/v1/realtime") as socket:
         assert socket.receive_json()["type"] == "session.created"  # keys off: no key needed
+        # The operator's buffer limit (VAD off: audio waits for a commit): 0.1 s is too much.
+        socket.send_text(json.dumps({"type": "session.update", "session": {
+            "audio": {"input": {"turn_detection": None}}}}))
+        assert socket.receive_json()["type"] == "session.updated"
+        socket.send_text(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(
+            bytes(4800)).decode()}))
+        full = socket.receive_json()["error"]
+        assert full["code"] == "input_audio_buffer_full" and full["param"] == "audio", full
         idle = socket.receive_json()
         assert idle["type"] == "error" and idle["error"]["code"] == "session_idle_timeout"
         with pytest.raises(WebSocketDisconnect):
             socket.receive_json()
     assert routes.sessions == 0
+
+
+def test_realtime_limits_are_serve_and_gateway_flags() -> None:
+    from stagemesh.cli import build_parser
+    from stagemesh.commands.serving import _gateway_config
+
+    for command in ("serve", "gateway"):
+        args = build_parser().parse_args([
+            command, "--realtime-max-sessions", "3", "--realtime-idle-timeout", "30",
+            "--realtime-max-buffer-seconds", "60"])
+        assert _gateway_config(args).realtime == RealtimeLimits(3, 30.0, 60.0)
+    assert _gateway_config(build_parser().parse_args(["serve"])).realtime == RealtimeLimits()
+    with pytest.raises(SystemExit, match="max_sessions must be at least 1"):
+        _gateway_config(build_parser().parse_args(["gateway", "--realtime-max-sessions", "0"]))

@@ -49,10 +49,24 @@ def adapter(monkeypatch: pytest.MonkeyPatch) -> WhisperTranscriberAdapter:
     fake.sample_rate, fake.max_seconds = RATE, 600.0
     monkeypatch.setattr(fake, "_vad", LoudIsSpeech(), raising=False)
     monkeypatch.setattr(fake, "_prompt", lambda rule: [])
-    # The "text" of a decode is the length of audio it was given, in ms.
-    monkeypatch.setattr(fake, "_decode", lambda spans: [
-        _Decoded(str(audio.shape[0] * 1000 // RATE), 0.0) for audio, _ in spans])
+    monkeypatch.setattr(fake, "_in_flight", [], raising=False)
+    # The "text" of a decode is the length of audio it was given, in ms; it is done at once.
+    monkeypatch.setattr(fake, "_generate", lambda spans: [
+        Done(_Decoded(str(audio.shape[0] * 1000 // RATE), 0.0)) for audio, _ in spans])
     return fake
+
+
+class Done:
+    """A decode already done."""
+
+    def __init__(self, decoded: _Decoded) -> None:
+        self.decoded = decoded
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> _Decoded:
+        return self.decoded
 
 
 def voice(seconds: float) -> Floats:
@@ -140,3 +154,24 @@ def test_silence_is_no_event_and_the_audio_kept_stays_short(
             assert out.partial is None
     assert state.heard >= RATE * 9.9
     assert state.audio.shape[0] <= RATE * SPEECH_PAD_MS // 1000 + 2 * VAD_WINDOW
+
+
+def test_a_pause_decodes_its_segment_early_and_speech_resuming_makes_that_stale(
+    adapter: WhisperTranscriberAdapter, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decoded_ms: list[int] = []
+    generate = adapter._generate
+
+    def recording(spans: list[tuple[Floats, list[int]]]) -> list[Any]:
+        decoded_ms.extend(audio.shape[0] * 1000 // RATE for audio, _ in spans)
+        return generate(spans)
+
+    monkeypatch.setattr(adapter, "_generate", recording)
+    events = run(adapter, np.concatenate([voice(1.0), silence(0.3), voice(1.0), silence(1.0)]),
+                 partial_interval_ms=-1)
+    # 200 ms into each pause its segment is decoded as a close there would cut it; the first
+    # pause ends too soon (speech resumes), the second closes on exactly the early audio, whose
+    # text is the final one: no decode after the close.
+    assert decoded_ms == [1024 + SPEECH_PAD_MS, 2304 + SPEECH_PAD_MS]
+    assert events == [SpeechStarted(0), SpeechStopped(2304),
+                      Segment(0, str(2304 + SPEECH_PAD_MS), 0, 2304 + SPEECH_PAD_MS, True, 0.0)]
