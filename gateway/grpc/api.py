@@ -15,11 +15,11 @@ from typing import Never, TypeVar
 import grpc
 
 from stagemesh.gateway.core import RequestContext
-from stagemesh.gateway.errors import GatewayError
+from stagemesh.gateway.errors import GatewayError, PermissionDenied
 from stagemesh.gateway.grpc.native import NativeApi
 from stagemesh.gateway.request_ids import check_request_id
 from stagemesh.gateway.wire.admission import Admission
-from stagemesh.gateway.wire.auth import AUTHORIZATION, ApiKeys, metadata_value
+from stagemesh.gateway.wire.auth import ADMIN_KEYS_ENV, AUTHORIZATION, ApiKeys, metadata_value
 from stagemesh.gateway.wire.requests import REQUEST_ID_HEADER
 from stagemesh.shared.errors import build_status
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
@@ -142,6 +142,30 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             return await call(request, _request_context(context, self.keys, None))
         except GatewayError as error:
             await _abort(context, error, self.admission)
+
+    async def _admin(self, call: Callable[[RequestT, RequestContext], Awaitable[ResponseT]],
+                     request: RequestT, context: Context) -> ResponseT:
+        """An RPC that changes what the mesh serves: admin keys only, as REST's ADMIN_PATHS."""
+        async def checked(request: RequestT, request_context: RequestContext) -> ResponseT:
+            caller = self.keys.caller(metadata_value(context.invocation_metadata(),
+                                                     AUTHORIZATION))
+            if not caller.admin:
+                raise PermissionDenied(f"{call.__name__} needs an admin key ({ADMIN_KEYS_ENV})")
+            return await call(request, request_context)
+
+        return await self._unary(checked, request, context)
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Context
+                       ) -> pb.LoadLoraResponse:
+        return await self._admin(self.api.LoadLora, request, context)
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Context
+                         ) -> pb.UnloadLoraResponse:
+        return await self._admin(self.api.UnloadLora, request, context)
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: Context
+                        ) -> pb.ListLorasResponse:
+        return await self._unary(self.api.ListLoras, request, context)
 
     async def CancelRequest(
         self, request: pb.CancelRequestRequest, context: Context,

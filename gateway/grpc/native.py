@@ -12,6 +12,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from functools import partial
 from typing import TypeVar
 
+from google.protobuf import json_format
+
 from stagemesh.gateway.chat.pipeline import native_chat
 from stagemesh.gateway.core import GatewayCore, RequestContext
 from stagemesh.gateway.images.edit_protocol import EditRequest
@@ -24,6 +26,8 @@ from stagemesh.gateway.images.pipeline import (
     prepare_images,
 )
 from stagemesh.gateway.images.protocol import ImageRequest, PreviewAsk
+from stagemesh.gateway.loras.pipeline import list_adapters, load_adapter, unload_adapter
+from stagemesh.gateway.loras.protocol import load_update, unload_update
 from stagemesh.gateway.mesh.events import Done, Output, StageEvent
 from stagemesh.gateway.mesh.stages import lora_from_proto
 from stagemesh.gateway.recipes import TASK_STAGES
@@ -211,6 +215,25 @@ class NativeApi:
         return pb.ListRecipesResponse(recipes=[
             pb.RecipeInfo(name=r.name, task=r.task.value, stages=list(TASK_STAGES[r.task]))
             for r in self.core.recipes.values()])
+
+    # -- LoRA adapters (gateway/loras/; the servicer lets only admin keys load and unload) ----
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: RequestContext
+                       ) -> pb.LoadLoraResponse:
+        update = load_update(request.lora_name, request.lora_path, request.model)
+        return pb.LoadLoraResponse(lora_name=update.lora_name,
+                                   models=await load_adapter(self.core, update))
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: RequestContext
+                         ) -> pb.UnloadLoraResponse:
+        update = unload_update(request.lora_name, request.model)
+        return pb.UnloadLoraResponse(lora_name=update.lora_name,
+                                     models=await unload_adapter(self.core, update))
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: RequestContext
+                        ) -> pb.ListLorasResponse:
+        return pb.ListLorasResponse(recipes=[json_format.ParseDict(row, pb.RecipeLoras())
+                                             for row in await list_adapters(self.core)])
 
     def EditImage(
         self, request: pb.EditImageRequest, context: RequestContext,

@@ -2,7 +2,8 @@
 `lora_path`, POST /v1/unload_lora_adapter takes `lora_name`; both take `model` as well, the
 recipe whose DiT changes (absent: every recipe whose DiT loads adapters at run time). The DiT
 checks name and path (its `lora_dir` bounds the path); a field of another type, or one this
-route does not read, is a 400 naming it."""
+route does not read, is a 400 naming it. The gRPC API's LoadLora/UnloadLora fields are checked
+by the same rules (`load_update`, `unload_update`)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,16 @@ def _parse(body: Mapping[str, object], known: frozenset[str]) -> LoraUpdate:
     if unknown:
         raise InvalidRequest(unknown[0], f"{unknown[0]}: not a field of this route; it takes "
                                          f"{sorted(known)}")
+    return _checked(values, known)
+
+
+def _checked(values: Mapping[str, str | None], known: frozenset[str]) -> LoraUpdate:
+    """The update; every field but `model` is required."""
     for name in sorted(known - {"model"}):
-        if not values[name]:
+        if not values.get(name):
             raise InvalidRequest(name, f"{name} is required")
-    return LoraUpdate(values["lora_name"] or "", values.get("lora_path") or "",
-                      values["model"] or None)
+    return LoraUpdate(values.get("lora_name") or "", values.get("lora_path") or "",
+                      values.get("model") or None)
 
 
 def load_request(body: Mapping[str, object]) -> LoraUpdate:
@@ -46,3 +52,14 @@ def load_request(body: Mapping[str, object]) -> LoraUpdate:
 
 def unload_request(body: Mapping[str, object]) -> LoraUpdate:
     return _parse(body, UNLOAD_FIELDS)
+
+
+def load_update(lora_name: str, lora_path: str, model: str) -> LoraUpdate:
+    """A load from the gRPC API's fields (empty = not given), checked as the REST body."""
+    return _checked({"lora_name": lora_name, "lora_path": lora_path, "model": model},
+                    LOAD_FIELDS)
+
+
+def unload_update(lora_name: str, model: str) -> LoraUpdate:
+    """An unload from the gRPC API's fields (empty = not given), checked as the REST body."""
+    return _checked({"lora_name": lora_name, "model": model}, UNLOAD_FIELDS)

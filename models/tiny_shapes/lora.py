@@ -14,9 +14,10 @@ position are read by the tiny-shapes scorer (scoring.py) as for the base model.
 
 `train_lora` trains rank-RANK A/B pairs on the attention projections with the base model's own
 rectified-flow loss (`train.dit_loss`) on VAE latents of restyled renders, everything else
-frozen, and saves diffusers' LoRA layout (`<out>/pytorch_lora_weights.safetensors`) plus
-training.json. `evaluate_lora` runs the grammar through the stock pipeline with and without
-`load_lora_weights` and writes both scores and a side-by-side grid.
+frozen (optionally keeping an EMA of them), and saves them in diffusers' LoRA layout
+(`<out>/pytorch_lora_weights.safetensors`) plus training.json. `evaluate_lora` runs the grammar
+through the stock pipeline with and without `load_lora_weights` and writes both scores and a
+side-by-side grid.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class LoraConfig:
     warmup: int = 20
     rank: int = RANK
     caption_dropout: float = 0.1
+    #: > 0: the saved weights are this EMA of the trained ones, as the base model's (train.py);
+    #: 0: the trained weights themselves (the shipped adapter). EMA 0.998 over 2000 steps (lr
+    #: 1e-3, warmup 50, 5400 images) scored shape 71.5% against these defaults' 69.6%, median
+    #: area 2.24x against 2.31x (the style's is ~1.74x): the shape loss is not training noise.
+    ema_decay: float = 0.0
     threads: int = 1
 
     @classmethod
@@ -145,11 +151,47 @@ def _add_lora(pipe: QwenImagePipeline, rank: int) -> list[torch.nn.Parameter]:
     return [p for p in pipe.transformer.parameters() if p.requires_grad]
 
 
-def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | None = None
-               ) -> dict[str, object]:
-    """Trains the adapter on `folder`'s frozen model and writes it to `out`; the report."""
-    import torch
+def _save_adapter(pipe: QwenImagePipeline, out: Path, rank: int) -> None:
+    """The transformer's LoRA layers in diffusers' layout (`out/pytorch_lora_weights...`)."""
     from peft.utils import get_peft_model_state_dict
+
+    layers = get_peft_model_state_dict(pipe.transformer)
+    pipe.save_lora_weights(out, transformer_lora_layers=layers, transformer_lora_adapter_metadata={
+        "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS)})
+
+
+class _Ema:
+    """An exponential moving average of `params`, with the base model's warm-up of the decay."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float) -> None:
+        self.params, self.decay = params, decay
+        self.average = [p.detach().clone() for p in params]
+
+    def update(self, step: int) -> None:
+        import torch
+
+        decay = min(self.decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for average, p in zip(self.average, self.params, strict=True):
+                average.lerp_(p, 1.0 - decay)
+
+    def swap(self) -> None:
+        """Exchanges the live weights and the average (twice restores both)."""
+        import torch
+
+        with torch.no_grad():
+            for average, p in zip(self.average, self.params, strict=True):
+                live = p.detach().clone()
+                p.copy_(average)
+                average.copy_(live)
+
+
+def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | None = None,
+               snapshots: Path | None = None, snapshot_every: int = 500) -> dict[str, object]:
+    """Trains the adapter on `folder`'s frozen model and writes it (its EMA with
+    `config.ema_decay`) to `out`; the report. With `snapshots`, the weights so far are also
+    saved every `snapshot_every` steps to `snapshots/step-N` (to evaluate a long run early)."""
+    import torch
 
     from stagemesh.models.tiny_shapes.train import cosine_lr, dit_train_step, encode_latents
 
@@ -166,6 +208,7 @@ def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | N
         std = torch.tensor(pipe.vae.config.latents_std)[None, :, None, None]
         latents = (encode_latents(pipe.vae, images) - mean) / std
         params = _add_lora(pipe, cfg.rank)
+        ema = _Ema(params, cfg.ema_decay)
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         pipe.transformer.train()
         losses: list[float] = []
@@ -173,15 +216,18 @@ def train_lora(folder: Path, out: Path, *, seed: int = 0, config: LoraConfig | N
             loss = dit_train_step(pipe, latents, captions, opt, params, gen, batch=cfg.batch,
                                   caption_dropout=cfg.caption_dropout,
                                   lr=cfg.lr * cosine_lr(step, cfg.steps, cfg.warmup))
+            ema.update(step)
             losses.append(loss.item())
             if step % 25 == 0:
                 log.info("step %d/%d loss %.4f", step, cfg.steps, np.mean(losses[-25:]))
+            done = step + 1
+            if snapshots is not None and done % snapshot_every == 0 and done < cfg.steps:
+                ema.swap()
+                _save_adapter(pipe, snapshots / f"step-{done}", cfg.rank)
+                ema.swap()
         pipe.transformer.eval()
-        layers = get_peft_model_state_dict(pipe.transformer)
-        pipe.save_lora_weights(out, transformer_lora_layers=layers,
-                               transformer_lora_adapter_metadata={
-                                   "r": cfg.rank, "lora_alpha": cfg.rank,
-                                   "target_modules": list(TARGETS)})
+        ema.swap()
+        _save_adapter(pipe, out, cfg.rank)
         report: dict[str, object] = {
             "name": out.name, "base": folder.name, "config": asdict(cfg), "seed": seed,
             "style_scale": STYLE_SCALE, "targets": list(TARGETS),
@@ -254,6 +300,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=0, help="evaluate: prompts (0 = all 270)")
     parser.add_argument("--steps", type=int, default=LoraConfig.steps)
     parser.add_argument("--grid", default=None)
+    parser.add_argument("--snapshots", default=None,
+                        help="train: also save the weights every 500 steps to SNAPSHOTS/step-N")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     folder = Path(args.folder) if args.folder else SHIPPED_DIR
@@ -264,7 +312,8 @@ def main() -> None:
     if args.action == "validate":
         log.info("%s", json.dumps(validate_style(load_pipeline(folder)), indent=1))
     elif args.action == "train":
-        train_lora(folder, out, config=LoraConfig(steps=args.steps))
+        train_lora(folder, out, config=LoraConfig(steps=args.steps),
+                   snapshots=Path(args.snapshots) if args.snapshots else None)
     else:
         evaluate_lora(folder, out, Path(args.eval_dir), n=args.n,
                       grid=Path(args.grid) if args.grid else None)

@@ -2,20 +2,23 @@
 
 Every Linear some adapter of the catalog targets gets, beside its base weight (never merged,
 never swapped), a down stack A [max_loras + 1, max_lora_rank, in] and an up stack
-B [max_loras + 1, out, max_lora_rank] of zeros; the last slot stays zero, and is what a row
-without an adapter (or with fewer than its batch mates) points at, so that no loaded slot ever
-enters its product. An adapter loaded into slot s writes its matrices
-into A[s] and B[s] (rank padded with zeros, PEFT's per-module alpha/r folded into B), so that a
-forward hook adds, per row b with adapters (s_k, w_k):
+B' [max_loras + 1, max_lora_rank, out] (B transposed, so both gather as [k * rank, features])
+of zeros; the last slot stays zero, and is what a row without an adapter (or with fewer than its
+batch mates) points at, so that no loaded slot ever enters its product. An adapter loaded into
+slot s writes its matrices into A[s] and B'[s] (rank padded with zeros, PEFT's per-module
+alpha/r folded into B), so that a forward hook adds, per row b with adapters (s_k, w_k):
 
     y[b] += sum_k w_k * B[s_k] @ A[s_k] @ x[b]
 
-as two batched matmuls over the gathered slots. Rows with other adapters, several adapters,
-other scales or none (scale 0) share the forward; a batch without any adapter adds nothing, so
-it is bit for bit the base model. Which slots and scales each row runs is bound for one forward
-(`bind`, from the rows' `RowMeta.adapters`) and narrowed with the rows that run a block subset
-(`narrowed`, the step cache's), so the product follows forward.py's row records (ARCHITECTURE
-§10).
+as two batched matmuls over the gathered slots (Punica's BGMV). Rows with other adapters,
+several adapters, other scales or none (scale 0) share the forward; a batch without any
+adapter adds nothing, so it is bit for bit the base model. When every row runs the same
+adapters at the same scales (one adapter for the whole batch, the common case) the rows are
+one group: the slots are gathered once and the product is two plain matmuls over all tokens.
+The stacks are cut to the largest rank the bound rows use (the padding would add zeros only).
+Which slots and scales each row runs is bound for one forward (`bind`, from the rows'
+`RowMeta.adapters`) and narrowed with the rows that run a block subset (`narrowed`, the step
+cache's), so the product follows forward.py's row records (ARCHITECTURE §10).
 
 Slots are held by requests (`hold` in prepare, `release` with the state): a held slot is never
 evicted, so a running or preempted row keeps its adapters; a free slot is taken LRU. Files are
@@ -92,13 +95,18 @@ PartialT = TypeVar("PartialT")
 
 @dataclass
 class _Rows:
-    """The slots [rows, k] and scales [rows, k] of the rows a forward runs now."""
+    """What the rows a forward runs now add: per group of rows (every row, or one group for
+    all when they run the same adapters at the same scales) its slots [groups, k] and each
+    slot's scale on its rank columns [groups, 1, k * rank]; `rank` cuts the stacks."""
 
     slots: torch.Tensor
     scales: torch.Tensor
+    rank: int
 
     def select(self, rows: torch.Tensor) -> _Rows:
-        return _Rows(self.slots[rows], self.scales[rows])
+        if self.slots.shape[0] == 1:  # one group: any subset of its rows is too
+            return self
+        return _Rows(self.slots[rows], self.scales[rows], self.rank)
 
 
 class _Stacks:
@@ -109,10 +117,7 @@ class _Stacks:
         shape = (bank.max_loras + 1, bank.max_rank)
         weight = linear.weight
         self.down = torch.zeros(*shape, linear.in_features, device=weight.device, dtype=bank.dtype)
-        self.up = torch.zeros(
-            bank.max_loras + 1, linear.out_features, bank.max_rank, device=weight.device,
-            dtype=bank.dtype,
-        )  # fmt: skip
+        self.up = torch.zeros(*shape, linear.out_features, device=weight.device, dtype=bank.dtype)
 
     def hook(
         self, module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
@@ -121,12 +126,13 @@ class _Stacks:
         if rows is None:
             return out
         x = args[0]
-        flat = x.reshape(x.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
-        down = self.down[rows.slots]  # [rows, k, rank, in]
-        up = self.up[rows.slots]  # [rows, k, out, rank]
-        low = torch.einsum("bti,bkri->bktr", flat, down) * rows.scales[:, :, None, None]
-        delta = torch.einsum("bktr,bkor->bto", low, up)
-        return out + delta.reshape(out.shape).to(out.dtype)
+        groups = rows.slots.shape[0]
+        flat = x.reshape(groups, -1, x.shape[-1])  # [groups, tokens of the group, in]
+        down = self.down[:, : rows.rank][rows.slots].flatten(1, 2)  # [groups, k * rank, in]
+        up = self.up[:, : rows.rank][rows.slots].flatten(1, 2)  # [groups, k * rank, out]
+        low = torch.bmm(flat, down.transpose(1, 2)).mul_(rows.scales)
+        delta = torch.bmm(low, up).reshape(out.shape)
+        return out + delta.to(out.dtype)
 
 
 class SlotBank:
@@ -153,6 +159,7 @@ class SlotBank:
         self._add_stacks(catalog.targets())
         self._loaded: OrderedDict[AdapterFile, int] = OrderedDict()  # least recent first
         self._holders: dict[int, int] = {}  # slot -> requests holding it
+        self._ranks: dict[int, int] = {}  # slot -> the largest rank written into it
         self._pending: list[LoraHold] = []  # oldest first
         self._loading: dict[AdapterFile, futures.Future[Matrices]] = {}
         # Files are read off the engine thread; one reader keeps disk and host memory calm.
@@ -326,7 +333,8 @@ class SlotBank:
             down, up = pair
             rank = down.shape[0]
             stacks.down[slot, :rank] = down.to(self.device, self.dtype)
-            stacks.up[slot, :, :rank] = up.to(self.device, self.dtype)
+            stacks.up[slot, :rank] = up.T.to(self.device, self.dtype)
+        self._ranks[slot] = max((down.shape[0] for down, _ in matrices.values()), default=1)
         self._loaded[adapter] = slot
         logger.info("LoRA %s loaded into slot %d", adapter.name, slot)
 
@@ -339,12 +347,17 @@ class SlotBank:
         if not width:
             yield
             return
-        slots = torch.full((len(rows), width), self.max_loras, dtype=torch.long)  # the zero slot
-        scales = torch.zeros(len(rows), width, dtype=torch.float32)
-        for i, row in enumerate(rows):
-            for k, use in enumerate(row.adapters):
+        groups = [row.adapters for row in rows]
+        if all(adapters == groups[0] for adapters in groups):
+            groups = groups[:1]  # one group: the slots gathered once for every row
+        rank = max(self._ranks.get(use.slot, 1) for row in groups for use in row)
+        slots = torch.full((len(groups), width), self.max_loras, dtype=torch.long)  # zero slot
+        scales = torch.zeros(len(groups), width, dtype=torch.float32)
+        for i, adapters in enumerate(groups):
+            for k, use in enumerate(adapters):
                 slots[i, k], scales[i, k] = use.slot, use.scale
-        self.rows = _Rows(slots.to(self.device), scales.to(self.device, self.dtype))
+        columns = scales.repeat_interleave(rank, dim=1)[:, None]  # [groups, 1, k * rank]
+        self.rows = _Rows(slots.to(self.device), columns.to(self.device, self.dtype), rank)
         try:
             yield
         finally:

@@ -21,6 +21,7 @@ import numpy as np
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.grpc.api import GatewayServicer
 from stagemesh.gateway.grpc.native import NativeApi
+from stagemesh.gateway.wire.auth import ApiKeys
 from stagemesh.shared.errors import abort_with
 from stagemesh.shared.proto.v1 import (
     codec_service_pb2,
@@ -296,13 +297,13 @@ async def stop_all(servers: Mapping[str, grpc.aio.Server]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def gateway_stub(core: GatewayCore
+async def gateway_stub(core: GatewayCore, keys: ApiKeys | None = None
                        ) -> AsyncIterator[gateway_service_pb2_grpc.GatewayServiceAsyncStub]:
-    """The public gRPC API (GatewayServicer) over `core`, served on a free port for the
-    block, and a client stub of it."""
+    """The public gRPC API (GatewayServicer, checking `keys` if given) over `core`, served on a
+    free port for the block, and a client stub of it."""
     running = await start_server(
         lambda server: gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(NativeApi(core)), server), [])
+            GatewayServicer(NativeApi(core), keys), server), [])
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             yield gateway_service_pb2_grpc.GatewayServiceStub(channel)

@@ -1,6 +1,7 @@
 """The gateway's LoRA admin routes (gateway/loras/) over fake stages: POST /v1/load_lora_adapter
 and /v1/unload_lora_adapter (vLLM's bodies) go to every replica of the DiTs that take runtime
-updates, only with an admin key; GET /v1/loras lists what each DiT recipe serves. After each
+updates, only with an admin key; GET /v1/loras lists what each DiT recipe serves (and the gRPC
+API's LoadLora/UnloadLora/ListLoras do the same, admin keys alike). After each
 change, and when a DiT refuses an adapter its Describe offered, the gateway reads the DiT's
 Describe again, so a request naming an unloaded adapter is a 400 naming `lora`.
 """
@@ -16,18 +17,28 @@ import httpx
 import pytest
 
 from stagemesh.gateway.app import open_gateway
+from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.http.app import build_rest_app
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.gateway.wire.auth import ApiKeys
-from stagemesh.shared.errors import abort_with
+from stagemesh.shared.errors import abort_with, parse_rpc_error
 from stagemesh.shared.proto.v1 import dit_service_pb2
-from tests.integration.fake_stages import FakeDit, FakeTokenizer, FakeVae, serve_fake, stop_all
+from stagemesh.shared.proto.v1 import gateway_service_pb2 as gw
+from tests.integration.fake_stages import (
+    FakeDit,
+    FakeTokenizer,
+    FakeVae,
+    gateway_stub,
+    serve_fake,
+    stop_all,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 USER, ADMIN = "sk-user-0123456789", "sk-admin-0123456789"
 AS_USER = {"authorization": f"Bearer {USER}"}
 AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
+KEYS = ApiKeys.of([USER], admin=[ADMIN])
 
 
 @dataclass
@@ -83,6 +94,7 @@ class Mesh:
     replicas: list[LoraDit]  # the two replicas of recipe `img`'s DiT
     other: LoraDit  # recipe `other`'s DiT: no runtime updates
     client: httpx.AsyncClient  # no key
+    core: GatewayCore
 
     def starts(self) -> int:
         return sum(len(dit.starts) for dit in self.replicas)
@@ -112,10 +124,10 @@ async def mesh() -> AsyncIterator[Mesh]:
                "other": recipe("other", f"127.0.0.1:{ports['dit-other']}")}
     try:
         async with open_gateway(recipes) as core:
-            app = build_rest_app(core, ApiKeys.of([USER], admin=[ADMIN]))
+            app = build_rest_app(core, KEYS)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gw") as client:
-                yield Mesh(replicas, other, client)
+                yield Mesh(replicas, other, client, core)
     finally:
         await stop_all(servers)
 
@@ -200,3 +212,44 @@ async def test_a_dit_refusing_a_published_adapter_is_read_again(mesh: Mesh) -> N
     fresh = await _image(mesh, "ink")
     assert fresh.status_code == 400 and _param(fresh) == "lora"
     assert mesh.describes() > describes and mesh.starts() == starts
+
+
+async def _refusal(call: Any) -> tuple[grpc.StatusCode, str | None]:
+    """The status code and named field of a gRPC call that must fail."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    error = parse_rpc_error(caught.value)
+    return error.code, error.field_name
+
+
+async def test_the_grpc_api_changes_adapters_with_admin_keys_only(mesh: Mesh) -> None:
+    user, admin = tuple(AS_USER.items()), tuple(AS_ADMIN.items())
+    load = gw.LoadLoraRequest(lora_name="wax", lora_path="wax")
+    async with gateway_stub(mesh.core, KEYS) as stub:
+        assert (await _refusal(stub.LoadLora(load, metadata=user)))[0] \
+            is grpc.StatusCode.PERMISSION_DENIED
+        unload = gw.UnloadLoraRequest(lora_name="ink")
+        assert (await _refusal(stub.UnloadLora(unload, metadata=user)))[0] \
+            is grpc.StatusCode.PERMISSION_DENIED
+        assert not any(dit.loads for dit in mesh.replicas)
+        loaded = await stub.LoadLora(load, metadata=admin)
+        assert loaded.lora_name == "wax" and list(loaded.models) == ["img"]
+        assert [dit.lora_names for dit in mesh.replicas] == [("ink", "wax")] * 2
+        listed = await stub.ListLoras(gw.ListLorasRequest(), metadata=user)
+        assert {r.model: list(r.loras) for r in listed.recipes} == {
+            "img": ["ink", "wax"], "other": ["ink"]}
+        assert listed.recipes[0].runtime_updates and listed.recipes[0].max_lora_scale == 2.0
+        unloaded = await stub.UnloadLora(gw.UnloadLoraRequest(lora_name="wax", model="img"),
+                                         metadata=admin)
+        assert list(unloaded.models) == ["img"]
+        assert [dit.lora_names for dit in mesh.replicas] == [("ink",)] * 2
+        refusals = (  # (request, the field its refusal names), one after another
+            (gw.LoadLoraRequest(lora_name="x"), "lora_path"),
+            (gw.LoadLoraRequest(lora_path="x"), "lora_name"),
+            (gw.UnloadLoraRequest(lora_name="wax"), "lora_name"),  # unloaded already
+            (gw.LoadLoraRequest(lora_name="x", lora_path="refused/x"), "lora_path"))
+        for request, field_name in refusals:
+            rpc = stub.LoadLora if isinstance(request, gw.LoadLoraRequest) else stub.UnloadLora
+            code, named = await _refusal(rpc(request, metadata=admin))
+            assert named == field_name and code in (grpc.StatusCode.INVALID_ARGUMENT,
+                                                    grpc.StatusCode.NOT_FOUND), (code, named)

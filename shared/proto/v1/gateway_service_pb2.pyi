@@ -1356,3 +1356,195 @@ class DownloadVideoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DownloadVideoResponse: _TypeAlias = DownloadVideoResponse  # noqa: Y015
+
+@_typing.final
+class LoadLoraRequest(_message.Message):
+    """Loads a LoRA adapter at run time (the DiT option runtime_lora_updates)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """The name requests will use: letters, digits and . _ - (at most 128 characters)."""
+    lora_path: _builtins.str
+    """A directory holding pytorch_lora_weights.safetensors, or a .safetensors file, inside the
+    DiT's lora_dir (a relative path is read from there).
+    """
+    model: _builtins.str
+    """The recipe whose DiT loads it; empty = every recipe whose DiT loads adapters at run time."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "lora_path", b"lora_path", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraRequest: _TypeAlias = LoadLoraRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoraResponse(_message.Message):
+    """A loaded adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The recipes whose DiT serves it now."""
+
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoraResponse: _TypeAlias = LoadLoraResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoraRequest(_message.Message):
+    """Unloads a LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    model: _builtins.str
+    """The recipe whose DiT unloads it; empty = every recipe whose DiT loads adapters at run time."""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraRequest: _TypeAlias = UnloadLoraRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoraResponse(_message.Message):
+    """An unloaded adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The recipes whose DiT served it."""
+
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoraResponse: _TypeAlias = UnloadLoraResponse  # noqa: Y015
+
+@_typing.final
+class ListLorasRequest(_message.Message):
+    """Lists the LoRA adapters of every DiT recipe."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLorasRequest: _TypeAlias = ListLorasRequest  # noqa: Y015
+
+@_typing.final
+class ListLorasResponse(_message.Message):
+    """The LoRA adapters of every DiT recipe."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECIPES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def recipes(self) -> _containers.RepeatedCompositeFieldContainer[Global___RecipeLoras]: ...
+    def __init__(
+        self,
+        *,
+        recipes: _abc.Iterable[Global___RecipeLoras] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recipes", b"recipes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLorasResponse: _TypeAlias = ListLorasResponse  # noqa: Y015
+
+@_typing.final
+class RecipeLoras(_message.Message):
+    """What one DiT recipe serves (its DiT's Describe)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    LORAS_FIELD_NUMBER: _builtins.int
+    RUNTIME_UPDATES_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_PER_REQUEST_FIELD_NUMBER: _builtins.int
+    MAX_LORA_SCALE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The recipe's name."""
+    runtime_updates: _builtins.bool
+    """True when adapters may be loaded and unloaded at run time."""
+    max_loras: _builtins.int
+    """Adapters resident at once; most adapters one request may name; the largest |scale|."""
+    max_loras_per_request: _builtins.int
+    max_lora_scale: _builtins.float
+    @_builtins.property
+    def loras(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The adapters a request may name."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        loras: _abc.Iterable[_builtins.str] | None = ...,
+        runtime_updates: _builtins.bool = ...,
+        max_loras: _builtins.int = ...,
+        max_loras_per_request: _builtins.int = ...,
+        max_lora_scale: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loras", b"loras", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "model", b"model", "runtime_updates", b"runtime_updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecipeLoras: _TypeAlias = RecipeLoras  # noqa: Y015

@@ -105,6 +105,21 @@ class GatewayServiceStub:
                 request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListRecipesRequest.SerializeToString,
                 response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListRecipesResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/LoadLora',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/UnloadLora',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/stagemesh.v1.GatewayService/ListLoras',
+                request_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListLorasResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -216,6 +231,29 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Loads a LoRA adapter at run time on every replica of the DiTs concerned (admin keys only:
+        STAGEMESH_ADMIN_KEYS). REST: POST /v1/load_lora_adapter (vLLM's body), so no annotation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Unloads a LoRA adapter from every replica that serves it (admin keys only). REST: POST
+        /v1/unload_lora_adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """The LoRA adapters each DiT recipe serves, as its DiT publishes them. REST: GET /v1/loras.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +326,21 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ListRecipes,
                     request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListRecipesRequest.FromString,
                     response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListRecipesResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.LoadLoraRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.UnloadLoraResponse.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListLorasRequest.FromString,
+                    response_serializer=stagemesh_dot_v1_dot_gateway__service__pb2.ListLorasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -669,6 +722,87 @@ class GatewayService:
             '/stagemesh.v1.GatewayService/ListRecipes',
             stagemesh_dot_v1_dot_gateway__service__pb2.ListRecipesRequest.SerializeToString,
             stagemesh_dot_v1_dot_gateway__service__pb2.ListRecipesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/LoadLora',
+            stagemesh_dot_v1_dot_gateway__service__pb2.LoadLoraRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/UnloadLora',
+            stagemesh_dot_v1_dot_gateway__service__pb2.UnloadLoraRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.UnloadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stagemesh.v1.GatewayService/ListLoras',
+            stagemesh_dot_v1_dot_gateway__service__pb2.ListLorasRequest.SerializeToString,
+            stagemesh_dot_v1_dot_gateway__service__pb2.ListLorasResponse.FromString,
             options,
             channel_credentials,
             insecure,

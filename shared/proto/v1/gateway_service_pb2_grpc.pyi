@@ -76,6 +76,16 @@ class GatewayServiceStub:
     """Lists the stage services the gateway composes, with their health."""
     ListRecipes: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.ListRecipesRequest, _gateway_service_pb2.ListRecipesResponse]
     """Lists the recipes (served models)."""
+    LoadLora: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.LoadLoraRequest, _gateway_service_pb2.LoadLoraResponse]
+    """Loads a LoRA adapter at run time on every replica of the DiTs concerned (admin keys only:
+    STAGEMESH_ADMIN_KEYS). REST: POST /v1/load_lora_adapter (vLLM's body), so no annotation.
+    """
+    UnloadLora: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.UnloadLoraRequest, _gateway_service_pb2.UnloadLoraResponse]
+    """Unloads a LoRA adapter from every replica that serves it (admin keys only). REST: POST
+    /v1/unload_lora_adapter.
+    """
+    ListLoras: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.ListLorasRequest, _gateway_service_pb2.ListLorasResponse]
+    """The LoRA adapters each DiT recipe serves, as its DiT publishes them. REST: GET /v1/loras."""
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -123,6 +133,16 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """Lists the stage services the gateway composes, with their health."""
     ListRecipes: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.ListRecipesRequest, _gateway_service_pb2.ListRecipesResponse]  # type: ignore[assignment]
     """Lists the recipes (served models)."""
+    LoadLora: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.LoadLoraRequest, _gateway_service_pb2.LoadLoraResponse]  # type: ignore[assignment]
+    """Loads a LoRA adapter at run time on every replica of the DiTs concerned (admin keys only:
+    STAGEMESH_ADMIN_KEYS). REST: POST /v1/load_lora_adapter (vLLM's body), so no annotation.
+    """
+    UnloadLora: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.UnloadLoraRequest, _gateway_service_pb2.UnloadLoraResponse]  # type: ignore[assignment]
+    """Unloads a LoRA adapter from every replica that serves it (admin keys only). REST: POST
+    /v1/unload_lora_adapter.
+    """
+    ListLoras: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.ListLorasRequest, _gateway_service_pb2.ListLorasResponse]  # type: ignore[assignment]
+    """The LoRA adapters each DiT recipe serves, as its DiT publishes them. REST: GET /v1/loras."""
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """Composes stage services into whole generations, following a recipe per model."""
@@ -251,5 +271,33 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_service_pb2.ListRecipesResponse, _abc.Awaitable[_gateway_service_pb2.ListRecipesResponse]]:
         """Lists the recipes (served models)."""
+
+    @_abc_1.abstractmethod
+    def LoadLora(
+        self,
+        request: _gateway_service_pb2.LoadLoraRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.LoadLoraResponse, _abc.Awaitable[_gateway_service_pb2.LoadLoraResponse]]:
+        """Loads a LoRA adapter at run time on every replica of the DiTs concerned (admin keys only:
+        STAGEMESH_ADMIN_KEYS). REST: POST /v1/load_lora_adapter (vLLM's body), so no annotation.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLora(
+        self,
+        request: _gateway_service_pb2.UnloadLoraRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.UnloadLoraResponse, _abc.Awaitable[_gateway_service_pb2.UnloadLoraResponse]]:
+        """Unloads a LoRA adapter from every replica that serves it (admin keys only). REST: POST
+        /v1/unload_lora_adapter.
+        """
+
+    @_abc_1.abstractmethod
+    def ListLoras(
+        self,
+        request: _gateway_service_pb2.ListLorasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.ListLorasResponse, _abc.Awaitable[_gateway_service_pb2.ListLorasResponse]]:
+        """The LoRA adapters each DiT recipe serves, as its DiT publishes them. REST: GET /v1/loras."""
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
