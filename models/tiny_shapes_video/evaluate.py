@@ -85,6 +85,13 @@ def _strip(clip: np.ndarray, record: ClipRecord) -> Image.Image:
     return cell
 
 
+def _record(prompt: str, clip: np.ndarray) -> ClipRecord:
+    seen = measure_clip(clip)
+    return {"prompt": prompt, "colours": list(seen.colours), "shapes": list(seen.shapes),
+            "travel": [round(t, 2) for t in seen.travel], "motion": seen.motion,
+            "verdict": judge_measurement(parse_clip_caption(prompt), seen)}
+
+
 def evaluate(generate: VideoGenerate, out_dir: str | Path, prompts: list[str] | None = None,
              seed: int = 0) -> VideoMetrics:
     """Generates each prompt (held-out by default) at `seed`, judges it; writes metrics.json
@@ -96,11 +103,7 @@ def evaluate(generate: VideoGenerate, out_dir: str | Path, prompts: list[str] | 
     cells: list[Image.Image] = []
     for prompt, clip in generate_each(prompts, lambda prompt: np.asarray(generate(prompt, seed)),
                                       "clips", every=10):
-        seen = measure_clip(clip)
-        record: ClipRecord = {
-            "prompt": prompt, "colours": list(seen.colours), "shapes": list(seen.shapes),
-            "travel": [round(t, 2) for t in seen.travel], "motion": seen.motion,
-            "verdict": judge_measurement(parse_clip_caption(prompt), seen)}
+        record = _record(prompt, clip)
         records.append(record)
         cells.append(_strip(clip, record))
     accuracy = {v: float(np.mean([r["verdict"][v] for r in records])) for v in VERDICTS}
@@ -136,14 +139,32 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
     return generate
 
 
+#: The README's example (`curl ... -F prompt=... -F seed=1`), for its frame strip.
+README_PROMPT, README_SEED = "a red circle moving right", 1
+
+
+def write_readme_sample(folder: str | Path, path: str | Path, *, steps: int = DEFAULT_STEPS,
+                        guidance: float = DEFAULT_GUIDANCE) -> ClipRecord:
+    """The README's frame strip: its prompt and seed in-process (stock pipeline), each frame
+    upscaled, judged as the evaluation judges. Returns the clip's record."""
+    clip = pipeline_generator(folder, steps=steps, guidance=guidance)(README_PROMPT, README_SEED)
+    record = _record(README_PROMPT, clip)
+    _strip(clip, record).save(path)
+    return record
+
+
 def main() -> None:
     parser = eval_parser("Judge a tiny-shapes-video folder in-process.")
     parser.add_argument("--prompts", type=int, default=0, help="0 = every held-out prompt")
+    parser.add_argument("--sample", default=None, help="also write the README's strip here")
     args = parser.parse_args()
     start_cli(args)
     generate = pipeline_generator(args.folder, steps=args.steps, guidance=args.guidance)
     metrics = evaluate(generate, args.out_dir, held_out_prompts(args.prompts), seed=args.seed)
     print(json.dumps(metrics["accuracy"]))
+    if args.sample:
+        logger.info("README strip: %s", write_readme_sample(
+            args.folder, args.sample, steps=args.steps, guidance=args.guidance)["verdict"])
 
 
 if __name__ == "__main__":
