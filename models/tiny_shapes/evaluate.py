@@ -232,7 +232,8 @@ def load_stock(pipeline_class: type[Pipe], folder: str | Path) -> Pipe:
     """`pipeline_class.from_pretrained(folder)` offline, its progress bar off."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pipe = pipeline_class.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    base: DiffusionPipeline = pipe  # (the call resolves to diffusers' untyped method here)
+    base.set_progress_bar_config(disable=True)
     return pipe
 
 
