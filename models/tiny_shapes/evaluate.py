@@ -5,17 +5,23 @@ may call the stock pipeline in-process (`pipeline_generator`) or a running mesh 
 writes `metrics.json` (accuracy per attribute, confusion per attribute, every prompt's reading,
 and how each attribute is measured) and `grid.png` (every image, labelled with its prompt and
 any attribute the scorer read differently).
+
+The evaluation harness tiny-shapes-edit and tiny-shapes-video share lives here too (the
+training one is `harness`): `load_stock` (a stock pipeline from a folder), `generate_each` (the
+loop over prompts with its progress log), `write_cells` (a grid of labelled cells) and
+`eval_parser` / `start_cli` (the in-process evaluators' common command line).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -32,9 +38,13 @@ from stagemesh.models.tiny_shapes.data import (
 from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, METHODS, Measurement, measure
 
 if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+P = TypeVar("P")
+Pipe = TypeVar("Pipe", bound="DiffusionPipeline")
 
 Generate = Callable[[str, int], np.ndarray]
 """generate(prompt, seed) -> uint8 RGB array (H, W, 3)."""
@@ -146,16 +156,30 @@ def _cell(image: np.ndarray, record: Record) -> Image.Image:
     return cell
 
 
-def write_grid(images: list[np.ndarray], records: list[Record], path: Path, columns: int = 15
-               ) -> None:
-    """Saves every image (upscaled 5x) with its prompt and the attributes it got wrong in red."""
-    cells = [_cell(image, record) for image, record in zip(images, records, strict=True)]
+def write_cells(cells: list[Image.Image], path: Path, columns: int) -> None:
+    """Saves equal-sized cells as a grid, `columns` wide, on grey."""
     cw, ch = cells[0].size
     rows = -(-len(cells) // columns)
     grid = Image.new("RGB", (cw * min(columns, len(cells)), ch * rows), (230, 230, 230))
     for i, cell in enumerate(cells):
         grid.paste(cell, ((i % columns) * cw, (i // columns) * ch))
     grid.save(path)
+
+
+def write_grid(images: list[np.ndarray], records: list[Record], path: Path, columns: int = 15
+               ) -> None:
+    """Saves every image (upscaled 5x) with its prompt and the attributes it got wrong in red."""
+    write_cells([_cell(image, record) for image, record in zip(images, records, strict=True)],
+                path, columns)
+
+
+def generate_each(items: Sequence[T], generate: Callable[[T], P], what: str,
+                  every: int = 30) -> Iterator[tuple[T, P]]:
+    """(item, generate(item)) for each item, logging progress every `every` items."""
+    for i, item in enumerate(items):
+        yield item, generate(item)
+        if (i + 1) % every == 0:
+            logger.info("evaluated %d/%d %s", i + 1, len(items), what)
 
 
 def _check_image(image: np.ndarray, prompt: str) -> np.ndarray:
@@ -179,11 +203,10 @@ def evaluate(generate: Generate, out_dir: str | Path, prompts: list[str] | None 
     out.mkdir(parents=True, exist_ok=True)
     images: list[np.ndarray] = []
     records: list[Record] = []
-    for i, prompt in enumerate(prompts):
-        images.append(_check_image(generate(prompt, seed), prompt))
-        records.append(_record(prompt, images[-1]))
-        if (i + 1) % 30 == 0:
-            logger.info("evaluated %d/%d prompts", i + 1, len(prompts))
+    for prompt, image in generate_each(
+            prompts, lambda prompt: _check_image(generate(prompt, seed), prompt), "prompts"):
+        images.append(image)
+        records.append(_record(prompt, image))
     metrics: Metrics = {
         "n": len(prompts),
         "seed": seed,
@@ -208,14 +231,21 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
     return stock_generator(load_pipeline(folder), steps=steps, guidance=guidance, size=size)
 
 
+def load_stock(pipeline_class: type[Pipe], folder: str | Path) -> Pipe:
+    """`pipeline_class.from_pretrained(folder)` offline, its progress bar off."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    pipe = pipeline_class.from_pretrained(folder, local_files_only=True)
+    base: DiffusionPipeline = pipe  # (the call resolves to diffusers' untyped method here)
+    base.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def load_pipeline(folder: str | Path) -> QwenImagePipeline:
-    """The stock pipeline from a local folder, its progress bar off."""
+    """The stock tiny-shapes pipeline from a local folder, its progress bar off."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
-    pipe = QwenImagePipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_stock(QwenImagePipeline, folder)
 
 
 def stock_generator(pipe: QwenImagePipeline, *, steps: int = DEFAULT_STEPS,
@@ -233,22 +263,32 @@ def stock_generator(pipe: QwenImagePipeline, *, steps: int = DEFAULT_STEPS,
     return generate
 
 
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Score a tiny-shapes diffusers folder in-process.")
+def eval_parser(description: str, threads: int = 1) -> argparse.ArgumentParser:
+    """The in-process evaluators' common arguments: folder, out_dir, --steps, --guidance,
+    --seed and --threads (torch threads, default `threads`)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("folder")
     parser.add_argument("out_dir")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE)
-    parser.add_argument("--subset", type=int, default=0, help="score subset_prompts(n) only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=threads)
+    return parser
+
+
+def start_cli(args: argparse.Namespace) -> None:
+    """Logging to stderr with timestamps, torch on `args.threads` threads."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import torch
 
     torch.set_num_threads(args.threads)
+
+
+def main() -> None:
+    parser = eval_parser("Score a tiny-shapes diffusers folder in-process.", threads=2)
+    parser.add_argument("--subset", type=int, default=0, help="score subset_prompts(n) only")
+    args = parser.parse_args()
+    start_cli(args)
     generate = pipeline_generator(args.folder, steps=args.steps, guidance=args.guidance)
     prompts = subset_prompts(args.subset) if args.subset else None
     metrics = evaluate(generate, args.out_dir, prompts, seed=args.seed)

@@ -29,6 +29,19 @@ from stagemesh.models.tiny_shapes.evaluate import (
 log = logging.getLogger(__name__)
 
 
+def checked(response: httpx.Response, url: str) -> httpx.Response:
+    """`response` if it is a 200, else a RuntimeError with what the gateway at `url` said."""
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
+    return response
+
+
+def answered_png(response: httpx.Response, url: str) -> np.ndarray:
+    """The RGB pixels of the first image of an OpenAI images answer (a 200)."""
+    png = base64.b64decode(checked(response, url).json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
 def rest_generator(url: str, *, model: str = "", steps: int = DEFAULT_STEPS,
                    guidance: float = DEFAULT_GUIDANCE, size: int = IMAGE_SIZE,
                    timeout: float = 120.0) -> Generate:
@@ -36,13 +49,10 @@ def rest_generator(url: str, *, model: str = "", steps: int = DEFAULT_STEPS,
     client = httpx.Client(base_url=url, timeout=timeout)
 
     def generate(prompt: str, seed: int) -> np.ndarray:
-        response = client.post("/v1/images/generations", json={
+        return answered_png(client.post("/v1/images/generations", json={
             "model": model, "prompt": prompt, "size": f"{size}x{size}", "seed": seed,
-            "num_inference_steps": steps, "true_cfg_scale": guidance, "negative_prompt": ""})
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
-        png = base64.b64decode(response.json()["data"][0]["b64_json"])
-        return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+            "num_inference_steps": steps, "true_cfg_scale": guidance, "negative_prompt": ""}),
+            url)
 
     return generate
 

@@ -18,10 +18,8 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -43,15 +41,13 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from stagemesh.models.tiny_shapes import harness
 from stagemesh.models.tiny_shapes.data import IMAGE_SIZE, all_specs, make_dataset
+from stagemesh.models.tiny_shapes.harness import cosine_lr as cosine_lr  # the LoRA imports it
 from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, score
 from stagemesh.services.vae.single_frame import use_single_frame_convs
 
-if TYPE_CHECKING:
-    from tqdm import tqdm
-
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # The pipeline wraps every prompt in this template and drops its first 34 tokens (the system
 # prefix); the tokenizer must split that prefix into exactly 34 tokens, as Qwen's own does.
@@ -280,43 +276,23 @@ def vae_forward(vae: AutoencoderKLQwenImage, x: torch.Tensor, *, sample: bool = 
     return vae.decoder(vae.post_quant_conv(z))[:, :, 0], mean[:, :, 0], logvar[:, :, 0]
 
 
-def cosine_lr(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-def _progress(total: int, desc: str) -> tqdm[NoReturn]:
-    """A progress bar (tqdm is in the `train` extra, so it is imported only when training)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=2.0)
-
-
 def train_vae(vae: AutoencoderKLQwenImage, images: np.ndarray, cfg: TrainConfig,
               gen: torch.Generator) -> None:
     x_all, w_all = to_tensor(images), shape_weights(images, cfg.vae_shape_weight)
-    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.95), weight_decay=0.0)
     use_single_frame_convs(vae)
+
+    def loss_at(step: int) -> torch.Tensor:
+        idx = torch.randint(0, len(x_all), (cfg.vae_batch,), generator=gen)
+        x, w = x_all[idx], w_all[idx]
+        recon, mean, logvar = vae_forward(vae, x)
+        err = recon - x
+        rec = (w * (err.pow(2) + 0.5 * err.abs())).mean()
+        kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
+        return rec + cfg.vae_kl_weight * kl
+
     vae.train()
-    with _progress(cfg.vae_steps, "vae") as bar:
-        for step in range(cfg.vae_steps):
-            idx = torch.randint(0, len(x_all), (cfg.vae_batch,), generator=gen)
-            x, w = x_all[idx], w_all[idx]
-            recon, mean, logvar = vae_forward(vae, x)
-            err = recon - x
-            rec = (w * (err.pow(2) + 0.5 * err.abs())).mean()
-            kl = 0.5 * (mean.pow(2) + logvar.exp() - 1.0 - logvar).mean()
-            loss = rec + cfg.vae_kl_weight * kl
-            for group in opt.param_groups:
-                group["lr"] = cfg.vae_lr * cosine_lr(step, cfg.vae_steps, 50)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(vae.parameters(), 0.5)
-            opt.step()
-            bar.update()
-            if step % 50 == 0:
-                bar.set_postfix(loss=f"{loss.item():.4f}")
+    harness.optimise(list(vae.parameters()), loss_at, steps=cfg.vae_steps, lr=cfg.vae_lr,
+                     warmup=50, clip=0.5, desc="vae")
     vae.eval()
 
 
@@ -389,23 +365,24 @@ def dit_loss(pipe: QwenImagePipeline, x0: torch.Tensor, captions: list[str],
     return F.mse_loss(pred, pipe._pack_latents(noise - x0, b, c, h, w))
 
 
-def dit_train_step(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str],
-                   opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-                   gen: torch.Generator, *, batch: int, caption_dropout: float, lr: float
-                   ) -> torch.Tensor:
-    """One optimiser step of `dit_loss` on a random batch (captions dropped to "" at
-    `caption_dropout`); the loss. Shared by the base model's training and its LoRA's."""
+def dit_batch_loss(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str],
+                   gen: torch.Generator, *, batch: int, caption_dropout: float) -> torch.Tensor:
+    """`dit_loss` on a random batch, captions dropped to "" at `caption_dropout`."""
     idx = torch.randint(0, len(latents), (batch,), generator=gen)
     drop = torch.rand(batch, generator=gen) < caption_dropout
     batch_captions = ["" if d else captions[i] for i, d in zip(idx.tolist(), drop.tolist(),
                                                               strict=True)]
-    loss = dit_loss(pipe, latents[idx], batch_captions, gen)
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
+    return dit_loss(pipe, latents[idx], batch_captions, gen)
+
+
+def dit_train_step(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str],
+                   opt: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                   gen: torch.Generator, *, batch: int, caption_dropout: float, lr: float
+                   ) -> torch.Tensor:
+    """One optimiser step of `dit_batch_loss`; the loss. The LoRA's training step."""
+    loss = dit_batch_loss(pipe, latents, captions, gen, batch=batch,
+                          caption_dropout=caption_dropout)
+    harness.optimiser_step(opt, params, loss, lr=lr, clip=1.0)
     return loss
 
 
@@ -414,25 +391,16 @@ def train_dit(pipe: QwenImagePipeline, latents: torch.Tensor, captions: list[str
     """Trains transformer + text encoder jointly; returns the EMA weights of both."""
     modules = torch.nn.ModuleDict({"transformer": pipe.transformer,
                                    "text_encoder": pipe.text_encoder.model.language_model})
-    params = [p for p in modules.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.dit_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ema = {k: v.detach().clone() for k, v in modules.state_dict().items()}
+    ema = harness.Ema(modules, cfg.ema_decay)
     modules.train()
-    with _progress(cfg.dit_steps, "dit") as bar:
-        for step in range(cfg.dit_steps):
-            loss = dit_train_step(pipe, latents, captions, opt, params, gen, batch=cfg.dit_batch,
-                                  caption_dropout=cfg.caption_dropout,
-                                  lr=cfg.dit_lr * cosine_lr(step, cfg.dit_steps, cfg.dit_warmup))
-            with torch.no_grad():
-                decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-                for k, v in modules.state_dict().items():
-                    ema[k].lerp_(v, 1.0 - decay)
-            bar.update()
-            if step % 50 == 0:
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-    modules.load_state_dict(ema)
-    modules.eval()
-    return ema
+    harness.optimise([p for p in modules.parameters() if p.requires_grad],
+                     lambda step: dit_batch_loss(pipe, latents, captions, gen,
+                                                 batch=cfg.dit_batch,
+                                                 caption_dropout=cfg.caption_dropout),
+                     steps=cfg.dit_steps, lr=cfg.dit_lr, warmup=cfg.dit_warmup, clip=1.0,
+                     desc="dit", after_step=ema.update)
+    ema.finish()
+    return ema.state
 
 
 def fit_preview(out: Path, images: np.ndarray) -> None:
@@ -448,14 +416,6 @@ def fit_preview(out: Path, images: np.ndarray) -> None:
 # Entry point
 
 
-def _phase(name: str, fn: Callable[[], T], timings: dict[str, float]) -> T:
-    start = time.perf_counter()
-    result = fn()
-    timings[name] = round(time.perf_counter() - start, 1)
-    logger.info("%s done in %.1f s", name, timings[name])
-    return result
-
-
 def train(out_dir: str | Path, *, smoke: bool = False, seed: int = 0,
           config: TrainConfig | None = None) -> Path:
     """Renders the dataset, trains VAE then DiT + text encoder, and writes a diffusers folder.
@@ -465,21 +425,16 @@ def train(out_dir: str | Path, *, smoke: bool = False, seed: int = 0,
     Returns the output folder.
     """
     cfg = config or (TrainConfig.smoke() if smoke else TrainConfig())
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
-        return _train(Path(out_dir), cfg, seed)
-    finally:
-        torch.set_num_threads(previous_threads)
+    return harness.with_threads(cfg.threads, lambda: _train(Path(out_dir), cfg, seed))
 
 
 def _train(out: Path, cfg: TrainConfig, seed: int) -> Path:
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = harness.seeded_generator(seed)
     timings: dict[str, float] = {}
     cpu_start = time.process_time()
 
-    images, captions = _phase("render", lambda: make_dataset(cfg.n_images, seed=seed), timings)
+    images, captions = harness.phase("render", lambda: make_dataset(cfg.n_images, seed=seed),
+                                     timings)
     tokenizer = build_tokenizer([s.caption for s in all_specs()])
     pipe = QwenImagePipeline(
         # diffusers annotates `scheduler` with the placeholder class its lazy __init__ defines
@@ -491,11 +446,11 @@ def _train(out: Path, cfg: TrainConfig, seed: int) -> Path:
         transformer=build_transformer(cfg),
     )
     n_held = min(256, len(images) // 4)
-    _phase("vae", lambda: train_vae(pipe.vae, images[:-n_held], cfg, gen), timings)
+    harness.phase("vae", lambda: train_vae(pipe.vae, images[:-n_held], cfg, gen), timings)
     vae_metrics = vae_report(pipe.vae, images[-n_held:], captions[-n_held:])
     logger.info("VAE on held-out renders: %s", vae_metrics)
     latents = set_latent_stats(pipe.vae, encode_latents(pipe.vae, images))
-    _phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen), timings)
+    harness.phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen), timings)
 
     pipe.save_pretrained(out, safe_serialization=True)
     fit_preview(out, images)
@@ -518,8 +473,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = TrainConfig.smoke() if args.smoke else TrainConfig()
-    overrides = dict(kv.split("=", 1) for kv in args.set)
-    cfg = replace(cfg, **{k: type(getattr(cfg, k))(json.loads(v)) for k, v in overrides.items()})
+    cfg = harness.with_overrides(cfg, args.set)
     train(args.out_dir, smoke=args.smoke, seed=args.seed, config=cfg)
 
 

@@ -17,7 +17,15 @@ from typing import TypedDict
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from stagemesh.models.tiny_shapes.evaluate import (
+    DEFAULT_GUIDANCE,
+    DEFAULT_STEPS,
+    eval_parser,
+    generate_each,
+    load_stock,
+    start_cli,
+    write_cells,
+)
 from stagemesh.models.tiny_shapes.scoring import measure
 from stagemesh.models.tiny_shapes_edit.data import KINDS, Edit, render_pair, split
 from stagemesh.models.tiny_shapes_edit.judge import VERDICTS, judge_measurement
@@ -73,16 +81,6 @@ def _cell(source: np.ndarray, result: np.ndarray, record: EditRecord) -> Image.I
     return cell
 
 
-def write_grid(cells: list[Image.Image], path: Path, columns: int = 8) -> None:
-    """Before/after pairs, the instruction under each; failures in red."""
-    cw, ch = cells[0].size
-    grid = Image.new("RGB", (cw * min(columns, len(cells)), ch * -(-len(cells) // columns)),
-                     (230, 230, 230))
-    for i, cell in enumerate(cells):
-        grid.paste(cell, ((i % columns) * cw, (i // columns) * ch))
-    grid.save(path)
-
-
 def evaluate(generate: EditGenerate, out_dir: str | Path, edits: list[Edit] | None = None,
              seed: int = 0) -> EditMetrics:
     """Renders each edit's source (seeded), edits it, judges it; writes metrics.json, grid.png."""
@@ -92,9 +90,12 @@ def evaluate(generate: EditGenerate, out_dir: str | Path, edits: list[Edit] | No
     rng = np.random.default_rng(seed)
     records: list[EditRecord] = []
     cells: list[Image.Image] = []
-    for i, edit in enumerate(edits):
+
+    def edited(edit: Edit) -> tuple[np.ndarray, np.ndarray]:
         source = render_pair(edit, rng)[0]
-        result = np.asarray(generate(source, edit.instruction, seed))
+        return source, np.asarray(generate(source, edit.instruction, seed))
+
+    for edit, (source, result) in generate_each(edits, edited, "edits"):
         seen = measure(result)
         record: EditRecord = {
             "source": edit.source.caption, "instruction": edit.instruction, "kind": edit.kind,
@@ -103,15 +104,13 @@ def evaluate(generate: EditGenerate, out_dir: str | Path, edits: list[Edit] | No
             "verdict": judge_measurement(edit, seen)}
         records.append(record)
         cells.append(_cell(source, result, record))
-        if (i + 1) % 30 == 0:
-            logger.info("evaluated %d/%d edits", i + 1, len(edits))
     accuracy = {kind: {v: float(np.mean([r["verdict"][v] for r in records if r["kind"] == kind]))
                        for v in VERDICTS}
                 for kind in KINDS if any(r["kind"] == kind for r in records)}
     metrics: EditMetrics = {"n": len(records), "seed": seed, "accuracy": accuracy,
                             "records": records}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    write_grid(cells, out / "grid.png")
+    write_cells(cells, out / "grid.png", columns=8)
     logger.info("accuracy over %d held-out edits: %s", len(records), accuracy)
     return metrics
 
@@ -128,8 +127,7 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
     from stagemesh.models.families.qwen_vl_processor import install_processor_support
 
     install_processor_support()  # the folder's Pil image processor, without torchvision
-    pipe = QwenImageEditPipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_stock(QwenImageEditPipeline, folder)
     area = condition_area(folder)
 
     def generate(image: np.ndarray, instruction: str, seed: int) -> np.ndarray:
@@ -174,22 +172,11 @@ def write_readme_sample(edit_folder: str | Path, path: str | Path, *, steps: int
 
 
 def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Judge a tiny-shapes-edit folder in-process.")
-    parser.add_argument("folder")
-    parser.add_argument("out_dir")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE)
+    parser = eval_parser("Judge a tiny-shapes-edit folder in-process.")
     parser.add_argument("--per-kind", type=int, default=DEFAULT_PER_KIND)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sample", default=None, help="also write the README's strip here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    import torch
-
-    torch.set_num_threads(args.threads)
+    start_cli(args)
     generate = pipeline_generator(args.folder, steps=args.steps, guidance=args.guidance)
     metrics = evaluate(generate, args.out_dir, held_out_sample(args.per_kind, args.seed),
                        seed=args.seed)

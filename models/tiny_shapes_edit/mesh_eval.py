@@ -8,7 +8,6 @@ DiT, VAE decode as separate services), not an in-process pipeline.
 from __future__ import annotations
 
 import argparse
-import base64
 import io
 import json
 import logging
@@ -18,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from stagemesh.models.tiny_shapes.mesh_eval import answered_png
 from stagemesh.models.tiny_shapes_edit.evaluate import EditGenerate, evaluate, held_out_sample
 
 log = logging.getLogger(__name__)
@@ -37,15 +37,11 @@ def rest_edit_generator(url: str, *, model: str = "tiny-shapes-edit",
 
     def generate(image: np.ndarray, instruction: str, seed: int) -> np.ndarray:
         height, width = image.shape[:2]
-        response = client.post("/v1/images/edits", files={
+        return answered_png(client.post("/v1/images/edits", files={
             "image": ("source.png", png_bytes(image), "image/png")}, data={
             "model": model, "prompt": instruction, "size": f"{width}x{height}",
             "seed": str(seed), "num_inference_steps": str(steps),
-            "true_cfg_scale": str(guidance), "negative_prompt": ""})
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
-        png = base64.b64decode(response.json()["data"][0]["b64_json"])
-        return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+            "true_cfg_scale": str(guidance), "negative_prompt": ""}), url)
 
     return generate
 

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,6 +37,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditP
 from stagemesh.models.families.qwen_image import write_condition_area
 from stagemesh.models.qwen_image_edit import build_vl_processor
 from stagemesh.models.registry import SHIPPED_TINY_SHAPES
+from stagemesh.models.tiny_shapes import harness
 from stagemesh.models.tiny_shapes import train as base
 from stagemesh.models.tiny_shapes.data import IMAGE_SIZE
 from stagemesh.models.tiny_shapes_edit.data import all_instructions, make_dataset, split
@@ -112,40 +113,26 @@ def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.
     machine)."""
     modules = torch.nn.ModuleDict({"transformer": pipe.transformer,
                                    "text_encoder": pipe.text_encoder})
-    params = [p for p in modules.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ema = {k: v.detach().clone() for k, v in modules.state_dict().items()}
-    modules.train()
-    load: list[float] = []
-    with base._progress(cfg.steps, "edit") as bar:
-        for step in range(cfg.steps):
-            idx = torch.randint(0, len(targets), (cfg.batch,), generator=gen).tolist()
-            drop = (torch.rand(cfg.batch, generator=gen) < cfg.caption_dropout).tolist()
-            batch_text = ["" if d else instructions[i] for i, d in zip(idx, drop, strict=True)]
-            loss = edit_loss(pipe, targets[idx], conds[idx], [sources[i] for i in idx],
-                             batch_text, gen)
-            for group in opt.param_groups:
-                group["lr"] = cfg.lr * base.cosine_lr(step, cfg.steps, cfg.warmup)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            with torch.no_grad():
-                decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-                for k, v in modules.state_dict().items():
-                    ema[k].lerp_(v, 1.0 - decay)
-            bar.update()
-            if halfway is not None and step + 1 == cfg.steps // 2:
-                live = {k: v.detach().clone() for k, v in modules.state_dict().items()}
-                modules.load_state_dict(ema)
+    ema = harness.Ema(modules, cfg.ema_decay)
+
+    def loss_at(step: int) -> torch.Tensor:
+        idx = torch.randint(0, len(targets), (cfg.batch,), generator=gen).tolist()
+        drop = (torch.rand(cfg.batch, generator=gen) < cfg.caption_dropout).tolist()
+        batch_text = ["" if d else instructions[i] for i, d in zip(idx, drop, strict=True)]
+        return edit_loss(pipe, targets[idx], conds[idx], [sources[i] for i in idx], batch_text,
+                         gen)
+
+    def after_step(step: int) -> None:
+        ema.update(step)
+        if halfway is not None and step + 1 == cfg.steps // 2:
+            with ema.swapped_in():
                 halfway()
-                modules.load_state_dict(live)
-            if step % 50 == 0:
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-                logger.info("step %d loss %.4f", step, loss.item())
-                load.append(os.getloadavg()[0])
-    modules.load_state_dict(ema)
-    modules.eval()
+
+    modules.train()
+    load = harness.optimise([p for p in modules.parameters() if p.requires_grad], loss_at,
+                            steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, clip=1.0,
+                            desc="edit", after_step=after_step)
+    ema.finish()
     return load
 
 
@@ -160,21 +147,15 @@ def normalised_latents(vae: AutoencoderKLQwenImage, images: np.ndarray) -> torch
 def train(out_dir: str | Path, *, seed: int = 0, config: EditTrainConfig | None = None) -> Path:
     """Renders training edits, trains, writes the folder and its training.json."""
     cfg = config or EditTrainConfig()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
-        return _train(Path(out_dir), cfg, seed)
-    finally:
-        torch.set_num_threads(previous)
+    return harness.with_threads(cfg.threads, lambda: _train(Path(out_dir), cfg, seed))
 
 
 def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = harness.seeded_generator(seed)
     timings: dict[str, float] = {}
     cpu_start = time.process_time()
     training_edits, held_out = split()
-    sources, targets, instructions = base._phase(
+    sources, targets, instructions = harness.phase(
         "render", lambda: make_dataset(training_edits, cfg.n_pairs, seed=seed), timings)
 
     template, drop = _edit_template()
@@ -202,14 +183,13 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
         base.fit_preview(folder, targets)
 
     snapshot = out.with_name(out.name + "-halfway")
-    load = base._phase("dit", lambda: train_edit(
+    load = harness.phase("dit", lambda: train_edit(
         pipe, x0, conds, _to_pil(sources), instructions, cfg, gen,
         halfway=lambda: save(snapshot) if cfg.snapshot else None), timings)
     save(out)
     report = {"config": asdict(cfg), "seed": seed, "seconds": timings,
               "cpu_seconds": round(time.process_time() - cpu_start, 1),
-              "load_average_1min": {"mean": round(float(np.mean(load)), 2),
-                                    "max": round(max(load), 2), "samples": len(load)},
+              "load_average_1min": harness.load_summary(load),
               "image_size": IMAGE_SIZE, "base_model": "tiny-shapes (vae, transformer init)",
               "held_out_edits": len(held_out), "training_edits": len(training_edits)}
     (out / "training.json").write_text(json.dumps(report, indent=2))
@@ -230,8 +210,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = (EditTrainConfig.smoke() if args.smoke else
            EditTrainConfig.proxy() if args.proxy else EditTrainConfig())
-    overrides = dict(kv.split("=", 1) for kv in args.set)
-    cfg = replace(cfg, **{k: type(getattr(cfg, k))(json.loads(v)) for k, v in overrides.items()})
+    cfg = harness.with_overrides(cfg, args.set)
     train(args.out_dir, seed=args.seed, config=cfg)
 
 

@@ -29,6 +29,10 @@ from stagemesh.models.tiny_shapes.data import (
 )
 
 NUM_FRAMES = 9
+#: Prompt tokens the text encoder reads, in training and when served (the recipe's tokenizer
+#: `max_sequence_length`; the stock `WanPipeline`'s `max_sequence_length`): the longest caption
+#: is 11 tokens. Wan's default, 512 zero-padded tokens, made the text ~75% of a training step.
+PROMPT_TOKENS = 32
 #: Motion -> unit direction (x, y) in image coordinates (y grows downwards).
 MOTIONS: dict[str, tuple[int, int]] = {
     "moving right": (1, 0),

@@ -19,9 +19,21 @@ from typing import TypedDict
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
-from stagemesh.models.tiny_shapes_edit.evaluate import write_grid
-from stagemesh.models.tiny_shapes_video.data import NUM_FRAMES, parse_clip_caption, split
+from stagemesh.models.tiny_shapes.evaluate import (
+    DEFAULT_GUIDANCE,
+    DEFAULT_STEPS,
+    eval_parser,
+    generate_each,
+    load_stock,
+    start_cli,
+    write_cells,
+)
+from stagemesh.models.tiny_shapes_video.data import (
+    NUM_FRAMES,
+    PROMPT_TOKENS,
+    parse_clip_caption,
+    split,
+)
 from stagemesh.models.tiny_shapes_video.judge import VERDICTS, judge_measurement, measure_clip
 
 logger = logging.getLogger(__name__)
@@ -73,6 +85,13 @@ def _strip(clip: np.ndarray, record: ClipRecord) -> Image.Image:
     return cell
 
 
+def _record(prompt: str, clip: np.ndarray) -> ClipRecord:
+    seen = measure_clip(clip)
+    return {"prompt": prompt, "colours": list(seen.colours), "shapes": list(seen.shapes),
+            "travel": [round(t, 2) for t in seen.travel], "motion": seen.motion,
+            "verdict": judge_measurement(parse_clip_caption(prompt), seen)}
+
+
 def evaluate(generate: VideoGenerate, out_dir: str | Path, prompts: list[str] | None = None,
              seed: int = 0) -> VideoMetrics:
     """Generates each prompt (held-out by default) at `seed`, judges it; writes metrics.json
@@ -82,22 +101,16 @@ def evaluate(generate: VideoGenerate, out_dir: str | Path, prompts: list[str] | 
     out.mkdir(parents=True, exist_ok=True)
     records: list[ClipRecord] = []
     cells: list[Image.Image] = []
-    for i, prompt in enumerate(prompts):
-        clip = np.asarray(generate(prompt, seed))
-        seen = measure_clip(clip)
-        record: ClipRecord = {
-            "prompt": prompt, "colours": list(seen.colours), "shapes": list(seen.shapes),
-            "travel": [round(t, 2) for t in seen.travel], "motion": seen.motion,
-            "verdict": judge_measurement(parse_clip_caption(prompt), seen)}
+    for prompt, clip in generate_each(prompts, lambda prompt: np.asarray(generate(prompt, seed)),
+                                      "clips", every=10):
+        record = _record(prompt, clip)
         records.append(record)
         cells.append(_strip(clip, record))
-        if (i + 1) % 10 == 0:
-            logger.info("evaluated %d/%d clips", i + 1, len(prompts))
     accuracy = {v: float(np.mean([r["verdict"][v] for r in records])) for v in VERDICTS}
     metrics: VideoMetrics = {"n": len(records), "seed": seed, "accuracy": accuracy,
                              "records": records}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    write_grid(cells, out / "strips.png", columns=1)
+    write_cells(cells, out / "strips.png", columns=1)
     logger.info("accuracy over %d prompts: %s", len(records), accuracy)
     return metrics
 
@@ -105,45 +118,53 @@ def evaluate(generate: VideoGenerate, out_dir: str | Path, prompts: list[str] | 
 def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
                        guidance: float = DEFAULT_GUIDANCE, frames: int = NUM_FRAMES
                        ) -> VideoGenerate:
-    """A `VideoGenerate` backed by the stock `WanPipeline` loaded from `folder`."""
+    """A `VideoGenerate` backed by the stock `WanPipeline` loaded from `folder`, reading the
+    prompt at the model's PROMPT_TOKENS (as the recipe's tokenizer does)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 
     from stagemesh.models.tiny_shapes.data import IMAGE_SIZE
 
-    pipe = WanPipeline.from_pretrained(folder, local_files_only=True)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_stock(WanPipeline, folder)
 
     def generate(prompt: str, seed: int) -> np.ndarray:
         result = pipe(prompt=prompt, negative_prompt="", height=IMAGE_SIZE, width=IMAGE_SIZE,
                       num_frames=frames, num_inference_steps=steps, guidance_scale=guidance,
-                      output_type="np", generator=torch.Generator().manual_seed(seed))
+                      max_sequence_length=PROMPT_TOKENS, output_type="np",
+                      generator=torch.Generator().manual_seed(seed))
         clip: np.ndarray = (np.asarray(result.frames[0]) * 255.0).round().astype(np.uint8)
         return clip
 
     return generate
 
 
+#: The README's example (`curl ... -F prompt=... -F seed=1`), for its frame strip.
+README_PROMPT, README_SEED = "a red circle moving right", 1
+
+
+def write_readme_sample(folder: str | Path, path: str | Path, *, steps: int = DEFAULT_STEPS,
+                        guidance: float = DEFAULT_GUIDANCE) -> ClipRecord:
+    """The README's frame strip: its prompt and seed in-process (stock pipeline), each frame
+    upscaled, judged as the evaluation judges. Returns the clip's record."""
+    clip = pipeline_generator(folder, steps=steps, guidance=guidance)(README_PROMPT, README_SEED)
+    record = _record(README_PROMPT, clip)
+    _strip(clip, record).save(path)
+    return record
+
+
 def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Judge a tiny-shapes-video folder in-process.")
-    parser.add_argument("folder")
-    parser.add_argument("out_dir")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE)
+    parser = eval_parser("Judge a tiny-shapes-video folder in-process.")
     parser.add_argument("--prompts", type=int, default=0, help="0 = every held-out prompt")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sample", default=None, help="also write the README's strip here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    import torch
-
-    torch.set_num_threads(args.threads)
+    start_cli(args)
     generate = pipeline_generator(args.folder, steps=args.steps, guidance=args.guidance)
     metrics = evaluate(generate, args.out_dir, held_out_prompts(args.prompts), seed=args.seed)
     print(json.dumps(metrics["accuracy"]))
+    if args.sample:
+        logger.info("README strip: %s", write_readme_sample(
+            args.folder, args.sample, steps=args.steps, guidance=args.guidance)["verdict"])
 
 
 if __name__ == "__main__":

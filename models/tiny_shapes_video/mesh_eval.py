@@ -17,6 +17,7 @@ import numpy as np
 
 from stagemesh.models.tiny_shapes.data import IMAGE_SIZE
 from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from stagemesh.models.tiny_shapes.mesh_eval import checked
 from stagemesh.models.tiny_shapes_video.data import NUM_FRAMES
 from stagemesh.models.tiny_shapes_video.evaluate import (
     VideoGenerate,
@@ -47,13 +48,10 @@ def rest_video_generator(url: str, *, model: str = "tiny-shapes-video",
     client = httpx.Client(base_url=url, timeout=timeout)
 
     def generate(prompt: str, seed: int) -> np.ndarray:
-        response = client.post("/v1/videos/sync", data={
+        return mp4_clip(checked(client.post("/v1/videos/sync", data={
             "model": model, "prompt": prompt, "negative_prompt": "", "size": f"{size}x{size}",
             "num_frames": str(frames), "fps": str(FPS), "num_inference_steps": str(steps),
-            "guidance_scale": str(guidance), "seed": str(seed)})
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.text}")
-        return mp4_clip(response.content)
+            "guidance_scale": str(guidance), "seed": str(seed)}), url).content)
 
     return generate
 

@@ -11,11 +11,16 @@ tokenizer - here over the grammar's words - and the `WanTransformer3DModel`); th
 `AutoencoderKLWan` at 4x spatial and 4x temporal downsampling (Wan's is 8x spatial, too coarse
 to draw a shape at 32x32): 9 frames of 32x32 are 3 latent frames of 8x8, 48 DiT tokens.
 
-Training follows `WanPipeline`'s conventions: the text path is its `encode_prompt` (zero-padded
-to the pipeline's 512 tokens, which the transformer attends to), latents are normalised with the
-`latents_mean` / `latents_std` written into the VAE config, and the transformer predicts the flow
-(noise - x0) at timestep = 1000 * sigma, what `UniPCMultistepScheduler` with `use_flow_sigmas`
-passes it.
+Training follows `WanPipeline`'s conventions: the text path is its `encode_prompt` at
+`max_sequence_length=PROMPT_TOKENS` (zero-padded to it; served so by the recipe's tokenizer
+option), latents are normalised with the `latents_mean` / `latents_std` written into the VAE
+config, and the transformer predicts the flow (noise - x0) at timestep = 1000 * sigma, what
+`UniPCMultistepScheduler` with `use_flow_sigmas` passes it.
+
+The VAE is tiny-shapes' image VAE, frozen by default (`vae_steps=0`): untrained on clips it
+already judges every held-out reconstruction right, and training it at 1e-3 damaged that. The
+transformer's EMA weights are written to the folder every `checkpoint_every` steps, so a run
+stopped early leaves a usable model.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -39,11 +45,17 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
 
-from stagemesh.models.families.wan import PROMPT_MAX_TOKENS
 from stagemesh.models.qwen_image import seeded
+from stagemesh.models.tiny_shapes import harness
 from stagemesh.models.tiny_shapes import train as base
 from stagemesh.models.tiny_shapes.data import IMAGE_SIZE
-from stagemesh.models.tiny_shapes_video.data import NUM_FRAMES, all_captions, make_dataset, split
+from stagemesh.models.tiny_shapes_video.data import (
+    NUM_FRAMES,
+    PROMPT_TOKENS,
+    all_captions,
+    make_dataset,
+    split,
+)
 from stagemesh.models.tiny_shapes_video.judge import VERDICTS, judge
 from stagemesh.models.wan import (
     WAN_SCHEDULER_CONFIG,
@@ -57,23 +69,20 @@ logger = logging.getLogger(__name__)
 
 #: Latent channels: Wan's (the transformer builder and the mesh's Wan stages assume it).
 Z_DIM = 16
-#: Tokens the text encoder runs over in training; the embeddings are then zero-padded to the
-#: pipeline's PROMPT_MAX_TOKENS exactly as `encode_prompt` pads them (the longest caption is 11).
-TEXT_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class VideoTrainConfig:
     """Everything that decides the trained weights besides the seed."""
 
-    n_clips: int = 6000
+    n_clips: int = 3000
     # VAE: dim_mult of 3 -> 4x spatial; both downsamples temporal -> 4x temporal
     vae_base_dim: int = 16  # 16 = tiny-shapes' VAE, which `vae_init` needs
     vae_init: bool = True  # start from tiny-shapes' trained image VAE (`init_from_image_vae`)
-    vae_steps: int = 600  # ~0.6 s a step of 4 clips (session 8): 8 clips ~12 min
+    vae_steps: int = 0  # frozen: the init judges every clip right; 1e-3 for 300 steps hurt it
     vae_batch: int = 8
     vae_frames: int = 5  # a training window: the first frame plus one 4-frame causal chunk
-    vae_lr: float = 1e-3
+    vae_lr: float = 1e-5
     vae_shape_weight: float = 5.0
     vae_kl_weight: float = 1e-5
     # text encoder + transformer
@@ -85,29 +94,30 @@ class VideoTrainConfig:
     dit_head_dim: int = 32
     dit_ffn: int = 256
     dit_freq_dim: int = 64
-    dit_steps: int = 2400  # ~0.6 s a step of 32 (est. from 16 at 0.74 s, load 3): ~24 min
+    dit_steps: int = 4000  # ~0.6-0.8 s a step of 32 at one thread on a busy machine
     dit_batch: int = 32
-    dit_lr: float = 6e-4
+    dit_lr: float = 1e-3
     dit_warmup: int = 100
     caption_dropout: float = 0.1
     ema_decay: float = 0.998
     flow_shift: float = 2.0
     threads: int = 1
     vae_report_every: int = 0  # > 0: judge the held-out reconstructions every N VAE steps
+    checkpoint_every: int = 250  # > 0: write the folder (EMA weights) every N DiT steps
 
     @classmethod
     def proxy(cls) -> VideoTrainConfig:
-        """The ~10 minute config (quiet machine, one thread; VAE ~0.6 s, DiT ~0.35 s a step) to
-        iterate on, with the VAE's curve. From random weights 250 VAE steps of 8 reached 11 dB
-        and judged nothing right; from tiny-shapes' VAE, 0 steps judge every clip right."""
-        return cls(n_clips=1500, vae_steps=300, vae_batch=4, vae_report_every=100,
-                   dit_steps=400, dit_batch=16)
+        """The ~10 minute config to iterate on (the VAE frozen, as in the shipped run). From
+        random weights 250 VAE steps of 8 reached 11 dB and judged nothing right; from
+        tiny-shapes' VAE, 0 steps judge every clip right."""
+        return cls(n_clips=1500, dit_steps=1500, dit_batch=16)
 
     @classmethod
     def smoke(cls) -> VideoTrainConfig:
         return cls(n_clips=24, vae_steps=2, vae_batch=2, vae_frames=1,
                    text_dim=32, dit_layers=1, dit_heads=2, dit_head_dim=12, dit_ffn=32,
-                   dit_freq_dim=32, dit_steps=2, dit_batch=2, dit_warmup=1, vae_report_every=2)
+                   dit_freq_dim=32, dit_steps=2, dit_batch=2, dit_warmup=1, vae_report_every=2,
+                   checkpoint_every=1)
 
     def preset(self) -> WanPreset:
         return WanPreset(text_dim=self.text_dim, text_layers=self.text_layers,
@@ -215,32 +225,6 @@ def vae_forward(vae: AutoencoderKLWan, x: torch.Tensor, *, sample: bool = True
     return decode_unclamped(vae, z), mean, logvar
 
 
-def optimise(params: list[torch.nn.Parameter], loss_at: Callable[[int], torch.Tensor], *,
-             steps: int, lr: float, warmup: int, clip: float, desc: str,
-             after_step: Callable[[int], None] | None = None) -> list[float]:
-    """AdamW on `loss_at(step)` with tiny-shapes' warmup + cosine schedule and gradient clipping;
-    returns the 1-minute load average sampled every 50 steps (others may share the machine)."""
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    load: list[float] = []
-    with base._progress(steps, desc) as bar:
-        for step in range(steps):
-            loss = loss_at(step)
-            for group in opt.param_groups:
-                group["lr"] = lr * base.cosine_lr(step, steps, warmup)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, clip)
-            opt.step()
-            if after_step is not None:
-                after_step(step)
-            bar.update()
-            if step % 50 == 0:
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-                logger.info("%s step %d loss %.4f", desc, step, loss.item())
-                load.append(os.getloadavg()[0])
-    return load
-
-
 def train_vae(vae: AutoencoderKLWan, clips: np.ndarray, cfg: VideoTrainConfig,
               gen: torch.Generator, curve: Callable[[int], None] | None = None) -> list[float]:
     """Trains the VAE on `vae_frames`-frame windows of the clips (the causal convolutions are
@@ -267,8 +251,9 @@ def train_vae(vae: AutoencoderKLWan, clips: np.ndarray, cfg: VideoTrainConfig,
             vae.train()
 
     vae.train()
-    load = optimise(list(vae.parameters()), loss_at, steps=cfg.vae_steps, lr=cfg.vae_lr,
-                    warmup=50, clip=0.5, desc="vae", after_step=after_step)
+    load = harness.optimise(list(vae.parameters()), loss_at, steps=cfg.vae_steps,
+                            lr=cfg.vae_lr, warmup=50, clip=0.5, desc="vae",
+                            after_step=after_step)
     vae.eval()
     return load
 
@@ -312,12 +297,12 @@ def set_latent_stats(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tens
 
 
 def prompt_embeds(pipe: WanPipeline, captions: list[str]) -> torch.Tensor:
-    """`encode_prompt` over TEXT_TOKENS, zero-padded to PROMPT_MAX_TOKENS: equal to what the
-    pipeline computes over 512 tokens (padding is masked in the encoder, zeros after it)."""
-    embeds = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
-                                max_sequence_length=TEXT_TOKENS,
-                                device=torch.device("cpu"))[0]
-    return F.pad(embeds, (0, 0, 0, PROMPT_MAX_TOKENS - TEXT_TOKENS))
+    """`encode_prompt` at PROMPT_TOKENS: what the pipeline (and the mesh's tokenizer) computes
+    at that `max_sequence_length`."""
+    embeds: torch.Tensor = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                              max_sequence_length=PROMPT_TOKENS,
+                                              device=torch.device("cpu"))[0]
+    return embeds
 
 
 def flow_loss(pipe: WanPipeline, x0: torch.Tensor, captions: list[str],
@@ -334,12 +319,14 @@ def flow_loss(pipe: WanPipeline, x0: torch.Tensor, captions: list[str],
 
 
 def train_dit(pipe: WanPipeline, latents: torch.Tensor, captions: list[str],
-              cfg: VideoTrainConfig, gen: torch.Generator) -> list[float]:
-    """Trains transformer + text encoder jointly and leaves their EMA weights in; returns the
-    load average samples."""
+              cfg: VideoTrainConfig, gen: torch.Generator,
+              checkpoint: Callable[[int], None] | None = None) -> list[float]:
+    """Trains transformer + text encoder jointly and leaves their EMA weights in;
+    `checkpoint(steps_done)`, if given, runs with the EMA weights in every `checkpoint_every`
+    steps. Returns the load average samples."""
     modules = torch.nn.ModuleDict({"transformer": pipe.transformer,
                                    "text_encoder": pipe.text_encoder})
-    ema = {k: v.detach().clone() for k, v in modules.state_dict().items()}
+    ema = harness.Ema(modules, cfg.ema_decay)
 
     def loss_at(step: int) -> torch.Tensor:
         idx = torch.randint(0, len(latents), (cfg.dit_batch,), generator=gen).tolist()
@@ -347,18 +334,19 @@ def train_dit(pipe: WanPipeline, latents: torch.Tensor, captions: list[str],
         text = ["" if d else captions[i] for i, d in zip(idx, drop, strict=True)]
         return flow_loss(pipe, latents[idx], text, gen)
 
-    @torch.no_grad()
-    def update_ema(step: int) -> None:
-        decay = min(cfg.ema_decay, (1 + step) / (10 + step))
-        for k, v in modules.state_dict().items():
-            ema[k].lerp_(v, 1.0 - decay)
+    def after_step(step: int) -> None:
+        ema.update(step)
+        done = step + 1
+        if (checkpoint is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+                and done < cfg.dit_steps):
+            with ema.swapped_in():
+                checkpoint(done)
 
     modules.train()
-    load = optimise([p for p in modules.parameters() if p.requires_grad], loss_at,
-                    steps=cfg.dit_steps, lr=cfg.dit_lr, warmup=cfg.dit_warmup, clip=1.0,
-                    desc="dit", after_step=update_ema)
-    modules.load_state_dict(ema)
-    modules.eval()
+    load = harness.optimise([p for p in modules.parameters() if p.requires_grad], loss_at,
+                            steps=cfg.dit_steps, lr=cfg.dit_lr, warmup=cfg.dit_warmup,
+                            clip=1.0, desc="dit", after_step=after_step)
+    ema.finish()
     return load
 
 
@@ -371,8 +359,8 @@ def build_pipeline(cfg: VideoTrainConfig, seed: int) -> WanPipeline:
     preset = cfg.preset()
     tokenizer = build_t5_tokenizer("\n".join(all_captions()))
     longest = max(len(tokenizer(c).input_ids) for c in all_captions())
-    if longest > TEXT_TOKENS:
-        raise RuntimeError(f"a caption is {longest} tokens, training encodes {TEXT_TOKENS}")
+    if longest > PROMPT_TOKENS:
+        raise RuntimeError(f"a caption is {longest} tokens, the model reads {PROMPT_TOKENS}")
     return WanPipeline(
         tokenizer=tokenizer,  # type: ignore[arg-type]
         text_encoder=seeded(seed, 2, lambda: _build_text_encoder(preset, len(tokenizer))),
@@ -384,23 +372,31 @@ def build_pipeline(cfg: VideoTrainConfig, seed: int) -> WanPipeline:
 
 def train(out_dir: str | Path, *, seed: int = 0, config: VideoTrainConfig | None = None) -> Path:
     """Renders the training clips, trains VAE then transformer + text encoder, writes the folder
-    and its training.json. Returns the folder."""
+    and its training.json (also at every checkpoint). Returns the folder."""
     cfg = config or VideoTrainConfig()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
-        return _train(Path(out_dir), cfg, seed)
-    finally:
-        torch.set_num_threads(previous)
+    return harness.with_threads(cfg.threads, lambda: _train(Path(out_dir), cfg, seed))
+
+
+def write_folder(pipe: WanPipeline, out: Path, report: dict[str, object]) -> None:
+    """The pipeline and its training.json, replacing `out` whole (a reader never sees half)."""
+    staging = out.with_name(out.name + ".writing")
+    shutil.rmtree(staging, ignore_errors=True)
+    pipe.save_pretrained(staging, safe_serialization=True)
+    (staging / "training.json").write_text(json.dumps(report, indent=2))
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _train(out: Path, cfg: VideoTrainConfig, seed: int) -> Path:
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = harness.seeded_generator(seed)
     timings: dict[str, float] = {}
     cpu_start = time.process_time()
     training_specs, held_out = split()
-    clips, captions = base._phase(
+    clips, captions = harness.phase(
         "render", lambda: make_dataset(training_specs, cfg.n_clips, seed=seed), timings)
     pipe = build_pipeline(cfg, seed)
     if cfg.vae_init:
@@ -412,22 +408,56 @@ def _train(out: Path, cfg: VideoTrainConfig, seed: int) -> Path:
         vae_curve[step] = vae_report(pipe.vae, clips[-n_held:], captions[-n_held:])
         logger.info("VAE at step %d: %s", step, vae_curve[step])
 
-    load = base._phase("vae", lambda: train_vae(pipe.vae, clips[:-n_held], cfg, gen, curve),
-                       timings)
+    if cfg.vae_steps:
+        load = harness.phase("vae", lambda: train_vae(pipe.vae, clips[:-n_held], cfg, gen,
+                                                      curve), timings)
+    else:
+        pipe.vae.requires_grad_(False)
+        load = []
+    pipe.vae.eval()
     vae_metrics = vae_report(pipe.vae, clips[-n_held:], captions[-n_held:])
     logger.info("VAE on held-out clips: %s", vae_metrics)
-    latents = set_latent_stats(pipe.vae, encode_latents(pipe.vae, clips))
-    load += base._phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen), timings)
+    latents = harness.phase(
+        "encode", lambda: set_latent_stats(pipe.vae, encode_latents(pipe.vae, clips)), timings)
 
-    pipe.save_pretrained(out, safe_serialization=True)
-    report = {"config": asdict(cfg), "seed": seed, "vae": vae_metrics, "vae_curve": vae_curve,
-              "seconds": timings,
-              "cpu_seconds": round(time.process_time() - cpu_start, 1),
-              "load_average_1min": {"mean": round(float(np.mean(load)), 2),
-                                    "max": round(max(load), 2), "samples": len(load)},
-              "image_size": IMAGE_SIZE, "num_frames": NUM_FRAMES,
-              "held_out_prompts": len(held_out), "training_prompts": len(training_specs)}
-    (out / "training.json").write_text(json.dumps(report, indent=2))
-    logger.info("wrote %s (%s)", out, report["seconds"])
+    def report(dit_steps_done: int) -> dict[str, object]:
+        return {"config": asdict(cfg), "seed": seed, "dit_steps_done": dit_steps_done,
+                "vae": vae_metrics, "vae_curve": vae_curve, "seconds": dict(timings),
+                "cpu_seconds": round(time.process_time() - cpu_start, 1),
+                "load_average_1min": harness.load_summary(load),
+                "image_size": IMAGE_SIZE, "num_frames": NUM_FRAMES,
+                "prompt_tokens": PROMPT_TOKENS, "held_out_prompts": len(held_out),
+                "training_prompts": len(training_specs)}
+
+    def checkpoint(done: int) -> None:
+        timings["dit"] = round(time.perf_counter() - dit_start, 1)
+        load.append(os.getloadavg()[0])  # the DiT's own samples arrive only when it ends
+        write_folder(pipe, out, report(done))
+        logger.info("checkpoint at DiT step %d written to %s", done, out)
+
+    dit_start = time.perf_counter()
+    load += harness.phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen,
+                                                   checkpoint), timings)
+    write_folder(pipe, out, report(cfg.dit_steps))
+    logger.info("wrote %s (%s)", out, timings)
     return out
 
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--proxy", action="store_true", help="the <= 10 minute config")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", nargs="*", default=[], help="VideoTrainConfig overrides, k=v")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = (VideoTrainConfig.smoke() if args.smoke else
+           VideoTrainConfig.proxy() if args.proxy else VideoTrainConfig())
+    train(args.out_dir, seed=args.seed, config=harness.with_overrides(cfg, args.set))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
-"""End to end: the video routes of `stagemesh serve` (the default mesh's tiny Wan recipes),
-driven by plain httpx as curl would: the sync MP4, a job from create to download, an
+"""End to end: the video routes of `stagemesh serve` (the default mesh's video recipes: the
+trained tiny-shapes-video, the seeded wan-i2v-tiny), driven by plain httpx as curl would: the
+README's example judged from its frames, the sync MP4, a job from create to download, an
 image-to-video job from a data URL, and a job deleted mid-run that the VAE never decodes (the
 stages' own /metrics say so). Every job made here is deleted (the store is the user's cache)."""
 
@@ -12,19 +13,40 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 
+from stagemesh.models.tiny_shapes_video.data import parse_clip_caption
+from stagemesh.models.tiny_shapes_video.judge import FRAME_FRACTION, judge_measurement, measure_clip
 from tests.video_forms import form, frames_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-T2V, I2V = "wan-t2v-tiny", "wan-i2v-tiny"
+T2V, I2V = "tiny-shapes-video", "wan-i2v-tiny"
+#: README.md's video example, field for field (`curl -F`): no model, so the default recipe.
+README_VIDEO = {"prompt": "a red circle moving right", "size": "32x32", "num_frames": "9",
+                "seed": "1"}
 
 
 def status(served: Any, job_id: str) -> dict[str, Any]:
     body: dict[str, Any] = httpx.get(f"{served.http_url}/v1/videos/{job_id}", timeout=30).json()
     return body
+
+
+def test_the_readme_video_shows_what_it_asks_for(served: Any) -> None:
+    """The README's curl: 9 frames of 32x32 that the judge reads as red, on white, in >= 90% of
+    frames. (The shipped model does not yet move the shape or keep its outline reliably, so
+    shape and motion are not asserted: see docs/edit-and-video.md.)"""
+    response = httpx.post(f"{served.http_url}/v1/videos/sync", timeout=120,
+                          **form(**README_VIDEO))
+    assert response.status_code == 200, response.text
+    assert response.headers["x-model"] == T2V, "the README's example runs the trained model"
+    clip = np.stack(frames_of(response.content))
+    assert clip.shape == (9, 32, 32, 3)
+    wanted, seen = parse_clip_caption(README_VIDEO["prompt"]), measure_clip(clip)
+    assert judge_measurement(wanted, seen)["background"], seen
+    assert sum(c == wanted.colour for c in seen.colours) >= FRAME_FRACTION * len(clip), seen
 
 
 def test_sync_answers_an_mp4_of_the_requested_frames_and_size(served: Any) -> None:

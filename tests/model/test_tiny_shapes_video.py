@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from stagemesh.models.families.wan import WanGeometry
-from stagemesh.models.tiny_shapes_video.data import NUM_FRAMES
+from stagemesh.models.tiny_shapes_video.data import NUM_FRAMES, PROMPT_TOKENS
 from stagemesh.models.tiny_shapes_video.evaluate import (
     evaluate,
     held_out_prompts,
@@ -24,7 +24,11 @@ def test_smoke_training_writes_a_wan_folder_the_stock_pipeline_runs(tmp_path: Pa
     assert report["seed"] == 0 and report["config"] == json.loads(
         json.dumps(VideoTrainConfig.smoke().__dict__))
     assert report["load_average_1min"]["samples"] >= 1
-    assert set(report["seconds"]) == {"render", "vae", "dit"}
+    assert set(report["seconds"]) == {"render", "vae", "encode", "dit"}
+    # The last write is the finished run (a checkpoint every step here was replaced whole).
+    assert report["dit_steps_done"] == VideoTrainConfig.smoke().dit_steps
+    assert report["prompt_tokens"] == PROMPT_TOKENS
+    assert not out.with_name(out.name + ".writing").exists()
     assert {"psnr_db", "recon_correct"} <= set(report["vae"])
     assert report["vae_curve"]["2"] == report["vae"]  # judged after the last step, the same
     # Started from tiny-shapes' image VAE, two steps on single frames keep it judging right.

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(KUBECTL is None and os.environ.get("CI") != "tru
 #: Stage Deployments, named <recipe>-<role>: each recipe's stages run its own model, so two
 #: recipes with a talker have two talker Deployments.
 IMAGE_AND_VIDEO_STAGES = tuple(
-    f"{recipe}-{role}" for recipe in ("tiny-shapes", "tiny-shapes-edit", "wan-t2v-tiny",
+    f"{recipe}-{role}" for recipe in ("tiny-shapes", "tiny-shapes-edit", "tiny-shapes-video",
                                       "wan-i2v-tiny")
     for role in ("tokenizer", "dit", "vae"))
 STAGES = (*IMAGE_AND_VIDEO_STAGES, "piper-joe-talker", "piper-joe-codec", "csm-tiny-talker",

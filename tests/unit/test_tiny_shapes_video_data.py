@@ -6,10 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stagemesh.gateway.recipes import DEFAULT_RECIPES, Task, default_recipe, load_recipes
 from stagemesh.models.tiny_shapes.data import BACKGROUNDS, COLOURS, SHAPES
+from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
 from stagemesh.models.tiny_shapes_video.data import (
     MOTIONS,
     NUM_FRAMES,
+    PROMPT_TOKENS,
     held_out_combinations,
     make_dataset,
     parse_clip_caption,
@@ -81,3 +84,16 @@ def test_the_judge_reads_shape_and_colour_frame_by_frame() -> None:
     mixed[3] = square[3]  # one frame of 9 is a square: 89% < 90% of frames
     assert judge(mixed, "a red circle moving left")["shape_colour"] is False
     assert judge(clip, "a blue circle moving left")["shape_colour"] is False
+
+
+def test_the_default_video_recipe_serves_the_model_as_it_was_trained() -> None:
+    """An empty `model` gets tiny-shapes-video, its prompts read at the trained length (the
+    transformer never saw Wan's 512 padded tokens), 9 frames of 32x32 at its evaluated steps."""
+    recipes = load_recipes(DEFAULT_RECIPES)
+    video = default_recipe(recipes, Task.TEXT_TO_VIDEO)
+    assert video is not None and video.name == "tiny-shapes-video"
+    assert video.stage("tokenizer").options["max_sequence_length"] == PROMPT_TOKENS
+    defaults = video.video_defaults
+    assert (defaults.width, defaults.height, defaults.num_frames) == (32, 32, NUM_FRAMES)
+    assert (defaults.num_inference_steps, defaults.guidance_scale) == (DEFAULT_STEPS,
+                                                                      DEFAULT_GUIDANCE)
