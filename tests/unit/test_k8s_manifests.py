@@ -571,7 +571,7 @@ def test_gpu_overlay_gives_gpus_to_the_heavy_stages_only() -> None:
 
 
 #: overlays/gpu-parallel: the gpu overlay with this DiT as one group of ranks in one pod.
-GROUP_DIT = "wan-t2v-tiny-dit"
+GROUP_DIT = "tiny-shapes-video-dit"
 
 
 def test_gpu_parallel_overlay_gives_a_group_one_pod_with_a_gpu_per_rank() -> None:
