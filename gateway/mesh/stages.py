@@ -585,6 +585,10 @@ class StageCatalog:
                     return await self.transcriber.get(endpoint.address, channel)
         except (grpc.aio.AioRpcError, NoReplica):
             return None
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise  # the caller itself was cancelled
+            return None  # its replica's channel closed under the call (see `read`)
         return None
 
     async def read(self, cache: DescribeCache[R], recipe: Recipe) -> R:

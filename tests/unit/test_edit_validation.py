@@ -287,3 +287,29 @@ async def test_a_describe_cancelled_under_the_request_is_a_503_naming_the_stage(
     reading.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reading
+
+
+async def test_a_stage_list_row_whose_describe_is_cancelled_under_it_is_unreadable() -> None:
+    """/v1/stages reads every stage's facts (`answer`): a Describe whose channel closes under it
+    (a restarting stage) leaves that row's facts empty instead of failing the whole list with
+    a 500; a cancelled caller still stops as cancelled."""
+    endpoint = StageEndpoint("dit", "127.0.0.1:2")
+    catalog = StageCatalog(_Unstarted({"r": Recipe("r", Task.IMAGE_EDIT, "m", {"dit": endpoint})}))
+    gate = asyncio.Event()
+
+    async def closed_under_it(channel: grpc.aio.Channel) -> object:
+        raise asyncio.CancelledError()
+
+    async def waits(channel: grpc.aio.Channel) -> object:
+        gate.set()
+        await asyncio.Event().wait()
+        return None
+
+    catalog.dit = cast(Any, DescribeCache("dit", closed_under_it))
+    assert await catalog.answer(endpoint) is None
+    catalog.dit = cast(Any, DescribeCache("dit", waits))
+    reading = asyncio.create_task(catalog.answer(endpoint))
+    await gate.wait()
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
