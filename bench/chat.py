@@ -31,19 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from stagemesh.bench.common import (
     BarGroup,
     Stopwatch,
     machine_info,
     markdown_table,
+    recipe_file_with_companions,
     serve_mesh,
     summarize,
     write_bar_chart,
     write_json,
 )
-from stagemesh.gateway.recipes import DEFAULT_RECIPES
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +71,6 @@ class Level:
     @property
     def aggregate_tokens_per_second(self) -> float:
         return sum(s.tokens for s in self.samples) / self.wall
-
-
-def chat_recipes(path: Path) -> Path:
-    """A recipe file with only the chat recipe and the speech recipe it speaks through."""
-    document = yaml.safe_load(DEFAULT_RECIPES.read_text())
-    chat = next(r for r in document["recipes"] if r["name"] == RECIPE_NAME)
-    speech = chat.get("speech") or next(r["name"] for r in document["recipes"]
-                                        if r["task"] == "text-to-speech")
-    recipes = [r for r in document["recipes"] if r["name"] in (RECIPE_NAME, speech)]
-    path.write_text(yaml.safe_dump({"recipes": recipes}))
-    return path
 
 
 async def one_request(client: httpx.AsyncClient, max_tokens: int, spoken: bool) -> Sample:
@@ -202,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         levels, rounds, max_tokens = [1, 2], 1, 24
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
-        recipes = chat_recipes(Path(tmp) / "recipes.yaml")
+        recipes = recipe_file_with_companions(Path(tmp) / "recipes.yaml", RECIPE_NAME)
         with serve_mesh(recipes, out / "serve.log") as mesh:
             results = asyncio.run(measure(mesh.base_url, levels, rounds, max_tokens,
                                           spoken=not args.text_only))

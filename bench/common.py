@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from stagemesh import __version__ as version
+from stagemesh.gateway.recipes import COMPANION_TASKS, DEFAULT_RECIPES
 from stagemesh.serve import free_port
 
 log = logging.getLogger(__name__)
@@ -177,6 +179,17 @@ def source_revision(root: Path = PACKAGE_ROOT) -> dict[str, Any]:
 def _git(root: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                           check=True, timeout=30).stdout.strip()
+
+
+def recipe_file_with_companions(path: Path, name: str) -> Path:
+    """Write to `path` a recipe file holding the default recipe `name` and the recipes it names
+    as companions (its voice, its listener), so that `serve` starts those stages and no others."""
+    document = yaml.safe_load(DEFAULT_RECIPES.read_text())
+    recipe = next(r for r in document["recipes"] if r["name"] == name)
+    wanted = {name} | {recipe[key] for key in COMPANION_TASKS if recipe.get(key)}
+    path.write_text(yaml.safe_dump({"recipes": [r for r in document["recipes"]
+                                                if r["name"] in wanted]}))
+    return path
 
 
 def interrupt_on_sigterm() -> None:

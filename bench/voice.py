@@ -44,18 +44,17 @@ from typing import Any
 import httpx
 import numpy as np
 import numpy.typing as npt
-import yaml
 
 from stagemesh.bench.common import (
     BarGroup,
     machine_info,
     markdown_table,
+    recipe_file_with_companions,
     serve_mesh,
     summarize,
     write_bar_chart,
     write_json,
 )
-from stagemesh.gateway.recipes import DEFAULT_RECIPES
 from stagemesh.shared.resample import StreamResampler
 
 log = logging.getLogger(__name__)
@@ -84,16 +83,6 @@ class Turn:
     thinker_first_sentence: float
     talker_codec: float
     total: float
-
-
-def voice_recipes(path: Path) -> Path:
-    """A recipe file with the chat recipe and the speech and listening recipes it names."""
-    document = yaml.safe_load(DEFAULT_RECIPES.read_text())
-    chat = next(r for r in document["recipes"] if r["name"] == RECIPE_NAME)
-    wanted = {RECIPE_NAME, chat["speech"], chat["listen"]}
-    path.write_text(yaml.safe_dump({"recipes": [r for r in document["recipes"]
-                                                if r["name"] in wanted]}))
-    return path
 
 
 def record(client: httpx.Client, text: str) -> Pcm16:
@@ -298,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         results, rtf = dry_results(levels), 0.0
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            recipes = voice_recipes(Path(tmp) / "recipes.yaml")
+            recipes = recipe_file_with_companions(Path(tmp) / "recipes.yaml", RECIPE_NAME)
             with serve_mesh(recipes, out / "serve.log") as mesh:
                 results, rtf = measure(mesh.base_url, levels)
     report = {"benchmark": "voice", "created": datetime.now(UTC).isoformat(),

@@ -19,11 +19,13 @@ from stagemesh.bench.common import (
     overhead_pct,
     parse_metrics,
     percentile,
+    recipe_file_with_companions,
     source_revision,
     summarize,
     write_bar_chart,
     write_json,
 )
+from stagemesh.gateway.recipes import load_recipes
 
 
 @pytest.mark.parametrize(
@@ -148,3 +150,12 @@ def test_machine_info_carries_the_source_of_this_checkout() -> None:
     assert set(source) in ({"commit", "dirty"}, {"version"})
     if "commit" in source:
         assert len(source["commit"]) == 40 and isinstance(source["dirty"], bool)
+
+
+def test_a_benchmark_recipe_file_carries_the_voice_and_listener_its_chat_recipe_names(
+        tmp_path: Path) -> None:
+    # The chat bench once wrote the chat recipe without its listener, and `serve` refused it.
+    recipes = load_recipes(recipe_file_with_companions(tmp_path / "recipes.yaml", "smollm2"))
+    chat = recipes["smollm2"]
+    assert chat.speech and chat.listen
+    assert set(recipes) == {"smollm2", chat.speech, chat.listen}
