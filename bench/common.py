@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import platform
 import signal
 import statistics
 import subprocess
@@ -155,10 +156,22 @@ def _draw_bars(ax: Any, panel: BarGroup) -> None:
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on: CPU count and load (other work skews every timing),
-    and the code (`source_revision`), so that a number can be traced to the commit it states."""
-    return {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
+    """What the numbers were measured on: the CPU (a shared VM's host changes between days, and
+    with it every ratio: bf16 is fast only where the CPU has bf16 instructions), CPU count and
+    load (other work skews every timing), and the code (`source_revision`), so that a number can
+    be traced to the commit it states."""
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
             "python": sys.version.split()[0], "source": source_revision()}
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name (Linux), else what the platform says."""
+    with contextlib.suppress(OSError):
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    return platform.processor() or platform.machine()
 
 
 def source_revision(root: Path = PACKAGE_ROOT) -> dict[str, Any]:

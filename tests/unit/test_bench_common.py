@@ -13,6 +13,7 @@ from PIL import Image
 
 from stagemesh.bench.common import (
     BarGroup,
+    cpu_model,
     machine_info,
     markdown_table,
     metric_value,
@@ -159,3 +160,10 @@ def test_a_benchmark_recipe_file_carries_the_voice_and_listener_its_chat_recipe_
     chat = recipes["smollm2"]
     assert chat.speech and chat.listen
     assert set(recipes) == {"smollm2", chat.speech, chat.listen}
+
+
+def test_the_cpu_model_is_read_from_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n")
+    assert cpu_model(cpuinfo) == "AMD EPYC"
+    assert machine_info()["cpu"]  # this machine's, whatever it is
