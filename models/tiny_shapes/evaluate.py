@@ -48,6 +48,8 @@ Pipe = TypeVar("Pipe", bound="DiffusionPipeline")
 
 Generate = Callable[[str, int], np.ndarray]
 """generate(prompt, seed) -> uint8 RGB array (H, W, 3)."""
+Draw = Callable[[Sequence[str], int], list[np.ndarray]]
+"""draw(prompts, seed) -> a `Generate`'s image for each prompt, drawn in one batch."""
 
 VALUES: dict[str, tuple[str, ...]] = {
     "colour": tuple(COLOURS),
@@ -251,16 +253,24 @@ def load_pipeline(folder: str | Path) -> QwenImagePipeline:
 def stock_generator(pipe: QwenImagePipeline, *, steps: int = DEFAULT_STEPS,
                     guidance: float = DEFAULT_GUIDANCE, size: int = 32) -> Generate:
     """`pipeline_generator` on a pipeline already loaded (with LoRA weights, for example)."""
+    draw = stock_drawer(pipe, steps=steps, guidance=guidance, size=size)
+    return lambda prompt, seed: draw([prompt], seed)[0]
+
+
+def stock_drawer(pipe: QwenImagePipeline, *, steps: int = DEFAULT_STEPS,
+                 guidance: float = DEFAULT_GUIDANCE, size: int = 32) -> Draw:
+    """A `Draw` over a loaded pipeline: every prompt in one batched call, each with its own
+    generator seeded `seed` (so each starts from the noise it would alone)."""
     import torch
 
-    def generate(prompt: str, seed: int) -> np.ndarray:
-        result = pipe(prompt, negative_prompt="", true_cfg_scale=guidance, height=size,
-                      width=size, num_inference_steps=steps, output_type="np",
-                      generator=torch.Generator().manual_seed(seed))
-        image: np.ndarray = (result.images[0] * 255.0).round().astype(np.uint8)
-        return image
+    def draw(prompts: Sequence[str], seed: int) -> list[np.ndarray]:
+        result = pipe(list(prompts), negative_prompt=[""] * len(prompts),
+                      true_cfg_scale=guidance, height=size, width=size,
+                      num_inference_steps=steps, output_type="np",
+                      generator=[torch.Generator().manual_seed(seed) for _ in prompts])
+        return [(image * 255.0).round().astype(np.uint8) for image in result.images]
 
-    return generate
+    return draw
 
 
 def eval_parser(description: str, threads: int = 1) -> argparse.ArgumentParser:

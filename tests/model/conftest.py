@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import pytest
 
 from stagemesh.models.tiny_shapes import SHIPPED_DIR
-from stagemesh.models.tiny_shapes.evaluate import Generate, pipeline_generator
+from stagemesh.models.tiny_shapes.evaluate import Draw, load_pipeline, stock_drawer
+
+
+class Drawn:
+    """A `Generate` that draws each (prompt, seed) once; `prefetch` draws many prompts in one
+    batched pipeline call (a tiny model's step costs about as much for 36 rows as for one, so
+    one call per prompt was nearly all overhead). A call returns a copy."""
+
+    def __init__(self, draw: Draw) -> None:
+        self._draw = draw
+        self._drawn: dict[tuple[str, int], np.ndarray] = {}
+
+    def prefetch(self, prompts: Iterable[str], seed: int = 0) -> None:
+        missing = [prompt for prompt in dict.fromkeys(prompts) if (prompt, seed) not in self._drawn]
+        if missing:
+            images = self._draw(missing, seed)
+            self._drawn.update(zip([(prompt, seed) for prompt in missing], images, strict=True))
+
+    def __call__(self, prompt: str, seed: int) -> np.ndarray:
+        self.prefetch([prompt], seed)
+        return self._drawn[prompt, seed].copy()
 
 
 @pytest.fixture(scope="session")
-def shipped_tiny_shapes() -> Generate:
-    """The stock pipeline over the shipped tiny-shapes weights (`pipeline_generator`), drawing
-    each (prompt, seed) once per session: the shipped weights' floors (test_tiny_shapes.py) and
-    the float32 side of the int8 comparison (test_quantization_quality.py) score the same
-    pictures (a seeded draw gives the same pixels again). Each call returns a copy."""
-    generate = pipeline_generator(SHIPPED_DIR)
-    drawn: dict[tuple[str, int], np.ndarray] = {}
-
-    def remembered(prompt: str, seed: int) -> np.ndarray:
-        if (prompt, seed) not in drawn:
-            drawn[prompt, seed] = generate(prompt, seed)
-        return drawn[prompt, seed].copy()
-
-    return remembered
+def shipped_tiny_shapes() -> Drawn:
+    """The stock pipeline over the shipped tiny-shapes weights, drawing each (prompt, seed)
+    once per session: the shipped weights' floors (test_tiny_shapes.py) and the float32 side of
+    the int8 comparison (test_quantization_quality.py) score the same pictures."""
+    return Drawn(stock_drawer(load_pipeline(SHIPPED_DIR)))
