@@ -123,8 +123,8 @@ class GatewayCore:
     # -- control -------------------------------------------------------------------------------
 
     async def stage_infos(self) -> list[gateway_service_pb2.StageInfo]:
-        """Every stage's health, plus what it published: device, dtype, quantization and
-        compilation (`stages.publish_into`; empty if unreadable)."""
+        """Every stage's health, plus what it published: device, dtype, quantization,
+        compilation, a DiT's parallel group (`stages.publish_into`; empty if unreadable)."""
         infos = await self.mesh.stage_infos()
         answers = await asyncio.gather(
             *(self.catalog.answer(endpoint) for endpoint in self.mesh.row_endpoints()))

@@ -477,10 +477,13 @@ StageAnswer: TypeAlias = (
 def publish_into(info: gateway_service_pb2.StageInfo, answer: StageAnswer) -> None:
     """What a stage's /v1/stages row shows of its Describe: where and in what dtype it
     computes, and the quantization and compilation in force where the stage has those options
-    (the tokenizer: quantization; the DiT: both); the others leave them empty."""
+    (the tokenizer: quantization; the DiT: both, and its parallel group's degrees and
+    devices); the others leave them empty."""
     info.device, info.dtype = answer.stage.device, answer.stage.dtype
     if isinstance(answer, dit_service_pb2.DescribeDitResponse):
         info.quantization, info.compile = answer.quantization, answer.compile
+        info.parallel_cfg, info.parallel_ulysses = answer.parallel_cfg, answer.parallel_ulysses
+        info.group_devices[:] = answer.group_devices
     elif isinstance(answer, tokenizer_service_pb2.DescribeTokenizerResponse):
         info.quantization = answer.quantization
 

@@ -3,9 +3,10 @@
 A group is one gRPC endpoint. Rank 0 is the stage process: it owns the engine, the scheduler,
 every request's state and the server. Ranks 1.. are worker processes it starts
 (`services/dit/parallel_worker.py`, one device and their share of the cores each); they hold
-the same transformer and nothing of any request. Each transformer forward of rank 0 is
-broadcast to every rank (rows, timesteps, text, mask, image shapes, each row's CFG branch),
-every rank runs its share, and rank 0 collects the prediction:
+the same transformer and, of a request, at most their shards of its step-cache residuals
+(services/dit/parallel_cache.py). Each transformer forward of rank 0 is broadcast to every rank
+(rows, timesteps, text, mask, image shapes, each row's CFG branch and step-cache plan, the
+requests whose shards to free), every rank runs its share, and rank 0 collects the prediction:
 
 - `parallel_cfg: 2` splits the forward's rows by branch: the conditional rows run on the ranks
   of CFG index 0, the unconditional ones on those of index 1. A lone or unguided row leaves the
@@ -61,7 +62,7 @@ from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
 # torch.distributed re-exports it without saying so to type checkers
 from torch._C._distributed_c10d import TCPStore
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from stagemesh.services.dit.forward import (
     Branch,
@@ -71,6 +72,13 @@ from stagemesh.services.dit.forward import (
     qwen_image_forward,
     wan_forward,
 )
+from stagemesh.services.dit.parallel_cache import (
+    ShardedFirstBlock,
+    ShardStore,
+    plans_from_tensors,
+    plans_to_tensors,
+)
+from stagemesh.services.dit.step_cache import FirstBlockHooks, RowPlan
 from stagemesh.shared.engine.adapter import InvalidInputError
 from stagemesh.shared.engine.interrupt import StepInterrupt, StepInterrupted
 
@@ -90,10 +98,11 @@ WATCH_S = 0.2
 #: How long a group fault's handler (stopping the engine and the workers) may take.
 FAULT_HANDLING_S = 30.0
 #: The broadcast header: [op, ndim, MAX_DIMS sizes of the hidden states, text tokens, text
-#: dim, has mask, transformer, dtypes of hidden, text and timesteps (DTYPES indices), image
-#: shapes, then up to MAX_SHAPES (frames, rows, columns)].
+#: dim, has mask, transformer, dtypes of hidden, text and timesteps (DTYPES indices), has
+#: step-cache plans, freed cache keys, image shapes, then up to MAX_SHAPES (frames, rows,
+#: columns)].
 MAX_DIMS, MAX_SHAPES = 5, 8
-HEADER_LEN = 2 + MAX_DIMS + 8 + 3 * MAX_SHAPES
+HEADER_LEN = 2 + MAX_DIMS + 10 + 3 * MAX_SHAPES
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
           torch.int32)
 OP_FORWARD, OP_STOP = 1, 2
@@ -213,6 +222,8 @@ class ForwardCall:
     branches: tuple[Branch, ...]
     img_shapes: tuple[tuple[int, int, int], ...] = ()  # Qwen: the same for every row
     model: int = 0  # which of the family's transformers (Wan 2.2: 0 or 1)
+    cache: tuple[RowPlan, ...] | None = None  # each row's first-block cache (None: no cache)
+    freed: tuple[int, ...] = ()  # cache keys of the requests that left since the last forward
 
     def select(self, rows: Sequence[int]) -> ForwardCall:
         index = torch.tensor(rows, dtype=torch.long, device=self.hidden_states.device)
@@ -221,7 +232,8 @@ class ForwardCall:
             self, hidden_states=self.hidden_states[index],
             encoder_hidden_states=self.encoder_hidden_states[index],
             encoder_hidden_states_mask=None if mask is None else mask[index],
-            timestep=self.timestep[index], branches=tuple(self.branches[i] for i in rows))
+            timestep=self.timestep[index], branches=tuple(self.branches[i] for i in rows),
+            cache=None if self.cache is None else tuple(self.cache[i] for i in rows))
 
 
 #: The transformers a group runs.
@@ -237,7 +249,7 @@ class Family(Protocol):
 
     def blocks(self, model: int) -> Sequence[torch.nn.Module]: ...
 
-    def run(self, call: ForwardCall, ulysses: int) -> torch.Tensor: ...
+    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None) -> torch.Tensor: ...
 
     def row_output(self, call: ForwardCall) -> tuple[int, ...]: ...
 
@@ -257,14 +269,14 @@ class QwenImageFamily:
     def blocks(self, model: int) -> Sequence[torch.nn.Module]:
         return list(self.transformer.transformer_blocks)
 
-    def run(self, call: ForwardCall, ulysses: int) -> torch.Tensor:
+    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None) -> torch.Tensor:
         embeds, mask = _padded_to(call.encoder_hidden_states, call.encoder_hidden_states_mask,
                                   ulysses)
         return qwen_image_forward(
             self.transformer, hidden_states=call.hidden_states, encoder_hidden_states=embeds,
             encoder_hidden_states_mask=mask, timestep=call.timestep,
             img_shapes=[list(call.img_shapes)] * len(call.branches),
-            rows=[RowMeta("", branch) for branch in call.branches])
+            rows=[RowMeta("", branch) for branch in call.branches], hooks=hooks)
 
     def row_output(self, call: ForwardCall) -> tuple[int, ...]:
         return (call.hidden_states.shape[1], self.transformer.proj_out.out_features)
@@ -281,11 +293,11 @@ class WanFamily:
     def blocks(self, model: int) -> Sequence[torch.nn.Module]:
         return list(self.models[model].blocks)
 
-    def run(self, call: ForwardCall, ulysses: int) -> torch.Tensor:
+    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None) -> torch.Tensor:
         return wan_forward(
             self.models[call.model], hidden_states=call.hidden_states, timestep=call.timestep,
             encoder_hidden_states=call.encoder_hidden_states,
-            rows=[RowMeta("", branch) for branch in call.branches])
+            rows=[RowMeta("", branch) for branch in call.branches], hooks=hooks)
 
     def row_output(self, call: ForwardCall) -> tuple[int, ...]:
         return (self.models[call.model].config["out_channels"], *call.hidden_states.shape[2:])
@@ -307,6 +319,7 @@ class Channel:
         header = [OP_FORWARD, hidden.ndim, *dims, *encoder.shape[1:],
                   int(call.encoder_hidden_states_mask is not None), call.model,
                   *(DTYPES.index(t.dtype) for t in (hidden, encoder, call.timestep)),
+                  int(call.cache is not None), len(call.freed),
                   len(call.img_shapes), *(n for shape in call.img_shapes for n in shape)]
         self._header(header)
         for tensor in self._tensors(call):
@@ -328,6 +341,10 @@ class Channel:
                    call.timestep.to(torch.float64), branches]
         if call.encoder_hidden_states_mask is not None:
             tensors.append(call.encoder_hidden_states_mask.to(torch.uint8))
+        if call.cache is not None:
+            tensors.extend(plans_to_tensors(call.cache, self.device))
+        if call.freed:
+            tensors.append(torch.tensor(call.freed, dtype=torch.int64, device=self.device))
         return tensors
 
     def receive(self) -> ForwardCall | None:
@@ -338,8 +355,8 @@ class Channel:
         if values[0] == OP_STOP:
             return None
         ndim, dims = values[1], values[2: 2 + MAX_DIMS]
-        text, dim, has_mask, model, hidden_t, encoder_t, timestep_t, count, *rest = values[
-            2 + MAX_DIMS:]
+        (text, dim, has_mask, model, hidden_t, encoder_t, timestep_t, has_cache, freed, count,
+         *rest) = values[2 + MAX_DIMS:]
         rows, device = dims[0], self.device
         hidden = torch.empty(dims[:ndim], dtype=DTYPES[hidden_t], device=device)
         encoder = torch.empty(rows, text, dim, dtype=DTYPES[encoder_t], device=device)
@@ -347,25 +364,34 @@ class Channel:
         branches = torch.empty(rows, dtype=torch.uint8, device=device)
         for tensor in (hidden, encoder, timestep, branches):
             dist.broadcast(tensor, src=0)
-        mask = None
-        if has_mask:
-            mask = torch.empty(rows, text, dtype=torch.uint8, device=device)
-            dist.broadcast(mask, src=0)
+        mask = self._next((rows, text), torch.uint8) if has_mask else None
+        plans = (plans_from_tensors(self._next((rows, 4), torch.int64),
+                                    self._next((rows,), torch.float64)) if has_cache else None)
+        keys = tuple(self._next((freed,), torch.int64).tolist()) if freed else ()
         return ForwardCall(
             hidden, encoder, None if mask is None else mask.to(torch.bool),
             timestep.to(DTYPES[timestep_t]),
             tuple(Branch.UNCOND if b else Branch.COND for b in branches.tolist()),
-            tuple((rest[3 * i], rest[3 * i + 1], rest[3 * i + 2]) for i in range(count)), model)
+            tuple((rest[3 * i], rest[3 * i + 1], rest[3 * i + 2]) for i in range(count)), model,
+            plans, keys)
+
+    def _next(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next tensor rank 0 broadcasts."""
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return tensor
 
 
 class GroupForward:
     """The group's share of one rank in every forward: `qwen_image` and `wan` on rank 0 (the
     adapters' transformer forwards: broadcast, compute this rank's share, collect), `serve` on
-    workers."""
+    workers. Every rank keeps the step-cache shards of the rows it runs (`store`)."""
 
     def __init__(self, family: Family, degrees: Degrees, rank: int, devices: GroupDevices,
-                 votes: dist.ProcessGroup | None = None) -> None:
-        """votes: the (gloo) group the interrupt votes run on; None: the default group."""
+                 votes: dist.ProcessGroup | None = None, tokens: DeviceMesh | None = None,
+                 ) -> None:
+        """votes: the (gloo) group the interrupt votes run on; None: the default group.
+        tokens: the mesh of the ranks that share a forward's tokens (None: no Ulysses)."""
         self.family = family
         self.degrees = degrees
         self.rank = rank
@@ -373,9 +399,13 @@ class GroupForward:
         self.device = devices.rank(rank)
         self._channel = Channel(self.device)
         self._votes = votes
+        self._tokens = tokens
         self._interrupt: StepInterrupt | None = None
         #: Rank 0's workers: a forward that fails on rank 0 fails the group (`Workers.fail`).
         self.workers: Workers | None = None
+        #: This rank's shards of the rows' step-cache residuals (services/dit/parallel_cache.py).
+        self.store = ShardStore()
+        self._freed: list[int] = []  # rank 0: cache keys to free with the next forward
         for model in range(len(family.transformers)):
             for block in family.blocks(model):
                 block.register_forward_pre_hook(lambda module, args: self._vote())
@@ -395,11 +425,11 @@ class GroupForward:
         adapters: RowAdapters | None = None,
     ) -> torch.Tensor:
         """`qwen_image_forward` over the group (rank 0)."""
-        _refuse(hooks, adapters)
+        _refuse(adapters)
         mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.bool()
         return self._lead(ForwardCall(
             hidden_states, encoder_hidden_states, mask, timestep,
-            tuple(row.branch for row in rows), tuple(img_shapes[0])))
+            tuple(row.branch for row in rows), tuple(img_shapes[0])), hooks)
 
     def wan(
         self, transformer: WanTransformer3DModel, *, hidden_states: torch.Tensor,
@@ -408,16 +438,21 @@ class GroupForward:
     ) -> torch.Tensor:
         """`wan_forward` over the group (rank 0), on whichever transformer it names."""
         # jscpd:ignore-end
-        _refuse(hooks, adapters)
+        _refuse(adapters)
         model = list(self.family.transformers).index(transformer)
         return self._lead(ForwardCall(
             hidden_states, encoder_hidden_states, None, timestep,
-            tuple(row.branch for row in rows), model=model))
+            tuple(row.branch for row in rows), model=model), hooks)
 
-    def _lead(self, call: ForwardCall) -> torch.Tensor:
+    def _lead(self, call: ForwardCall, hooks: RowHooks | None) -> torch.Tensor:
+        if hooks is not None and not isinstance(hooks, FirstBlockHooks):
+            raise ValueError(f"a parallel group runs no {type(hooks).__name__}")
+        call = replace(call, freed=tuple(self._freed),
+                       cache=None if hooks is None else tuple(hooks.plans(self._freed.append)))
+        self._freed.clear()
         try:
             self._channel.send(call)
-            return self._run(call)
+            output, reused = self._run(call)
         except StepInterrupted:
             raise
         except Exception as exc:
@@ -428,6 +463,9 @@ class GroupForward:
             # down first), and the batch ends at this boundary, aborted, not row by row.
             self.workers.fail(f"a sharded forward failed on rank 0: {exc!r}")
             raise StepInterrupted from exc
+        if hooks is not None:
+            hooks.settle(reused)
+        return output
 
     def stop(self) -> None:
         """Tell the workers to leave their loop (rank 0, at shutdown)."""
@@ -437,12 +475,14 @@ class GroupForward:
 
     def serve(self) -> None:
         """A worker's loop: run each forward rank 0 broadcasts, until it stops the group. An
-        interrupt ends a forward on every rank alike; anything else propagates (a fault)."""
-        while (call := self._channel.receive()) is not None:
-            try:
-                self._run(call)
-            except StepInterrupted:
-                continue
+        interrupt ends a forward on every rank alike; anything else propagates (a fault).
+        Nothing is kept for a backward pass (rank 0's forwards run in inference mode too)."""
+        with torch.inference_mode():
+            while (call := self._channel.receive()) is not None:
+                try:
+                    self._run(call)
+                except StepInterrupted:
+                    continue
 
     def _half(self, call: ForwardCall, cfg_index: int) -> list[int]:
         """The rows the ranks of CFG index `cfg_index` run."""
@@ -451,35 +491,68 @@ class GroupForward:
         want = Branch.COND if cfg_index == 0 else Branch.UNCOND
         return [i for i, branch in enumerate(call.branches) if branch is want]
 
-    def _run(self, call: ForwardCall) -> torch.Tensor:
-        """This rank's share of `call`; on rank 0 the whole prediction, in row order."""
+    def _run(self, call: ForwardCall) -> tuple[torch.Tensor, list[bool]]:
+        """This rank's share of `call`; on rank 0 the whole prediction, in row order, and each
+        row's step-cache decision (True: it reused)."""
+        self.store.free(call.freed)
         cfg_index, _ = self.degrees.place(self.rank)
         mine = self._half(call, cfg_index)
-        output = (self.family.run(call.select(mine), self.degrees.ulysses) if mine
+        hooks = self._hooks(call, mine)
+        output = (self.family.run(call.select(mine), self.degrees.ulysses, hooks) if mine
                   else self._idle(call))
+        reused = hooks.reused if hooks is not None else [False] * len(mine)
         if self.degrees.cfg == 1:
-            return output
+            return output, reused
+        return self._collect(call, mine, output, reused)
+
+    def _hooks(self, call: ForwardCall, mine: list[int]) -> ShardedFirstBlock | None:
+        """This rank's step cache over its rows `mine` (None: no row caches)."""
+        if call.cache is None or not mine:
+            return None
+        rest = self.family.blocks(call.model)[1:]
+        return ShardedFirstBlock([call.cache[i] for i in mine], [call.branches[i] for i in mine],
+                                 self.store, self._tokens, lambda: self._skip(rest))
+
+    def _collect(self, call: ForwardCall, mine: list[int], output: torch.Tensor,
+                 reused: list[bool]) -> tuple[torch.Tensor, list[bool]]:
+        """CFG-parallel: the other half's leader sends its rows' output (and decisions) to
+        rank 0, which puts every row in place."""
         theirs = self._half(call, 1)
         leader = self.degrees.ulysses  # rank of CFG index 1, Ulysses index 0
+        cached = call.cache is not None
         if self.rank == leader and mine:
             dist.send(output.contiguous(), dst=0)
+            if cached:
+                dist.send(torch.tensor(reused, dtype=torch.uint8, device=self.device), dst=0)
         if self.rank != 0:
-            return call.hidden_states[:0]
+            return call.hidden_states[:0], []
         shape, dtype = self.family.row_output(call), call.hidden_states.dtype
         full = torch.empty(len(call.branches), *shape, dtype=dtype, device=self.device)
+        flags = [False] * len(call.branches)
         if theirs:
             received = torch.empty(len(theirs), *shape, dtype=dtype, device=self.device)
             dist.recv(received, src=leader)
             full[theirs] = received
+            if cached:
+                decided = torch.empty(len(theirs), dtype=torch.uint8, device=self.device)
+                dist.recv(decided, src=leader)
+                for i, flag in zip(theirs, decided.tolist(), strict=True):
+                    flags[i] = bool(flag)
         if mine:  # always: every state has a conditional row
             full[mine] = output
-        return full
+            for i, flag in zip(mine, reused, strict=True):
+                flags[i] = flag
+        return full, flags
 
     def _idle(self, call: ForwardCall) -> torch.Tensor:
         """An empty half: no block runs, but every block's interrupt vote is taken."""
-        for _ in self.family.blocks(call.model):
-            self._vote()
+        self._skip(self.family.blocks(call.model))
         return call.hidden_states[:0]
+
+    def _skip(self, blocks: Sequence[torch.nn.Module]) -> None:
+        """The interrupt votes of `blocks`, which this rank does not run."""
+        for _ in blocks:
+            self._vote()
 
     def _vote(self) -> None:
         """One all-reduce of rank 0's interrupt flag (a host tensor on the vote group); every
@@ -492,9 +565,9 @@ class GroupForward:
             raise StepInterrupted
 
 
-def _refuse(hooks: RowHooks | None, adapters: RowAdapters | None) -> None:
-    if hooks is not None or adapters is not None:
-        raise ValueError("a parallel group runs no step cache and no LoRA adapters yet")
+def _refuse(adapters: RowAdapters | None) -> None:
+    if adapters is not None:
+        raise ValueError("a parallel group runs no LoRA adapters yet (option lora_dir)")
 
 
 def _padded_to(embeds: torch.Tensor, mask: torch.Tensor | None,
@@ -566,10 +639,12 @@ def shard_family(family: Family, degrees: Degrees, rank: int,
     mesh = init_device_mesh(devices.type, (degrees.cfg, 1, degrees.ulysses),
                             mesh_dim_names=MESH_DIMS)
     votes = dist.new_group(backend=VOTE_BACKEND)
+    tokens = None
     if degrees.ulysses > 1:
         context = ContextParallelConfig(ulysses_degree=degrees.ulysses)
         config = ParallelConfig(context_parallel_config=context)
         config.setup(rank, degrees.world, devices.rank(rank), mesh=mesh)
+        tokens = context._flattened_mesh
         for transformer in family.transformers:
             for module in transformer.modules():
                 processor = getattr(module, "processor", None)
@@ -577,7 +652,7 @@ def shard_family(family: Family, degrees: Degrees, rank: int,
                     processor._parallel_config = config
             plan = cast(dict[str, ContextParallelModelPlan], transformer._cp_plan)
             apply_context_parallel(transformer, context, plan)
-    return GroupForward(family, degrees, rank, devices, votes)
+    return GroupForward(family, degrees, rank, devices, votes, tokens)
 
 
 def free_port() -> int:

@@ -18,18 +18,20 @@ Both compute the first `warmup_steps` and last `final_steps` steps of a row, and
 `max_skips` reuses in a row (0: no limit). A Wan 2.2 row that switches transformer starts its
 cache anew. Decisions are taken during a step's forwards but written to the rows only by
 `CacheStep.commit`, once every forward of the step has returned: a step that raises (an
-interrupt included) leaves every row's cache as it was.
+interrupt included) leaves every row's cache as it was. In a parallel group the residuals live
+sharded on the ranks (services/dit/parallel_cache.py); rank 0's entries hold what decides.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import os
 import struct
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
@@ -188,12 +190,19 @@ class BranchCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+#: Every row cache's key, unique in the process (a group's ranks file its shards under it).
+_KEYS = itertools.count()
+
+
 @dataclass
 class RowCache:
     """A request's cache: one entry per CFG branch. Part of the request's state."""
 
     threshold: float
     branches: dict[Branch, BranchCache] = field(default_factory=dict)
+    key: int = field(default_factory=lambda: next(_KEYS))
+    #: In a parallel group: tells the group that the request left (its ranks free its shards).
+    on_free: Callable[[int], None] | None = None
 
     def nbytes(self) -> int:
         return sum(entry.nbytes() for entry in self.branches.values())
@@ -265,6 +274,8 @@ class StepCache:
         with self._lock:
             self._held -= cache.nbytes()
         cache.branches.clear()
+        if cache.on_free is not None:
+            cache.on_free(cache.key)
 
     def begin(self) -> CacheStep:
         return CacheStep(self)
@@ -314,13 +325,13 @@ class CacheStep:
 
     # -- first_block ---------------------------------------------------------------------------
 
-    def hooks(self, slots: Sequence[Slot]) -> RowHooks | None:
+    def hooks(self, slots: Sequence[Slot]) -> FirstBlockHooks | None:
         """The first-block hooks of a forward over `slots`' rows; None when none caches."""
         if self.config.method is not StepCacheMethod.FIRST_BLOCK:
             return None
         if all(slot.cache is None for slot in slots):
             return None
-        return _FirstBlockHooks(self, list(slots))
+        return FirstBlockHooks(self, list(slots))
 
     # -- taylorseer ----------------------------------------------------------------------------
 
@@ -361,8 +372,22 @@ class CacheStep:
             slot.next = BranchCache(slot.model, slot.step, factors=tuple(factors))
 
 
-class _FirstBlockHooks:
-    """First-Block-Cache over one forward's rows (`RowHooks`)."""
+@dataclass(frozen=True)
+class RowPlan:
+    """One row's first-block cache as the ranks of a parallel group need it
+    (services/dit/parallel_cache.py): rank 0 holds the row's entry, the ranks hold its residuals'
+    shards and decide from them (`FirstBlockHooks.plans`, `settle`)."""
+
+    key: int = -1  # the request's cache (`RowCache.key`); -1: the row caches nothing
+    version: int = -1  # the step of the row's entry, whose shards the ranks hold; -1: none
+    candidate: bool = False  # may reuse at this step (not forced to run in full)
+    threshold: float = 0.0
+    step: int = 0  # the version a full pass stores
+
+
+class FirstBlockHooks:
+    """First-Block-Cache over one forward's rows (`RowHooks`) on one device; in a group, what
+    rank 0 plans and settles of the same rows."""
 
     def __init__(self, step: CacheStep, slots: list[Slot]) -> None:
         self._step = step
@@ -380,7 +405,7 @@ class _FirstBlockHooks:
         for i, change in zip(candidates, changes, strict=True):
             slot = slots[i]
             cache = slot.cache
-            if cache is not None and change <= cache.threshold:
+            if cache is not None and reuses(change, cache.threshold):
                 slot.reused = True
         return [i for i, slot in enumerate(slots) if not slot.reused]
 
@@ -391,18 +416,14 @@ class _FirstBlockHooks:
         assert residuals is not None, "after_first_block runs first"
         if tail is not None:
             self._store(rows, residuals, tail - head[rows])
-        if len(rows) == head.shape[0] and tail is not None:
-            return tail
-        out = torch.empty_like(head)
-        if tail is not None:
-            out[rows] = tail
+        reused = {}
         for i, slot in enumerate(self._slots):
             entry = slot.entry
             if not slot.reused or entry is None or entry.tail is None:
                 continue
-            out[i] = entry.tail + head[i]  # diffusers' order: cached residual + head output
-            slot.next = replace(entry, skips=entry.skips + 1)
-        return out
+            reused[i] = entry.tail
+            slot.next = _reused(entry)
+        return assemble(head, rows, tail, reused)
 
     def _store(self, rows: list[int], heads: torch.Tensor, tails: torch.Tensor) -> None:
         """The rows that ran keep their residuals (copies: a view would hold the batch)."""
@@ -413,22 +434,89 @@ class _FirstBlockHooks:
                     slot.model, slot.step, head=heads[i].clone(), tail=tails[k].clone()
                 )
 
+    # -- in a parallel group (rank 0) ----------------------------------------------------------
+
+    def plans(self, on_free: Callable[[int], None]) -> list[RowPlan]:
+        """What every rank needs of each row to decide as one device would; `on_free` is
+        told each cached request's key when it leaves the stage (its shards are freed)."""
+        plans = []
+        for slot in self._slots:
+            cache, entry = slot.cache, slot.entry
+            if cache is None:
+                plans.append(RowPlan(step=slot.step))
+                continue
+            cache.on_free = on_free
+            version = -1 if entry is None else entry.computed_at
+            plans.append(RowPlan(cache.key, version, not self._step._forced(slot),
+                                 cache.threshold, slot.step))
+        return plans
+
+    def settle(self, reused: Sequence[bool]) -> None:
+        """The group's decision for each row: a reuse counts against its entry, a full pass
+        makes the step its entry (no tensors here: the ranks hold the residuals' shards)."""
+        for slot, reuse in zip(self._slots, reused, strict=True):
+            entry = slot.entry
+            if slot.cache is None:
+                continue
+            if reuse:
+                assert entry is not None, "only a row with an entry may reuse"
+                slot.reused = True
+                slot.next = _reused(entry)
+            else:
+                slot.next = BranchCache(slot.model, slot.step)
+
+
+def _reused(entry: BranchCache) -> BranchCache:
+    return replace(entry, skips=entry.skips + 1)
+
+
+def reuses(change: float, threshold: float) -> bool:
+    """First-Block-Cache's rule: a row reuses when its relative change is within its
+    threshold."""
+    return change <= threshold
+
+
+def assemble(
+    head: torch.Tensor, rows: list[int], tail: torch.Tensor | None,
+    reused: Mapping[int, torch.Tensor],
+) -> torch.Tensor:
+    """Every row's hidden states after the last block: `tail` holds those of `rows` (which
+    ran), `reused` the cached remainder of the others, added to their head block's output
+    (diffusers' order: cached residual + head output)."""
+    if len(rows) == head.shape[0] and tail is not None:
+        return tail
+    out = torch.empty_like(head)
+    if tail is not None:
+        out[rows] = tail
+    for i, remainder in reused.items():
+        out[i] = remainder + head[i]
+    return out
+
+
+def change_terms(residual: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """[mean|r - r_prev|, mean|r_prev|] of one row: over equal shards of its tokens, the
+    terms' sums have the same ratio (a group all-reduces them)."""
+    return torch.stack([(residual - previous).abs().mean(), previous.abs().mean()])
+
+
+def relative_changes(terms: torch.Tensor) -> list[float]:
+    """Each row's relative change from its `change_terms` [rows, 2] (one device sync)."""
+    values: list[float] = (terms[:, 0] / terms[:, 1]).tolist()
+    return values
+
 
 def _relative_changes(
     residuals: torch.Tensor, slots: Sequence[Slot], rows: Sequence[int]
 ) -> list[float]:
-    """mean|r - r_prev| / mean|r_prev| of each of `rows` against its last full pass (one
-    device sync for all of them)."""
+    """mean|r - r_prev| / mean|r_prev| of each of `rows` against its last full pass."""
     if not rows:
         return []
-    changes = []
+    terms = []
     for i in rows:
         entry = slots[i].entry
         assert entry is not None and entry.head is not None, "a forced row is no candidate"
-        change = (residuals[i] - entry.head).abs().mean() / entry.head.abs().mean()
-        changes.append(change)
-    values: list[float] = torch.stack(changes).tolist()
-    return values
+        terms.append(change_terms(residuals[i], entry.head))
+    return relative_changes(torch.stack(terms))
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -12,7 +12,7 @@ import io
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -115,7 +115,10 @@ def test_a_parallel_dit_serves_rest_and_grpc(served: Served) -> None:
     pid = _dit(served)
     assert pid is not None
     assert len(_workers(pid)) == 3  # a group of 4 ranks: the stage process and 3 workers
-    assert served.stages()["dit"]["health"] == "SERVING"
+    dit: Mapping[str, object] = served.stages()["dit"]  # GET /v1/stages
+    assert dit["health"] == "SERVING"
+    assert (dit["parallel_cfg"], dit["parallel_ulysses"]) == (2, 2)
+    assert dit["group_devices"] == ["cpu"] * 4
     response = _rest(served, 4, seed=7)
     assert response.status_code == 200, response.text
     rest_png = base64.b64decode(response.json()["data"][0]["b64_json"])

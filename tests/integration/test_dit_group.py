@@ -22,11 +22,17 @@ import pytest_asyncio
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stagemesh.gateway.mesh.stages import publish_into
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.services.dit.parallel import GroupForward, stop_group
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.registry import build_stage
-from stagemesh.shared.proto.v1 import common_pb2, dit_service_pb2, dit_service_pb2_grpc
+from stagemesh.shared.proto.v1 import (
+    common_pb2,
+    dit_service_pb2,
+    dit_service_pb2_grpc,
+    gateway_service_pb2,
+)
 from stagemesh.shared.server import RunningServer
 from stagemesh.shared.stage_runtime import (
     Ending,
@@ -125,6 +131,11 @@ async def test_describe_publishes_the_group(group: Group) -> None:
     assert (described.parallel_cfg, described.parallel_ulysses) == (2, 2)
     assert list(described.group_devices) == ["cpu"] * 4
     assert len(group.pids) == 3
+    # the gateway's /v1/stages row of this stage shows the group as Describe publishes it
+    row = gateway_service_pb2.StageInfo(name="dit")
+    publish_into(row, described)
+    assert (row.parallel_cfg, row.parallel_ulysses) == (2, 2)
+    assert list(row.group_devices) == ["cpu"] * 4
 
 
 async def test_a_mixed_batch_equals_one_device(group: Group, one_device: DenoiseAdapter,
@@ -230,7 +241,7 @@ async def test_tokens_that_do_not_divide_among_the_ranks_are_refused(
     ({"parallel_cfg": 3}, "parallel_cfg must be 1 or 2"),
     ({"parallel_ulysses": 0}, "parallel_ulysses must be"),
     ({"parallel_ulysses": 3}, "must divide the model's 2 heads"),
-    ({"parallel_cfg": 2, "step_cache": "first_block"}, "cannot be combined with step_cache"),
+    ({"parallel_cfg": 2, "compile": "blocks"}, "cannot be combined with compile"),
 ])
 async def test_a_group_the_stage_cannot_run_is_refused_at_start(
         tiny_model_dir: Path, options: dict[str, object], match: str) -> None:

@@ -10,8 +10,10 @@ both tasks). Mixed batches (prompts of different lengths, guided and unguided ro
 steps, seeds and condition images, a request joining later) and a lone unguided request (under
 CFG-parallel its unconditional half has no rows) must match one device within 1e-5; a cancel
 stops every rank at the same block (before the first, or between two), after which the group
-serves on. Text-to-video: tests/model/test_dit_wan_parallel.py; the engine's promises over gRPC:
-tests/integration/test_dit_group.py.
+serves on. With the step cache on (first_block: the ranks hold the residuals' shards and
+all-reduce each decision), a mixed batch decides row by row and step by step as one device
+does, with the same latents. Text-to-video: tests/model/test_dit_wan_parallel.py; the engine's
+promises over gRPC: tests/integration/test_dit_group.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -36,15 +38,18 @@ from stagemesh.services.dit.parallel import (
     start_group,
     worker_options,
 )
-from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
+from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput, DenoiseState
+from stagemesh.services.dit.step_cache import StepCacheConfig, StepCacheMethod
 from stagemesh.shared.engine import (
     EngineRequest,
     StepInterrupt,
     StepInterrupted,
 )
 from tests.model import test_dit_edit as edit_tests
+from tests.model import test_dit_step_cache as step_cache_tests
 from tests.model.test_dit_batching import TOLERANCE, Job, _continuous, _solo
 from tests.model.test_dit_edit import HEIGHT, WIDTH, _embeddings
+from tests.model.test_dit_step_cache import Triple, _drive
 
 #: The layouts every test runs under (a group start each, about 6 s of CPU per worker).
 LAYOUTS = {"cfg2": Degrees(cfg=2), "ulysses2": Degrees(ulysses=2),
@@ -58,6 +63,10 @@ CONDITION = (1, 1, 4, 6)
 #: build them.
 edit_dir = edit_tests.edit_dir
 text_to_image_dir = edit_tests.text_to_image_dir
+#: The step cache's committed decisions, and (autouse) the check that no one-device decision
+#: lies within 1% of its threshold, as the step-cache tests have them.
+mesh_decisions = step_cache_tests.mesh_decisions
+clear_of_the_threshold = step_cache_tests.clear_of_the_threshold
 
 
 @dataclass(frozen=True)
@@ -187,3 +196,53 @@ def test_every_rank_gets_its_device_from_one_place() -> None:
             cuda.check(Degrees(2, 2))
     with pytest.raises(ValueError, match="cpu or cuda devices, not mps"):
         GroupDevices.named("mps")
+
+
+#: The step cache of the group's rank 0 and of one device: first_block at a threshold that
+#: reuses rows of this model (no one-device decision lies within 1% of it:
+#: `clear_of_the_threshold`), at most 2 reuses in a row.
+CACHE = StepCacheConfig(method=StepCacheMethod.FIRST_BLOCK, threshold=0.55, max_threshold=1.0,
+                        max_skips=2)
+CACHE_STEPS = 8
+
+
+def test_the_step_cache_decides_in_a_group_as_on_one_device(
+        group: Adapters, text_to_image_dir: Path, mesh_decisions: list[Triple]) -> None:
+    """A mixed batch (guided and unguided rows, different steps, seeds and prompts, a request
+    with its cache off, one paused for two steps as a preemption does, one cancelled midway)
+    with the step cache on: every request reuses or computes at each step, branch by branch,
+    as on one device, and the latents are one device's within 1e-5. The requests' shards are
+    freed on the ranks once they left (with the next forward)."""
+    embeddings = [_embeddings(1, 3, 2), _embeddings(2, 9, 5), _embeddings(3, 6, None)]
+    base = DenoiseInput(embeddings[0], HEIGHT, WIDTH, CACHE_STEPS, 4.0, 1)
+    payloads = {
+        "guided": base,
+        "guided-long": replace(base, embeddings=embeddings[1], seed=11),
+        "unguided": replace(base, embeddings=embeddings[2], seed=3, num_inference_steps=6),
+        "off": replace(base, seed=5, step_cache_threshold=0.0),
+        "paused": replace(base, embeddings=embeddings[1], seed=7, num_inference_steps=6),
+        "cancelled": replace(base, seed=9),
+    }
+
+    def pick(tick: int, live: dict[str, DenoiseState]) -> list[str]:
+        return [name for name in live if not (name == "paused" and 1 <= tick < 3)
+                and not (name == "cancelled" and tick >= 3)]
+
+    want, want_reused = _drive(DenoiseAdapter(text_to_image_dir, step_cache=CACHE), payloads,
+                               pick)
+    one_device = sorted(mesh_decisions)
+    mesh_decisions.clear()
+    grouped = DenoiseAdapter(text_to_image_dir, step_cache=CACHE)
+    grouped.group = forward = group.edit.group
+    assert forward is not None
+    got, got_reused = _drive(grouped, payloads, pick)
+    assert any(reused for *_, reused in one_device), "the threshold reuses nothing"
+    assert sorted(mesh_decisions) == one_device  # (step, branch, reused) of every row
+    assert got_reused == want_reused  # by request, step by step
+    assert set(got) == set(payloads) - {"cancelled"}
+    for name, latents in want.items():
+        assert (got[name] - latents).abs().max().item() <= TOLERANCE, name
+    # every request left: the next forward frees their shards on every rank
+    assert len(forward.store) > 0
+    _solo(grouped, Job("after", replace(base, step_cache_threshold=0.0, num_inference_steps=2)))
+    assert len(forward.store) == 0

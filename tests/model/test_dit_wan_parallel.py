@@ -4,7 +4,8 @@ Three module-scoped groups in turn over the tiny text-to-video model, one per la
 a rank): `parallel_ulysses: 2` (each rank holds half of every forward's video tokens),
 `parallel_cfg: 2` (conditional and unconditional rows on different ranks) and both (4 ranks).
 Guided and unguided requests of different steps and seeds advancing together, and a lone
-unguided request, match one device within 1e-5.
+unguided request, match one device within 1e-5; with the step cache on, they reuse where one
+device reuses.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import pytest
 import torch
 
 from stagemesh.services.dit.parallel import Degrees, WanFamily, running_group
+from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, StepCacheMethod
 from stagemesh.services.dit.wan_adapter import VideoDenoiseInput, WanDenoiseAdapter
 from stagemesh.shared.engine import EngineRequest, InvalidInputError
+from tests.model import test_dit_step_cache as step_cache_tests
 from tests.model import test_dit_wan as one_device_wan
+from tests.model.test_dit_step_cache import Triple
 from tests.model.test_dit_wan import TOLERANCE, _embeddings, _run, _video
 
 #: The layouts every test runs under (a group start each).
@@ -28,6 +32,10 @@ LAYOUTS = {"ulysses2": Degrees(ulysses=2), "cfg2": Degrees(cfg=2),
 
 #: The tiny text-to-video folder, as the Wan tests build it.
 t2v_dir = one_device_wan.t2v_dir
+#: The step cache's committed decisions, and (autouse) the check that no one-device decision
+#: lies within 1% of its threshold, as the step-cache tests have them.
+mesh_decisions = step_cache_tests.mesh_decisions
+clear_of_the_threshold = step_cache_tests.clear_of_the_threshold
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -91,3 +99,26 @@ def test_video_tokens_must_divide_among_ulysses_ranks(group: WanDenoiseAdapter) 
         return
     with pytest.raises(InvalidInputError, match="parallel_ulysses"):
         group.check_inputs(odd)
+
+
+def test_the_step_cache_decides_in_a_video_group_as_on_one_device(
+        group: WanDenoiseAdapter, t2v_dir: Path, mesh_decisions: list[Triple],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """first_block over sharded video tokens: the same (step, branch, reused) as one device,
+    and its latents within 1e-5 (the group's adapter takes the cache for this test: a group
+    runs the transformers it was started with)."""
+    config = StepCacheConfig(method=StepCacheMethod.FIRST_BLOCK, threshold=0.1,
+                             max_threshold=1.0, max_skips=2)
+    payloads = {
+        "guided": _video(_embeddings(1), num_inference_steps=8),
+        "unguided": _video(_embeddings(2), guidance_scale=1.0, num_inference_steps=6, seed=3),
+    }
+    want = _together(WanDenoiseAdapter(t2v_dir, step_cache=config), payloads)
+    one_device = sorted(mesh_decisions)
+    mesh_decisions.clear()
+    monkeypatch.setattr(group, "step_cache", StepCache(config))
+    got = _together(group, payloads)
+    assert any(reused for *_, reused in one_device), "the threshold reuses nothing"
+    assert sorted(mesh_decisions) == one_device
+    for rid, latents in want.items():
+        assert (got[rid] - latents).abs().max().item() <= TOLERANCE, rid

@@ -239,3 +239,19 @@ def test_a_stage_row_shows_the_quantization_and_compile_its_describe_publishes()
             for name, row in rows.items()} == {"dit": ("int8", "blocks", "cpu"),
                                                "tokenizer": ("int8", "", "cpu"),
                                                "vae": ("", "", "cpu")}
+
+
+def test_a_stage_row_shows_the_parallel_group_its_describe_publishes() -> None:
+    """GET /v1/stages: a DiT group's degrees and devices, as its Describe publishes them;
+    zero and empty for another stage."""
+    where = common_pb2.StageDescription(device="cuda:0", dtype="bfloat16")
+    group = dit_service_pb2.DescribeDitResponse(
+        stage=where, parallel_cfg=2, parallel_ulysses=2,
+        group_devices=["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
+    rows = []
+    for answer in (group, vae_service_pb2.DescribeVaeResponse(stage=where)):
+        info = pb.StageInfo(name="x")
+        publish_into(info, answer)
+        rows.append(to_json(info))
+    assert [(row["parallel_cfg"], row["parallel_ulysses"], row["group_devices"])
+            for row in rows] == [(2, 2, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]), (0, 0, [])]

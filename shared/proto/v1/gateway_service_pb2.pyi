@@ -793,6 +793,9 @@ class StageInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
     COMPILE_FIELD_NUMBER: _builtins.int
+    PARALLEL_CFG_FIELD_NUMBER: _builtins.int
+    PARALLEL_ULYSSES_FIELD_NUMBER: _builtins.int
+    GROUP_DEVICES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Stage name within its recipe, e.g. "dit"."""
     recipe: _builtins.str
@@ -816,6 +819,14 @@ class StageInfo(_message.Message):
     """The DiT's compilation of its blocks ("off", "blocks"), as its Describe publishes it;
     empty for any other stage or one that cannot be read.
     """
+    parallel_cfg: _builtins.int
+    """The DiT's parallel group, as its Describe publishes it: the CFG-parallel degree (1 or 2),
+    the Ulysses sequence-parallel degree, and each rank's device in rank order (one entry for
+    a one-device DiT). 0, 0 and empty for any other stage or one that cannot be read.
+    """
+    parallel_ulysses: _builtins.int
+    @_builtins.property
+    def group_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -828,10 +839,13 @@ class StageInfo(_message.Message):
         dtype: _builtins.str = ...,
         quantization: _builtins.str = ...,
         compile: _builtins.str = ...,
+        parallel_cfg: _builtins.int = ...,
+        parallel_ulysses: _builtins.int = ...,
+        group_devices: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compile", b"compile", "device", b"device", "dtype", b"dtype", "health", b"health", "metrics_url", b"metrics_url", "name", b"name", "quantization", b"quantization", "recipe", b"recipe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "compile", b"compile", "device", b"device", "dtype", b"dtype", "group_devices", b"group_devices", "health", b"health", "metrics_url", b"metrics_url", "name", b"name", "parallel_cfg", b"parallel_cfg", "parallel_ulysses", b"parallel_ulysses", "quantization", b"quantization", "recipe", b"recipe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
