@@ -18,6 +18,7 @@ from typing import Protocol
 import grpc
 
 from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
+from stagemesh.gateway.loras.runtime import RuntimeLoras
 from stagemesh.gateway.mesh.calls import (
     CancelOutcome,
     CancelScope,
@@ -101,6 +102,9 @@ class GatewayCore:
     def __init__(self, mesh: Mesh, catalog: StageCatalog) -> None:
         self.mesh = mesh
         self.catalog = catalog
+        #: The LoRA adapters loaded at run time, put back on a DiT replica that serves again.
+        self.loras = RuntimeLoras(catalog)
+        mesh.on_back(self.loras.restore)
         self.scopes = ScopeRegistry()
         self.jobs: list[BackgroundJobs] = []
 

@@ -4,7 +4,8 @@ A load or unload goes to every replica of each DiT it concerns (the named recipe
 DiT that publishes `runtime_lora_updates`); each DiT's Describe is read again afterwards, so
 the next request is checked against the new names. A load that fails on one replica is undone
 on those where it took (replicas of one stage must serve the same names); an unload is done
-where a replica knows the name (one that restarted since the load does not).
+where a replica knows the name. The gateway remembers what it loaded, per DiT address, and puts
+it back on a replica that serves again after a restart (gateway/loras/runtime.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
 from stagemesh.gateway.loras.protocol import LoraUpdate
+from stagemesh.gateway.loras.runtime import UPDATE_TIMEOUT_S
 from stagemesh.gateway.mesh.balancer import Replica
 from stagemesh.gateway.mesh.stubs import dit_stub
 from stagemesh.gateway.recipes import Recipe, StageEndpoint
@@ -30,8 +32,6 @@ if TYPE_CHECKING:  # the async stub class exists only in the generated .pyi file
 
 T = TypeVar("T")
 
-#: A load reads the adapter's file once on the stage: room for a large one.
-UPDATE_TIMEOUT_S = 120.0
 #: Where a refusal names the recipe.
 MODEL_FIELD = "model"
 
@@ -122,20 +122,24 @@ def _unload(name: str) -> Callable[[DitServiceAsyncStub], Awaitable[pb.UnloadLor
 async def load_adapter(core: GatewayCore, update: LoraUpdate) -> list[str]:
     """Load on every replica of the DiTs concerned; the models whose DiT now serves it."""
     services = await _services(core, update.model)
-    calls = _calls(core, services)
     request = pb.LoadLoraAdapterRequest(lora_name=update.lora_name, lora_path=update.lora_path)
-    try:
-        answers = await _fan_out(
-            calls, lambda stub: stub.LoadLoraAdapter(request, timeout=UPDATE_TIMEOUT_S))
-        failed = [(c, a) for c, a in zip(calls, answers, strict=True)
-                  if isinstance(a, grpc.aio.AioRpcError)]
-        if failed:
-            took = [c for c, a in zip(calls, answers, strict=True)
-                    if isinstance(a, pb.LoadLoraAdapterResponse) and a.added]
-            await _fan_out(took, _unload(update.lora_name))  # best effort: its errors pass
-            raise _replica_error(*failed[0])
-    finally:
-        _forget(core, services)
+    async with core.loras.lock:  # a replica's restore waits: it then loads this one too
+        calls = _calls(core, services)
+        try:
+            answers = await _fan_out(
+                calls, lambda stub: stub.LoadLoraAdapter(request, timeout=UPDATE_TIMEOUT_S))
+            failed = [(c, a) for c, a in zip(calls, answers, strict=True)
+                      if isinstance(a, grpc.aio.AioRpcError)]
+            if failed:
+                took = [c for c, a in zip(calls, answers, strict=True)
+                        if isinstance(a, pb.LoadLoraAdapterResponse) and a.added]
+                await _fan_out(took, _unload(update.lora_name))  # best effort: errors pass
+                raise _replica_error(*failed[0])
+            for service in services:
+                core.loras.remember(service.endpoint.address, update.lora_name,
+                                    update.lora_path)
+        finally:
+            _forget(core, services)
     return _models(services)
 
 
@@ -143,11 +147,14 @@ async def unload_adapter(core: GatewayCore, update: LoraUpdate) -> list[str]:
     """Unload on every replica of the DiTs concerned that knows the name (NOT_FOUND when
     none does); the models whose DiT served it."""
     services = await _services(core, update.model)
-    calls = _calls(core, services)
-    try:
-        answers = await _fan_out(calls, _unload(update.lora_name))
-    finally:
-        _forget(core, services)
+    async with core.loras.lock:  # no restore puts it back meanwhile
+        for service in services:
+            core.loras.forget(service.endpoint.address, update.lora_name)
+        calls = _calls(core, services)
+        try:
+            answers = await _fan_out(calls, _unload(update.lora_name))
+        finally:
+            _forget(core, services)
     failed = [(c, a) for c, a in zip(calls, answers, strict=True)
               if isinstance(a, grpc.aio.AioRpcError)]
     missing = [(c, a) for c, a in failed if a.code() is grpc.StatusCode.NOT_FOUND]

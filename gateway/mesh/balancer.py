@@ -10,6 +10,11 @@ the requests it holds for other gateways. A replica whose health is NOT_SERVING 
 its engine died), that reports it drains, or that cannot be reached gets nothing new until a
 poll finds it serving again. Equal loads take turns.
 
+A replica that serves again (restarted, or new) first gets what was set on its stage at run
+time: the `on_back` callbacks (the gateway's runtime LoRA loads, gateway/loras/runtime.py) are
+awaited before the poll marks it SERVING, so a restarted replica takes no request that needs
+them before it has them.
+
 The stage call itself (retry of a start the stage refused, accounting of in-flight calls) is
 in `mesh.calls.call_stage`; this module gives it `take`/`release`, `connect` and the replicas'
 state.
@@ -26,7 +31,7 @@ import enum
 import itertools
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Generic, Self, TypedDict, TypeVar, Unpack
@@ -57,6 +62,8 @@ ResponseT = TypeVar("ResponseT")
 Resolver = Callable[[str, int], Sequence[str]]
 #: Called with the stage address when what answers there may have changed (see StageCatalog).
 OnChange = Callable[[str], None]
+#: Awaited with the stage address and a replica about to serve again (see `ReplicaSet.on_back`).
+OnBack = Callable[[str, "Replica"], Awaitable[None]]
 
 
 class ReplicaState(enum.Enum):
@@ -118,6 +125,7 @@ class ReplicaSet:
         self._tasks: list[asyncio.Task[None]] = []
         self._watchers: dict[Replica, asyncio.Task[None]] = {}
         self._on_change: list[OnChange] = []
+        self._on_back: list[OnBack] = []
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -144,6 +152,25 @@ class ReplicaSet:
         """Call `callback(address)` when a replica's connection leaves READY or the replica
         list changes: what answers may be another process, with other options."""
         self._on_change.append(callback)
+
+    def on_back(self, callback: OnBack) -> None:
+        """Await `callback(address, replica)` before a replica that was not serving (down,
+        draining, unreachable, or not polled yet) is marked SERVING: what was set on the stage
+        at run time goes back onto a restarted one. Until every callback has returned the
+        replica keeps its state; one that raises leaves it there, and the next poll tries again.
+        """
+        self._on_back.append(callback)
+
+    async def _welcome(self, replica: Replica) -> bool:
+        """Whether every `on_back` callback took the replica (a failure is logged)."""
+        for callback in self._on_back:
+            try:
+                await callback(self.address, replica)
+            except Exception as error:  # a callback's failure must not stop the polling
+                log.warning("%s replica %s serves, but is kept out until it is set up again: "
+                            "%s", self.stage, replica.address, error)
+                return False
+        return True
 
     def _changed(self) -> None:
         for callback in self._on_change:
@@ -293,7 +320,7 @@ class ReplicaSet:
             self._reconnect_if_failed(replica)
         elif health != health_pb2.HealthCheckResponse.SERVING or (load and load.draining):
             replica.state = ReplicaState.NOT_SERVING
-        else:
+        elif before is ReplicaState.SERVING or await self._welcome(replica):
             replica.state = ReplicaState.SERVING
         if load is not None:
             # The report counts our calls open when the stage wrote it, at most the most we

@@ -32,6 +32,7 @@ from stagemesh.gateway.errors import InvalidRequest, StageUnavailable
 from stagemesh.gateway.mesh.balancer import (
     HEALTH_CHECK,
     NoReplica,
+    OnBack,
     OnChange,
     Replica,
     ReplicaChannel,
@@ -163,11 +164,14 @@ class Mesh:
         #: Each recipe's stubs, built on its first request (a channel is fixed once started).
         self._image_stubs: dict[str, ImageStubs] = {}
         self._speech_stubs: dict[str, SpeechStubs] = {}
+        self._on_back: list[OnBack] = []
 
     async def start(self) -> None:
         for _, endpoint in self.endpoints():
             if endpoint.address not in self._sets:
                 replicas = ReplicaSet(endpoint.name, endpoint.address, endpoint.target)
+                for callback in self._on_back:
+                    replicas.on_back(callback)
                 self._sets[endpoint.address] = replicas
                 self._channels[endpoint.address] = ReplicaChannel(replicas)
                 await replicas.start()
@@ -184,6 +188,13 @@ class Mesh:
         """`callback(address)` whenever what answers at a stage address may have changed."""
         for replicas in self._sets.values():
             replicas.on_change(callback)
+
+    def on_back(self, callback: OnBack) -> None:
+        """`callback(address, replica)` is awaited before a replica of any stage serves again
+        (balancer.ReplicaSet.on_back), whether the mesh is started yet or not."""
+        self._on_back.append(callback)
+        for replicas in self._sets.values():
+            replicas.on_back(callback)
 
     @property
     def channels(self) -> Mapping[str, grpc.aio.Channel]:

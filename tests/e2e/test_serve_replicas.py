@@ -1,7 +1,8 @@
 """`stagemesh serve --replicas dit=2` as an operator runs it: both DiT replicas take work; a
 replica killed with -9 fails only the requests it ran (UNAVAILABLE naming the stage) while the
-others complete; serve restarts it and it takes traffic again; `kill -9` of serve leaves no
-stage running."""
+others complete; serve restarts it and it takes traffic again, with the LoRA adapter loaded at
+run time before the kill put back by the gateway; `kill -9` of serve leaves no stage
+running."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from stagemesh.models.tiny_shapes.lora import NAME, SHIPPED_LORA_DIR
+
 from .conftest import Served, process_tree, stage_processes, start_serve, stop_serve
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,7 +29,8 @@ recipes:
     model: builtin:tiny-shapes
     stages:
       tokenizer: {address: "127.0.0.1:1"}
-      dit: {address: "127.0.0.1:2", metrics_port: 2, options: {max_steps: 1000}}
+      dit: {address: "127.0.0.1:2", metrics_port: 2,
+            options: {max_steps: 1000, lora_dir: "LORA_DIR", runtime_lora_updates: true}}
       vae: {address: "127.0.0.1:3"}
     defaults: {width: 32, height: 32, num_inference_steps: 4, true_cfg_scale: 4.0,
                negative_prompt: ""}
@@ -36,7 +40,7 @@ recipes:
 @pytest.fixture
 def replicated(tmp_path: Path) -> Iterator[Served]:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE)
+    recipe.write_text(RECIPE.replace("LORA_DIR", str(SHIPPED_LORA_DIR)))
     served = start_serve("--recipes", str(recipe), "--replicas", "dit=2")
     yield served
     if served.process.poll() is None:
@@ -57,10 +61,15 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _image(served: Served, steps: int, seed: int) -> httpx.Response:
+#: A runtime name for the shipped adapter (loaded over REST, not found in lora_dir by it).
+RUNTIME_LORA = "bigger"
+
+
+def _image(served: Served, steps: int, seed: int, lora: str | None = None) -> httpx.Response:
     return httpx.post(f"{served.http_url}/v1/images/generations", timeout=300,
                       json={"prompt": "a red circle", "seed": seed,
-                            "num_inference_steps": steps})
+                            "num_inference_steps": steps,
+                            **({"lora": [{"name": lora}]} if lora else {})})
 
 
 def _dit_rows(served: Served) -> list[dict[str, str]]:
@@ -82,6 +91,9 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
         replicated: Served, wait_until: Callable[..., None]) -> None:
     rows = _dit_rows(replicated)
     assert len(rows) == 2 and {row["health"] for row in rows} == {"SERVING"}
+    loaded = httpx.post(f"{replicated.http_url}/v1/load_lora_adapter", timeout=60,
+                        json={"lora_name": RUNTIME_LORA, "lora_path": NAME})
+    assert loaded.status_code == 200, loaded.text
     victim = rows[0]
     port = victim["address"].rsplit(":", 1)[1]
     pid = _dit_pid(replicated, port)
@@ -107,8 +119,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(
                timeout=180, what="the restarted replica serving")
     assert time.monotonic() - killed_at < 300
     steps_before = _metric(victim, "stagemesh_steps_total")
-    for seed in range(4):  # equal loads take turns: the restarted replica gets some
-        assert _image(replicated, 4, seed).status_code == 200
+    for seed in range(4):  # equal loads take turns: the restarted one gets some, and has it
+        assert _image(replicated, 4, seed, RUNTIME_LORA).status_code == 200
     assert _metric(victim, "stagemesh_steps_total") > steps_before
 
     stages = list(stage_processes(replicated.process.pid))

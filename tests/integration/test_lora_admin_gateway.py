@@ -3,12 +3,14 @@ and /v1/unload_lora_adapter (vLLM's bodies) go to every replica of the DiTs that
 updates, only with an admin key; GET /v1/loras lists what each DiT recipe serves (and the gRPC
 API's LoadLora/UnloadLora/ListLoras do the same, admin keys alike). After each
 change, and when a DiT refuses an adapter its Describe offered, the gateway reads the DiT's
-Describe again, so a request naming an unloaded adapter is a 400 naming `lora`.
+Describe again, so a request naming an unloaded adapter is a 400 naming `lora`. A replica that
+restarts gets the runtime loads back before it takes requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +21,15 @@ import pytest
 from stagemesh.gateway.app import open_gateway
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.http.app import build_rest_app
+from stagemesh.gateway.mesh.balancer import ReplicaSet, ReplicaState
 from stagemesh.gateway.recipes import ImageDefaults, Recipe, StageEndpoint, Task
 from stagemesh.gateway.wire.auth import ApiKeys
 from stagemesh.shared.errors import abort_with, parse_rpc_error
 from stagemesh.shared.proto.v1 import dit_service_pb2
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as gw
+from stagemesh.shared.server import start_server
 from tests.integration.fake_stages import (
+    REGISTER,
     FakeDit,
     FakeTokenizer,
     FakeVae,
@@ -51,6 +56,7 @@ class LoraDit(FakeDit):
     refuses: str = ""
     lora_names: tuple[str, ...] = ("ink",)
     loads: list[str] = field(default_factory=list)
+    not_up: int = 0  # loads first answered UNAVAILABLE (a stage still starting)
 
     async def DescribeDit(self, request: Any, context: Any) -> Any:
         described = await super().DescribeDit(request, context)
@@ -59,6 +65,10 @@ class LoraDit(FakeDit):
 
     async def LoadLoraAdapter(self, request: Any, context: Any) -> Any:
         self.loads.append(request.lora_name)
+        if self.not_up:
+            self.not_up -= 1
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "starting",
+                             reason="UNAVAILABLE")
         if self.refuses and request.lora_path.startswith(self.refuses):
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "lora_path: outside",
                              reason="INVALID_ARGUMENT", field_name="lora_path")
@@ -95,6 +105,8 @@ class Mesh:
     other: LoraDit  # recipe `other`'s DiT: no runtime updates
     client: httpx.AsyncClient  # no key
     core: GatewayCore
+    servers: dict[str, grpc.aio.Server]  # by fake name ("dit-b": the second replica)
+    ports: dict[str, int]
 
     def starts(self) -> int:
         return sum(len(dit.starts) for dit in self.replicas)
@@ -127,7 +139,7 @@ async def mesh() -> AsyncIterator[Mesh]:
             app = build_rest_app(core, KEYS)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                          base_url="http://gw") as client:
-                yield Mesh(replicas, other, client, core)
+                yield Mesh(replicas, other, client, core, servers, ports)
     finally:
         await stop_all(servers)
 
@@ -253,3 +265,47 @@ async def test_the_grpc_api_changes_adapters_with_admin_keys_only(mesh: Mesh) ->
             code, named = await _refusal(rpc(request, metadata=admin))
             assert named == field_name and code in (grpc.StatusCode.INVALID_ARGUMENT,
                                                     grpc.StatusCode.NOT_FOUND), (code, named)
+
+
+async def _until(replicas: ReplicaSet, done: Callable[[], bool]) -> None:
+    """Poll the replicas (as the gateway does every second) until `done()`."""
+    async with asyncio.timeout(20):
+        while not done():
+            await replicas.poll()
+            await asyncio.sleep(0.05)
+
+
+async def _restart_second(mesh: Mesh, fresh: LoraDit) -> ReplicaState:
+    """The second replica of `img`'s DiT stops (the gateway sees it gone) and `fresh`, which
+    has only its `lora_dir`'s adapters, serves on its port with grpc.health, as a restarted
+    stage does; the state the gateway gives it once it answers SERVING again."""
+    replicas = mesh.core.mesh.replica_set(mesh.core.recipes["img"].stages["dit"])
+    second = replicas.replicas[1]
+    await mesh.servers["dit-b"].stop(0)
+    await _until(replicas, lambda: second.state is ReplicaState.UNREACHABLE)
+    served = await start_server(lambda server: REGISTER["dit"](fresh, server),
+                                [dit_service_pb2.DESCRIPTOR.services_by_name["DitService"]
+                                 .full_name], port=mesh.ports["dit-b"])
+    mesh.servers["dit-b"], mesh.replicas[1] = served.server, fresh
+    await _until(replicas, lambda: second.state is not ReplicaState.UNREACHABLE)
+    return second.state
+
+
+async def test_a_replica_that_comes_back_gets_the_runtime_loads_first(mesh: Mesh) -> None:
+    loaded = await _post(mesh, "/v1/load_lora_adapter", {"lora_name": "wax", "lora_path": "wax"})
+    assert loaded.status_code == 200, loaded.text
+    back = LoraDit(not_up=1)
+    # SERVING only once it has the adapter again: a load it could not take yet keeps it out
+    # until a later poll (the first replica never answers health, so the restarted one takes
+    # the next requests)
+    assert await _restart_second(mesh, back) is ReplicaState.SERVING
+    assert back.lora_names == ("ink", "wax") and len(back.loads) >= 2 and back.starts == []
+    assert (await _image(mesh, "wax")).status_code == 200
+    assert len(back.starts) == 1
+    # an unloaded adapter is not put back; one the replica refuses does not keep it out
+    assert (await _post(mesh, "/v1/unload_lora_adapter", {"lora_name": "wax"})).status_code == 200
+    assert (await _post(mesh, "/v1/load_lora_adapter",
+                        {"lora_name": "oil", "lora_path": "oil"})).status_code == 200
+    refusing = LoraDit(refuses="oil")
+    assert await _restart_second(mesh, refusing) is ReplicaState.SERVING
+    assert set(refusing.loads) == {"oil"} and refusing.lora_names == ("ink",)
