@@ -585,7 +585,7 @@ class WhisperTranscriberAdapter:
         """Greedy decode passes over a batch of (audio, prompt), on CTranslate2's thread: one
         pass per window length, since a span's window follows from its own length (so its
         text does not depend on its batch mates)."""
-        windows = [self._window(audio) for audio, _ in spans]
+        windows = [self._window(audio, prompt) for audio, prompt in spans]
         jobs: dict[int, _Job] = {}
         for seconds in sorted(set(windows)):
             members = [i for i, window in enumerate(windows) if window == seconds]
@@ -598,9 +598,12 @@ class WhisperTranscriberAdapter:
                         for i, one in zip(members, running, strict=True))
         return [jobs[i] for i in range(len(spans))]
 
-    def _window(self, audio: Floats) -> int:
+    def _window(self, audio: Floats, prompt: list[int]) -> int:
         """Seconds of window a decode of `audio` hears: the shortest of DECODE_WINDOWS_SECONDS
-        that leaves DECODE_PAD_SECONDS of padding, else Whisper's whole 30 s."""
+        that leaves DECODE_PAD_SECONDS of padding, else Whisper's whole 30 s; the whole 30 s
+        with a caller's prompt (previous text made tiny.en repeat a sentence in 10 s)."""
+        if prompt and prompt[0] == self._token("<|startofprev|>"):
+            return WINDOW_SECONDS
         needed = audio.shape[0] / self.sample_rate + DECODE_PAD_SECONDS
         return next((w for w in DECODE_WINDOWS_SECONDS if w >= needed), WINDOW_SECONDS)
 
