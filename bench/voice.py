@@ -15,7 +15,10 @@ all the time). Per answer, from the client's clock:
 - thinker to first sentence: transcript -> the answer's first transcript delta, which the
   gateway sends as it hands the answer's first piece (its first clause or sentence) to the
   talker;
-- talker + codec: that first transcript delta -> the first `response.output_audio.delta`;
+- talker + codec: that first transcript delta -> the first `response.output_audio.delta`
+  (with the mesh's speculative end of turn, an answer starts at the pause and is held until
+  the turn is confirmed, so these two are what was not yet done at the confirmation: near 0
+  when the held answer already had its first audio);
 - total: last voiced sample -> first audio (p50, p99); the four phases add up to it;
 - barge-in: our voice talks over a long answer 0.5 s after its first audio; the time from
   `speech_started` to the last audio delta received (<= 0: nothing came after it);

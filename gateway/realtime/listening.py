@@ -4,8 +4,10 @@ With server VAD on, the session's audio flows into one `Transcribe` call as it a
 stage runs the VAD: the gateway runs no models); its speech_started / speech_stopped events and
 final segments go to the session's `Turns`. A call carries at most the stage's `max_seconds`
 of audio: before that, or when the client commits, the call gets its final input (the stage
-closes an open segment) and the next audio opens a new call; times stay the session's. With
-VAD off, a commit transcribes the buffered audio in one call (`transcribe_buffer`).
+closes an open segment) and the next audio opens a new call; times stay the session's. A
+partial segment is the open turn's early text (stage option `early_partials`), which the
+session may answer before the turn ends (speculation.py). With VAD off, a commit transcribes
+the buffered audio in one call (`transcribe_buffer`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class Turns(Protocol):
     async def speech_started(self, audio_start_ms: int) -> None: ...
 
     async def speech_stopped(self, audio_end_ms: int) -> None: ...
+
+    async def early_text(self, text: str) -> None: ...
 
     async def heard(self, text: str) -> None: ...
 
@@ -151,6 +155,8 @@ class VadListener:
                         call.offset_ms + response.speech_stopped.audio_end_ms)
                 case "segment" if response.segment.final:
                     await self.turns.heard(response.segment.text.strip())
+                case "segment":  # a pause's early text ("" = withdrawn): likely the final
+                    await self.turns.early_text(response.segment.text.strip())
 
         try:
             async with self.core.request_scope(self.recipe, context) as scope:

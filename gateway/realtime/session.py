@@ -4,8 +4,10 @@ Client events are handled one at a time, in order (`handle`); the Transcriber's 
 on the listening call's task (`Turns`). With server VAD a turn is: speech_started (a new user
 item id; an answer playing is stopped when `interrupt_response`), speech_stopped (the item
 committed and added), its final transcript (`...input_audio_transcription.completed`, item
-done), then, with `create_response`, the answer. The conversation is one history per session;
-each answer is given the newest items that fit the thinker's published limits.
+done), then, with `create_response`, the answer. With the stage's early texts, that answer
+starts at the pause and is held until the turn is confirmed (speculation.py). The
+conversation is one history per session; each answer is given the newest items that fit the
+thinker's published limits.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from stagemesh.gateway.chat.pipeline import prepare_chat
+from stagemesh.gateway.chat.pipeline import ChatJob, prepare_chat
 from stagemesh.gateway.chat.protocol import AudioOutput, ChatRequest, ChatTurn
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import GatewayError
@@ -44,6 +47,7 @@ from stagemesh.gateway.realtime.protocol import (
     text_item,
     user_audio_item,
 )
+from stagemesh.gateway.realtime.speculation import HeldSend, Speculation
 from stagemesh.gateway.recipes import Recipe, Task
 
 log = logging.getLogger(__name__)
@@ -94,13 +98,14 @@ class Conversation:
     def find(self, item_id: str) -> Item | None:
         return next((item for item in self.items if item.id == item_id), None)
 
-    def turns(self, instructions: str, max_messages: int, max_chars: int
-              ) -> tuple[ChatTurn, ...]:
-        """The instructions, then the newest items that fit the thinker's limits."""
+    def turns(self, instructions: str, max_messages: int, max_chars: int,
+              extra: Sequence[Item] = ()) -> tuple[ChatTurn, ...]:
+        """The instructions, then the newest items (and `extra` after them, as if added) that
+        fit the thinker's limits."""
         head = [ChatTurn("system", instructions)] if instructions else []
         budget = max_chars - len(instructions)
         kept: list[ChatTurn] = []
-        for item in reversed(self.items):
+        for item in reversed([*self.items, *extra]):
             text = item.content()
             if not text:
                 continue
@@ -140,6 +145,8 @@ class RealtimeSession:
         self._heard: list[str] = []
         self.answer: Answer | None = None
         self._answering: asyncio.Task[None] | None = None
+        self._speculation: Speculation | None = None  # an answer held until its turn ends
+        self._dropped: set[asyncio.Task[None]] = set()  # dropped speculations, ending
         self.closed = False
 
     @property
@@ -153,10 +160,12 @@ class RealtimeSession:
     async def close(self) -> None:
         """The socket closed: every stage call of the session stops now."""
         self.closed = True  # and no answer starts from a transcript still on its way
-        if self._answering is not None:
-            self._answering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._answering
+        self._drop_speculation()
+        for task in (self._answering, *self._dropped):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._listener is not None:
             await self._listener.close()
 
@@ -189,6 +198,7 @@ class RealtimeSession:
 
     async def _update(self, config: SessionConfig) -> None:
         if _hearing(config) != _hearing(self.config) and self._listener is not None:
+            self._drop_speculation()
             await self._listener.close()  # the next audio opens a call with the new settings
             self._listener = None
         elif self._listener is not None and config.turn_detection is not None:
@@ -242,6 +252,7 @@ class RealtimeSession:
                           item=user_audio_item(item.id, item.text, "completed"))
 
     async def _clear(self) -> None:
+        self._drop_speculation()
         self._buffer, self._buffered = [], 0
         if self._listener is not None:  # VAD: the audio the stage holds is dropped with it
             await self._listener.close()
@@ -269,6 +280,7 @@ class RealtimeSession:
                           audio_end_ms=event.audio_end_ms)
 
     async def _respond(self, event: ResponseCreate) -> None:
+        self._drop_speculation()  # the client answers the conversation its own way
         if self.busy:
             raise RealtimeError("a response is in progress; cancel it first", None,
                                 "conversation_already_has_active_response")
@@ -296,9 +308,18 @@ class RealtimeSession:
         if not any(item.role == "user" and item.text for item in self.conversation.items):
             raise RealtimeError("the conversation has nothing to answer yet", None,
                                 "conversation_empty")
+        job = await self._prepare(config, await self._thinker_turns(config))
+        answer = self.answer = Answer(self.core, job, self.owner, self.send)
+        self._answering = asyncio.create_task(self._run_answer(answer, self._add(answer)))
+
+    async def _thinker_turns(self, config: SessionConfig, extra: Sequence[Item] = ()
+                             ) -> tuple[ChatTurn, ...]:
+        """What the thinker is given: the conversation (and `extra`) within its limits."""
         facts = await self.core.catalog.read(self.core.catalog.thinker, self.recipe)
-        turns = self.conversation.turns(config.instructions, facts.max_messages,
-                                        facts.max_input_chars)
+        return self.conversation.turns(config.instructions, facts.max_messages,
+                                       facts.max_input_chars, extra)
+
+    async def _prepare(self, config: SessionConfig, turns: tuple[ChatTurn, ...]) -> ChatJob:
         try:
             job = await prepare_chat(self.core, self.recipe, ChatRequest(
                 messages=turns, model=self.recipe.name,
@@ -308,17 +329,70 @@ class RealtimeSession:
             param = {"audio.voice": "session.audio.output.voice",
                      "max_tokens": "session.max_output_tokens"}.get(error.field_name or "")
             raise RealtimeError(error.message, param or error.field_name) from None
-        job = dataclasses.replace(job, first_clause=True)  # a turn's answer starts sooner
-        answer = self.answer = Answer(self.core, job, self.owner, self.send)
-        item = Item(answer.item.id, "assistant", answer=answer.item)
-        previous = self.conversation.add(item)
-        self._answering = asyncio.create_task(self._run_answer(answer, previous))
+        return dataclasses.replace(job, first_clause=True)  # a turn's answer starts sooner
+
+    def _add(self, answer: Answer) -> str | None:
+        """The answer's item joins the conversation; returns the item before it."""
+        return self.conversation.add(Item(answer.item.id, "assistant", answer=answer.item))
 
     async def _run_answer(self, answer: Answer, previous: str | None) -> None:
         try:
             await answer.run(previous)
         except Exception:  # the socket went away mid-answer; the session closes
             log.exception("realtime answer %s ended by an error", answer.id)
+
+    # -- speculative end of turn (speculation.py) ------------------------------------------------
+
+    def _may_speculate(self, turn: str | None) -> bool:
+        """A turn is open (not yet stopped), its answer would start by itself, and no other
+        answer runs."""
+        vad = self.config.turn_detection
+        return (vad is not None and vad.create_response and not self.closed and not self.busy
+                and turn is not None and turn == self._turn and self._stopped_at is None)
+
+    async def _speculate(self, text: str) -> None:
+        """Answer the open turn's early text now, held until the turn is confirmed."""
+        turn, config = self._turn, self.config
+        if turn is None:
+            return
+        turns = await self._thinker_turns(config, (Item(turn, "user", text),))
+        try:
+            job = await self._prepare(config, turns)
+        except RealtimeError:
+            return  # the confirmed turn's answer reports it
+        if not self._may_speculate(turn) or self._speculation is not None:
+            return  # the turn moved on while the request was checked
+        gate = HeldSend(self.send)
+        answer = Answer(self.core, job, self.owner, gate)
+        task = asyncio.create_task(self._run_answer(answer, turn))
+        self._speculation = Speculation(text, turns, config, turn, answer, gate, task)
+
+    async def _confirm_speculation(self) -> bool:
+        """The confirmed turn's answer is the held one if that answers exactly this
+        conversation: it joins the conversation and its events leave, in order."""
+        spec, self._speculation = self._speculation, None
+        if spec is None:
+            return False
+        turns = await self._thinker_turns(self.config)
+        if (self.closed or self.busy or spec.answer.stopped()
+                or not spec.answers(turns, self.config, self.conversation.last_id())):
+            self._drop(spec)
+            return False
+        self.answer, self._answering = spec.answer, spec.task
+        self._add(spec.answer)
+        await spec.gate.release()
+        return True
+
+    def _drop_speculation(self) -> None:
+        spec, self._speculation = self._speculation, None
+        if spec is not None:
+            self._drop(spec)
+
+    def _drop(self, spec: Speculation) -> None:
+        """Cancel a speculation: no event of it leaves, nothing of it stays in history."""
+        spec.drop()
+        self._dropped.add(spec.task)
+        spec.task.add_done_callback(self._dropped.discard)
 
     # -- what the Transcriber hears (Turns) ----------------------------------------------------
 
@@ -327,9 +401,18 @@ class RealtimeSession:
         if self.busy and self.answer is not None and (vad is None or vad.interrupt_response):
             self.answer.stop("turn_detected")  # before the event: no delta follows it
         await self._end_turn()  # a stop whose transcript never came
+        self._drop_speculation()
         self._turn, self._heard, self._started_at = new_id("item"), [], audio_start_ms
         await self._event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms,
                           item_id=self._turn)
+
+    async def early_text(self, text: str) -> None:
+        """The open turn's likely transcript, at a pause ("": withdrawn, speech resumed)."""
+        spec = self._speculation
+        if spec is not None and spec.text != text:
+            self._drop_speculation()
+        if text and self._speculation is None and self._may_speculate(self._turn):
+            await self._speculate(text)
 
     async def speech_stopped(self, audio_end_ms: int) -> None:
         turn = self._turn or new_id("item")
@@ -349,13 +432,15 @@ class RealtimeSession:
             await self._end_turn()
 
     async def _end_turn(self) -> None:
-        """The stopped turn's transcript is complete: item done, and the answer."""
+        """The stopped turn's transcript is complete: item done, and the answer (the held
+        one, when it answers exactly this turn)."""
         turn, stopped = self._turn, self._stopped_at
         if turn is None or stopped is None:
             return
         self._turn, self._stopped_at = None, None
         item = self.conversation.find(turn)
         if item is None:
+            self._drop_speculation()
             return
         item.text, self._heard = " ".join(self._heard), []
         await self._transcribed(item, max(0, stopped - self._started_at) / 1000)
@@ -363,12 +448,15 @@ class RealtimeSession:
         if self.busy and self.answer is not None and self.answer.stopped():
             assert self._answering is not None
             await asyncio.wait({self._answering})  # a barged-in answer ends within a step
-        if item.text and vad is not None and vad.create_response and not self.busy:
+        if not (item.text and vad is not None and vad.create_response and not self.busy):
+            self._drop_speculation()
+        elif not await self._confirm_speculation():
             try:
                 await self._start_answer(self.config)
             except RealtimeError as error:
                 await self.send(error.event(), None)
 
     async def listening_failed(self, error: GatewayError) -> None:
+        self._drop_speculation()
         await self.send(RealtimeError(f"listening failed: {error.message}", None,
                                       "transcription_failed").event(), None)

@@ -14,6 +14,9 @@ depend on its batch mates: under greedy decoding a batched answer equals the sol
 running request's cache once a step, about what the cache append itself costs; it keeps the
 step simple and exactly right while requests join and leave between any two tokens.
 
+Prefix caching (`prefix_cache.py`): a prompt that begins like a recent conversation (the
+template's system prompt, a spoken conversation's earlier turns) prefills only what follows.
+
 Sampling is greedy unless the request sets a temperature (a 135M model is unreliable when
 sampled); a sampled request draws from its own seeded `torch.Generator`.
 
@@ -48,6 +51,7 @@ from stagemesh.services.kv_batching import (
     nucleus,
     padding_mask,
 )
+from stagemesh.services.thinker.prefix_cache import DEFAULT_PREFIX_CACHE_TOKENS, PrefixCache
 from stagemesh.shared.devices import CPU_FLOAT32, CpuDtype, Placement
 from stagemesh.shared.engine.adapter import (
     EngineRequest,
@@ -145,7 +149,7 @@ class ThinkerState:
     request_id: str
     sampling: TokenSampling
     max_tokens: int
-    prompt_tokens: int
+    prompt_ids: tuple[int, ...]  # the templated conversation
     generator: torch.Generator | None  # None = greedy
     layers: KvLayers | None
     logits: torch.Tensor | None  # [vocab] logits of the next token
@@ -153,6 +157,10 @@ class ThinkerState:
     token_ids: list[int] = field(default_factory=list)
     text_sent: int = 0  # characters of the decoded answer already streamed
     finish_reason: FinishReason | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -176,6 +184,7 @@ class ThinkerAdapter:
         max_tokens: int = DEFAULT_MAX_TOKENS_LIMIT,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_input_chars: int = DEFAULT_MAX_INPUT_CHARS,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         placement: Placement = CPU_FLOAT32,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -189,6 +198,8 @@ class ThinkerAdapter:
         positions = int(getattr(self._model.config, "max_position_embeddings", 2048))
         self.limits = self._limits(max_prompt_tokens, max_tokens, default_max_tokens,
                                    max_input_chars, positions)
+        self._prefixes = PrefixCache(max(0, prefix_cache_tokens))
+        self._warm_prefix()
 
     @staticmethod
     def _limits(max_prompt_tokens: int, max_tokens: int, default_max_tokens: int,
@@ -271,7 +282,8 @@ class ThinkerAdapter:
 
     @torch.inference_mode()
     def prepare(self, request: EngineRequest[ThinkerInput]) -> ThinkerState:
-        """Prefill: the prompt through the model alone, into the request's own cache."""
+        """Prefill: the prompt (after its longest cached prefix) through the model alone, into
+        the request's own cache."""
         payload = request.payload
         prompt = self.prompt_ids(payload.messages)
         sampling = payload.sampling
@@ -279,11 +291,27 @@ class ThinkerAdapter:
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
             generator = torch.Generator(device=self._model.device).manual_seed(seed)
-        fed = self._forward(torch.tensor([prompt], device=self._model.device), [[]], [0])
+        fed = self._prefill(prompt)
         return ThinkerState(
             request_id=request.request_id, sampling=sampling,
-            max_tokens=self._max_tokens(payload), prompt_tokens=len(prompt),
-            generator=generator, layers=fed[0].layers, logits=fed[0].logits)
+            max_tokens=self._max_tokens(payload), prompt_ids=tuple(prompt),
+            generator=generator, layers=fed.layers, logits=fed.logits)
+
+    def _prefill(self, prompt: list[int]) -> _Fed:
+        """The prompt through the model after its longest cached prefix (all of it on a
+        miss); the prompt is kept for the requests that begin like it."""
+        cached, layers = self._prefixes.longest(prompt)
+        fed = self._forward(torch.tensor([prompt[cached:]], device=self._model.device),
+                            [layers], [cached])[0]
+        self._prefixes.keep(prompt, fed.layers)
+        return fed
+
+    @torch.inference_mode()
+    def _warm_prefix(self) -> None:
+        """Prefill what a conversation without a system message of its own begins with (the
+        template's default system prompt), so that its first turn prefills the rest only."""
+        if self._prefixes.max_tokens:
+            self._prefill(self.prompt_ids([ChatMessage("user", "")]))
 
     def add_input(self, state: ThinkerState, payload: NoStream) -> None:
         assert_never(payload)  # the whole conversation comes with the start
@@ -308,6 +336,8 @@ class ThinkerAdapter:
                              prompt_tokens=state.prompt_tokens)
 
     def release(self, state: ThinkerState) -> None:
+        if state.layers is not None:  # the conversation so far: its next turn starts warm
+            self._prefixes.keep([*state.prompt_ids, *state.token_ids[:-1]], state.layers)
         state.layers = None
         state.logits = None
 

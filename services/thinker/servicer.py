@@ -48,12 +48,13 @@ GenerateTokensWire: TypeAlias = StageWire[
 
 
 class ThinkerLimitOptions(TypedDict, total=False):
-    """The stage's limits: ThinkerAdapter's keyword arguments."""
+    """The stage's limits and its prefix cache's size: ThinkerAdapter's keyword arguments."""
 
     max_prompt_tokens: int
     max_tokens: int
     default_max_tokens: int
     max_input_chars: int
+    prefix_cache_tokens: int
 
 
 def _request(

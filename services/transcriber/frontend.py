@@ -43,12 +43,14 @@ def _hann() -> npt.NDArray[np.float64]:
     return 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic
 
 
-def log_mel(audio: Floats, n_mels: int) -> Floats:
-    """Whisper's input [n_mels, 3000] for up to 30 s of 16 kHz audio, as transformers'
-    `WhisperFeatureExtractor` computes it (zero padding to 30 s, centred reflect-padded STFT),
-    but only over the frames that hold audio: the padding's frames are silence by definition
-    (log10 of the 1e-10 floor), so they are filled in, not computed."""
-    samples = WINDOW_SECONDS * 16_000
+def log_mel(audio: Floats, n_mels: int, seconds: int = WINDOW_SECONDS) -> Floats:
+    """Whisper's input [n_mels, 100 * seconds] for up to `seconds` of 16 kHz audio (3000
+    frames for 30 s, the window Whisper was trained on), as transformers'
+    `WhisperFeatureExtractor` computes it (zero padding to the window, centred reflect-padded
+    STFT), but only over the frames that hold audio: the padding's frames are silence by
+    definition (log10 of the 1e-10 floor), so they are filled in, not computed. A shorter
+    window gives the same frames, less padding."""
+    samples = seconds * 16_000
     frames = samples // HOP
     audio = audio[:samples].astype(np.float64)
     padded = np.zeros(samples)

@@ -72,6 +72,7 @@ class ListeningDefaults(TypedDict, total=False):
     silence_duration_ms: int
     vad_threshold: float
     partial_interval_ms: int
+    early_partials: bool  # a pause's early text as a partial (see TranscribeInput)
 
 
 def _request(defaults: ListeningDefaults, message: pb.TranscribeRequest,
@@ -88,7 +89,8 @@ def _request(defaults: ListeningDefaults, message: pb.TranscribeRequest,
             vad_threshold=start.vad_threshold or defaults.get(
                 "vad_threshold", DEFAULT_VAD_THRESHOLD),
             partial_interval_ms=start.partial_interval_ms or defaults.get(
-                "partial_interval_ms", DEFAULT_PARTIAL_MS)))
+                "partial_interval_ms", DEFAULT_PARTIAL_MS),
+            early_partials=defaults.get("early_partials", False)))
 
 
 def _input(message: pb.TranscribeRequest) -> AudioInput:

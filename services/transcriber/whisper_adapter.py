@@ -17,8 +17,11 @@ started early: once a pause in a segment reaches SPEECH_PAD_MS, the segment as i
 closed there is decoded ("early"); when the pause then lasts `silence_duration_ms`, the
 segment closes on exactly that audio and the early text is its final text (the same samples
 and prompt: the same greedy decode), often ready as the stop is sent. Speech resuming makes it
-stale, and it is dropped. A state has at most one decode in flight; a decode cannot be stopped
-part-way, so a cancelled state's last decode finishes unseen.
+stale, and it is dropped. With `early_partials`, the early text is also sent at once as a
+partial of the open segment (an empty partial withdraws it if speech resumes): a caller can
+start on the likely end of a turn before the pause has lasted. A state has at most one decode
+in flight; a decode cannot be stopped part-way, so a cancelled state's last decode finishes
+unseen.
 
 One step, for each state: take its decode if it finished; classify the whole windows that
 arrived (one detector call) and queue the speech events and closed segments they decide;
@@ -46,6 +49,7 @@ import torch
 from stagemesh.models.families.whisper import WhisperFolder
 from stagemesh.services.transcriber.frontend import (
     VAD_WINDOW,
+    WINDOW_SECONDS,
     SileroVad,
     VadStream,
     log_mel,
@@ -87,6 +91,14 @@ DEFAULT_MAX_SECONDS = 600.0
 #: A step with nothing to do but wait for decodes in flight sleeps this long (rather than spin
 #: the engine's loop): the most a finished decode waits to be seen.
 DECODE_POLL_SECONDS = 0.005
+#: The windows a decode may hear, shortest first, and the padding its audio leaves in one at
+#: least. Whisper was trained on 30 s windows, mostly padding for a spoken turn, and its
+#: encoder's cost grows with its input: a short turn decodes ~4x faster in a 10 s window, with
+#: the same text on our voice (bench questions, the six test sentences, 5-11 s runs of them);
+#: with less than ~5 s of padding (4-8 s windows for a 2-3 s turn, a 5.2 s run in 10 s) it
+#: sometimes repeats its text until `max_length`, so a decode keeps 5.5 s of padding.
+DECODE_WINDOWS_SECONDS = (10, 20, WINDOW_SECONDS)
+DECODE_PAD_SECONDS = 5.5
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,10 @@ class TranscribeInput:
     silence_duration_ms: int = DEFAULT_SILENCE_MS
     vad_threshold: float = DEFAULT_VAD_THRESHOLD
     partial_interval_ms: int = DEFAULT_PARTIAL_MS  # <= 0: no partials
+    #: Send a pause's early text as a partial of its open segment (withdrawn by an empty
+    #: partial if speech resumes), whatever `partial_interval_ms` says: a caller may start
+    #: on it before the turn ends (the realtime route's speculation).
+    early_partials: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,6 +241,7 @@ class TranscribeState:
     decoding: _Decode | None = None
     early: tuple[_Span, _Decoded] | None = None  # the last early decode's span and text
     early_end: int | None = None  # the span end of the last early decode started
+    early_sent: bool = False  # the open segment's early text was sent as a partial
     texts: list[str] = field(default_factory=list)
     steps: int = 0
     decode_seconds: float = 0.0
@@ -433,10 +450,21 @@ class WhisperTranscriberAdapter:
             self._finalize(state, first[0], decode.span, decoded)
         elif decode.kind is _Kind.EARLY:
             state.early = (decode.span, decoded)
+            if state.rule.early_partials and self._pausing_at(state, decode.span):
+                state.queue.append(self._partial(state, decode.span, decoded))
+                state.early_sent = True
         elif state.speech_start == decode.span.start:
-            state.queue.append(self._segment(
-                state, len(state.texts) + _queued_spans(state), decode.span.start,
-                decode.span.end, decoded, False))
+            state.queue.append(self._partial(state, decode.span, decoded))
+
+    def _partial(self, state: TranscribeState, span: _Span, decoded: _Decoded) -> Segment:
+        """A partial text of the open segment (its index follows the closed ones)."""
+        return self._segment(state, len(state.texts) + _queued_spans(state), span.start,
+                             span.end, decoded, False)
+
+    def _pausing_at(self, state: TranscribeState, span: _Span) -> bool:
+        """The open segment is still in the pause that `span` (an early decode) ends in."""
+        return (state.speech_start == span.start and state.silence_since is not None
+                and span.end == state.silence_since + self._samples(SPEECH_PAD_MS))
 
     def _settle(self, state: TranscribeState) -> None:
         """The oldest closed segment takes the early text decoded on exactly its audio."""
@@ -477,12 +505,16 @@ class WhisperTranscriberAdapter:
                     state.queue.append(SpeechStarted(self._ms(at)))
                 continue
             if prob >= rule.vad_threshold:
+                if state.early_sent:
+                    self._withdraw_early(state)
                 state.silence_since = None
             elif prob < rule.vad_threshold - VAD_HYSTERESIS and state.silence_since is None:
                 state.silence_since = at
             if state.silence_since is not None and state.heard - state.silence_since >= silence:
                 self._close(state, state.silence_since, stopped=True)
             elif state.heard - state.speech_start >= longest:  # too long for one window
+                if state.early_sent:
+                    self._withdraw_early(state)
                 state.queue.append(_Span(state.speech_start, state.heard))
                 state.speech_start = state.last_partial = state.heard
                 state.silence_since = None  # a pause is counted within its segment
@@ -497,6 +529,14 @@ class WhisperTranscriberAdapter:
             state.queue.append(_Span(state.speech_start, end))
         state.closed_end = end
         state.speech_start = state.silence_since = None
+        state.early_sent = False  # its final text follows
+
+    def _withdraw_early(self, state: TranscribeState) -> None:
+        """Speech resumed after an early text was sent: an empty partial withdraws it."""
+        assert state.speech_start is not None
+        state.queue.append(self._partial(state, _Span(state.speech_start, state.heard),
+                                         _Decoded("", 0.0)))
+        state.early_sent = False
 
     def _trim(self, state: TranscribeState) -> None:
         """Drop the audio nothing will decode again."""
@@ -542,12 +582,30 @@ class WhisperTranscriberAdapter:
         return decodes
 
     def _generate(self, spans: list[tuple[Floats, list[int]]]) -> list[_Job]:
-        """One greedy decode pass over a batch of (audio, prompt), on CTranslate2's thread."""
-        features = np.stack([log_mel(audio, self.folder.n_mels) for audio, _ in spans])
-        running = self._model.generate(
-            ctranslate2.StorageView.from_array(features), [prompt for _, prompt in spans],
-            beam_size=1, return_no_speech_prob=True, asynchronous=True)
-        return [_Whispered(one, self._tokenizer, features) for one in running]
+        """Greedy decode passes over a batch of (audio, prompt), on CTranslate2's thread: one
+        pass per window length, since a span's window follows from its own length (so its
+        text does not depend on its batch mates)."""
+        windows = [self._window(audio, prompt) for audio, prompt in spans]
+        jobs: dict[int, _Job] = {}
+        for seconds in sorted(set(windows)):
+            members = [i for i, window in enumerate(windows) if window == seconds]
+            features = np.stack([log_mel(spans[i][0], self.folder.n_mels, seconds)
+                                 for i in members])
+            running = self._model.generate(
+                ctranslate2.StorageView.from_array(features), [spans[i][1] for i in members],
+                beam_size=1, return_no_speech_prob=True, asynchronous=True)
+            jobs.update((i, _Whispered(one, self._tokenizer, features))
+                        for i, one in zip(members, running, strict=True))
+        return [jobs[i] for i in range(len(spans))]
+
+    def _window(self, audio: Floats, prompt: list[int]) -> int:
+        """Seconds of window a decode of `audio` hears: the shortest of DECODE_WINDOWS_SECONDS
+        that leaves DECODE_PAD_SECONDS of padding, else Whisper's whole 30 s; the whole 30 s
+        with a caller's prompt (previous text made tiny.en repeat a sentence in 10 s)."""
+        if prompt and prompt[0] == self._token("<|startofprev|>"):
+            return WINDOW_SECONDS
+        needed = audio.shape[0] / self.sample_rate + DECODE_PAD_SECONDS
+        return next((w for w in DECODE_WINDOWS_SECONDS if w >= needed), WINDOW_SECONDS)
 
     def _collect(self, decode: _Decode) -> _Decode:
         """A done decode with its text (kept: a step rerun after a failure reads it again)."""

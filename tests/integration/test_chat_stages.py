@@ -11,6 +11,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -22,7 +23,9 @@ import soundfile
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client import REGISTRY
 
-from stagemesh.gateway.app import GatewayConfig, run_gateway
+from stagemesh.gateway.app import GatewayConfig, open_gateway, run_gateway
+from stagemesh.gateway.realtime.protocol import SessionConfig
+from stagemesh.gateway.realtime.session import RealtimeSession
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.models.registry import resolve_model
 from stagemesh.models.smollm2 import ensure_smollm2
@@ -61,6 +64,7 @@ class Served:
     http_url: str
     grpc_target: str
     thinker: StageBundle
+    recipes: dict[str, Recipe]
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.http_url}/v1", api_key="unused",
@@ -95,7 +99,7 @@ async def served() -> AsyncIterator[Served]:
     gateway = asyncio.create_task(run_gateway(recipes, config, ready, stop))
     await asyncio.wait_for(ready.wait(), 30)
     yield Served(f"http://127.0.0.1:{config.http_port}", f"127.0.0.1:{config.grpc_port}",
-                 running["thinker"][0])
+                 running["thinker"][0], recipes)
     stop.set()
     await gateway
     for bundle, server in running.values():
@@ -207,3 +211,58 @@ async def test_native_rest_chat_streams_ndjson(served: Served) -> None:
     lines = [json.loads(line) for line in response.text.splitlines()]
     assert "Paris" in "".join(line.get("text", "") for line in lines)
     assert lines[-1]["result"]["completion_tokens"] == 8
+
+
+@on_module_loop
+async def test_a_spoken_turn_is_answered_from_its_pause_and_held_until_it_ends(
+        served: Served, wait_until: WaitUntil) -> None:
+    """Realtime speculation over these stages, the Transcriber's events played by the test:
+    an early text whose speech resumes is answered, then dropped without a trace (its thinker
+    call aborted, no event, no history); the next one is answered at once, unseen, and when
+    the turn ends with that text the held answer is the turn's (no second thinker call)."""
+    listen = Recipe(name="listen", task=Task.SPEECH_TO_TEXT, model="unused",
+                    stages={"transcriber": StageEndpoint("transcriber", "127.0.0.1:9")})
+    events: list[dict[str, Any]] = []
+
+    async def send(event: dict[str, Any], unless: Callable[[], bool] | None) -> bool:
+        if unless is not None and unless():
+            return False
+        events.append(event)
+        return True
+
+    def finished(status: str) -> float:
+        return sample("stagemesh_requests_finished_total", "thinker", status=status)
+
+    def kinds() -> list[str]:
+        return [str(event["type"]) for event in events]
+
+    aborted, completed = finished("aborted"), finished("completed")
+    async with open_gateway({**served.recipes, "listen": listen}) as core:
+        session = RealtimeSession(core, core.recipes["smollm2"], "test", send, 10.0)
+        session.config = SessionConfig(max_output_tokens=40)
+        try:
+            await session.speech_started(0)
+            await session.early_text("Tell me about the sea")
+            await wait_until(lambda: not served.thinker_idle(), what="a held answer")
+            await session.early_text("")  # speech resumed: the stage withdrew its text
+            await wait_until(lambda: finished("aborted") == aborted + 1
+                             and served.thinker_idle(), what="the held answer aborted")
+            assert kinds() == ["input_audio_buffer.speech_started"]
+            assert session.conversation.items == []
+
+            await session.early_text(FRANCE_QUESTION)
+            await wait_until(lambda: finished("completed") == completed + 1, timeout=30,
+                             what="the held answer written")
+            assert kinds() == ["input_audio_buffer.speech_started"]
+            await session.speech_stopped(1800)
+            await session.heard(FRANCE_QUESTION)
+            await wait_until(lambda: kinds()[-1] == "response.done", timeout=30)
+        finally:
+            await session.close()
+    assert (kinds().index("conversation.item.input_audio_transcription.completed")
+            < kinds().index("response.created") < kinds().index("response.output_audio.delta"))
+    done = events[-1]["response"]
+    assert done["status"] in ("completed", "incomplete"), done
+    assert "Paris" in done["output"][0]["content"][0]["transcript"], done
+    assert [item.role for item in session.conversation.items] == ["user", "assistant"]
+    assert finished("completed") == completed + 1 and finished("aborted") == aborted + 1

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from stagemesh.models.smollm2 import BUILD_STAMP_FILE, ensure_smollm2
 from stagemesh.services.thinker.causal_lm_adapter import (
@@ -17,6 +19,7 @@ from stagemesh.services.thinker.causal_lm_adapter import (
     ThinkerState,
     TokenSampling,
 )
+from stagemesh.services.thinker.prefix_cache import PrefixCache
 from stagemesh.shared.engine.adapter import EngineRequest, InvalidInputError, StepBudget
 from stagemesh.shared.engine.engine import StepEngine
 from stagemesh.shared.engine.events import Aborted, Partial
@@ -142,3 +145,30 @@ async def test_an_abort_stops_the_answer_at_a_token_boundary(thinker: ThinkerAda
         assert aborted.step_index == tokens and 3 <= tokens <= 4
     finally:
         engine.shutdown()
+
+
+def test_a_next_turn_prefills_only_what_follows_the_conversation_so_far(
+        thinker: ThinkerAdapter, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = thinker.prepare(ask(FRANCE, max_tokens=12, request_id="turn-1"))
+    while not thinker.step([first])[0].finished:
+        pass
+    said = thinker.finish(first).text
+    thinker.release(first)  # the conversation's cache is kept for its next turn
+    follow = EngineRequest(request_id="turn-2", payload=ThinkerInput(messages=(
+        ChatMessage("user", FRANCE), ChatMessage("assistant", said),
+        ChatMessage("user", "And of Italy?")), max_tokens=10))
+    fed: list[int] = []
+    forward = thinker._forward
+
+    def counting(input_ids: torch.Tensor, caches: Any, positions: Any) -> Any:
+        fed.append(int(input_ids.shape[1]))
+        return forward(input_ids, caches, positions)
+
+    monkeypatch.setattr(thinker, "_forward", counting)
+    hot = run(thinker, [follow])[0]
+    prompt = len(thinker.prompt_ids(follow.payload.messages))
+    # The first turn's prompt and answer were not fed again: only the new question's tokens.
+    assert fed[0] <= prompt - first.prompt_tokens - len(first.token_ids) + 2, (fed[0], prompt)
+    # And the answer is the one a cold prefill gives.
+    monkeypatch.setattr(thinker, "_prefixes", PrefixCache(0))
+    assert run(thinker, [follow])[0] == hot

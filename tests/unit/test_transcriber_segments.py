@@ -175,3 +175,17 @@ def test_a_pause_decodes_its_segment_early_and_speech_resuming_makes_that_stale(
     assert decoded_ms == [1024 + SPEECH_PAD_MS, 2304 + SPEECH_PAD_MS]
     assert events == [SpeechStarted(0), SpeechStopped(2304),
                       Segment(0, str(2304 + SPEECH_PAD_MS), 0, 2304 + SPEECH_PAD_MS, True, 0.0)]
+
+
+def test_early_partials_send_a_pauses_text_and_withdraw_it_when_speech_resumes(
+    adapter: WhisperTranscriberAdapter,
+) -> None:
+    events = run(adapter, np.concatenate([voice(1.0), silence(0.3), voice(1.0), silence(1.0)]),
+                 partial_interval_ms=-1, early_partials=True)
+    # Each pause's early text leaves as a partial at once; the first pause ends too soon, and
+    # an empty partial withdraws its text; the second closes on exactly the early audio, so
+    # its final text is the partial's.
+    texts = [(e.index, e.text, e.final) for e in events if isinstance(e, Segment)]
+    assert texts == [(0, str(1024 + SPEECH_PAD_MS), False), (0, "", False),
+                     (0, str(2304 + SPEECH_PAD_MS), False), (0, str(2304 + SPEECH_PAD_MS), True)]
+    assert events[0] == SpeechStarted(0) and events[-2:-1] == [SpeechStopped(2304)]
