@@ -22,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from stagemesh.bench.common import machine_info, markdown_table, write_json
+from stagemesh.bench.common import (
+    BarGroup,
+    machine_info,
+    markdown_table,
+    write_bar_chart,
+    write_json,
+)
 from stagemesh.bench.dtypes import run_request
 from stagemesh.models.registry import resolve_model
 from stagemesh.services.dit.parallel import Degrees, QwenImageFamily, running_group
@@ -86,11 +92,15 @@ def main(argv: list[str] | None = None) -> None:
               "machine": machine_info(), "model": args.model, "size": args.size,
               "steps": args.steps, "threads": args.threads, "rounds": args.rounds,
               "seconds_per_request": results}
-    path = write_json(Path(args.out) / "parallel.json", report)
     base = results.get("one-rank")
     rows = [[arm, f"{ARMS[arm].world} x {max(1, args.threads // ARMS[arm].world)}",
              f"{seconds * 1000:.0f} ms", f"{base / seconds:.2f}x" if base else "-"]
             for arm, seconds in results.items()]
-    log.info("results:\n%s", markdown_table(["arm", "ranks x threads", "per request",
-                                             "speed-up"], rows))
-    log.info("wrote %s", path)
+    report["table"] = markdown_table(["arm", "ranks x threads", "per request", "speed-up"], rows)
+    path = write_json(Path(args.out) / "parallel.json", report)
+    write_bar_chart(Path(args.out) / "parallel.png", [BarGroup(
+        f"one guided request, {args.size} px, {args.steps} steps (best of {args.rounds})",
+        "ms per request", list(results), {"ms": [s * 1000 for s in results.values()]},
+        [row[3] for row in rows])], suptitle=f"stagemesh bench parallel ({args.model})")
+    log.info("results:\n%s", report["table"])
+    log.info("wrote %s and parallel.png", path)
