@@ -30,7 +30,13 @@ from pathlib import Path
 import torch
 from prometheus_client import REGISTRY
 
-from stagemesh.bench.common import machine_info, markdown_table, write_json
+from stagemesh.bench.common import (
+    BarGroup,
+    machine_info,
+    markdown_table,
+    write_bar_chart,
+    write_json,
+)
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.registry import resolve_model
 from stagemesh.services.dit.preview import (
@@ -172,13 +178,19 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "preview_size": args.preview_size, "steps": args.steps, "rounds": args.rounds,
         "decoder_allowed": decoder_paints(model),
         "results": results}
-    path = write_json(Path(args.out) / "preview.json", report)
     rows = [[name, f"{r['median_step_s'] * 1000:.1f} ms", f"{r['step_overhead_pct']:+.1f}%",
              f"{r['preview_s'] * 1000:.2f} ms", f"{r['preview_cost_pct']:.2f}%"]
             for name, r in results.items()]
-    log.info("results:\n%s", markdown_table(
-        ["arm", "median step", "step overhead", "per preview", "preview cost / step"], rows))
-    log.info("wrote %s", path)
+    report["table"] = markdown_table(
+        ["arm", "median step", "step overhead", "per preview", "preview cost / step"], rows)
+    path = write_json(Path(args.out) / "preview.json", report)
+    write_bar_chart(Path(args.out) / "preview.png", [BarGroup(
+        f"{args.model} at {args.size} px, {args.steps} steps", "ms per step (median)",
+        list(results), {"step": [r["median_step_s"] * 1000 for r in results.values()]},
+        [f"{r['preview_cost_pct']:.1f}%" for r in results.values()])],
+        suptitle="stagemesh bench preview (label: preview cost / step)")
+    log.info("results:\n%s", report["table"])
+    log.info("wrote %s and preview.png", path)
     return report
 
 

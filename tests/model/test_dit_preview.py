@@ -245,4 +245,4 @@ def test_the_cost_bench_dry_run_times_each_painter_against_the_step(tmp_path: Pa
         assert results[arm]["preview_s"] > 0  # timed by the stage's own histogram
         assert results[arm]["preview_cost_pct"] > 0
     assert results["off"]["preview_s"] == 0 and results["off"]["median_step_s"] > 0
-    assert (tmp_path / "preview.json").is_file()
+    assert (tmp_path / "preview.json").is_file() and (tmp_path / "preview.png").is_file()
