@@ -18,7 +18,6 @@ from typing import Protocol
 import grpc
 
 from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
-from stagemesh.gateway.loras.runtime import RuntimeLoras
 from stagemesh.gateway.mesh.calls import (
     CancelOutcome,
     CancelScope,
@@ -29,6 +28,7 @@ from stagemesh.gateway.mesh.calls import (
     new_request_id,
     stage_request_id,
 )
+from stagemesh.gateway.mesh.runtime_loras import RuntimeLoras
 from stagemesh.gateway.mesh.stages import (
     LORA_FIELD,
     Mesh,

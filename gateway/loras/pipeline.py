@@ -5,7 +5,7 @@ DiT that publishes `runtime_lora_updates`); each DiT's Describe is read again af
 the next request is checked against the new names. A load that fails on one replica is undone
 on those where it took (replicas of one stage must serve the same names); an unload is done
 where a replica knows the name. The gateway remembers what it loaded, per DiT address, and puts
-it back on a replica that serves again after a restart (gateway/loras/runtime.py).
+it back on a replica that serves again after a restart (gateway/mesh/runtime_loras.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import grpc
 from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.errors import GatewayError, InvalidRequest, StageUnavailable
 from stagemesh.gateway.loras.protocol import LoraUpdate
-from stagemesh.gateway.loras.runtime import UPDATE_TIMEOUT_S
 from stagemesh.gateway.mesh.balancer import Replica
+from stagemesh.gateway.mesh.runtime_loras import UPDATE_TIMEOUT_S
 from stagemesh.gateway.mesh.stubs import dit_stub
 from stagemesh.gateway.recipes import Recipe, StageEndpoint
 from stagemesh.shared.errors import parse_rpc_error

@@ -11,7 +11,7 @@ its engine died), that reports it drains, or that cannot be reached gets nothing
 poll finds it serving again. Equal loads take turns.
 
 A replica that serves again (restarted, or new) first gets what was set on its stage at run
-time: the `on_back` callbacks (the gateway's runtime LoRA loads, gateway/loras/runtime.py) are
+time: the `on_back` callbacks (the gateway's runtime LoRA loads, gateway/mesh/runtime_loras.py) are
 awaited before the poll marks it SERVING, so a restarted replica takes no request that needs
 them before it has them.
 
