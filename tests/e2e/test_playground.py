@@ -289,10 +289,15 @@ def test_a_question_asked_into_the_microphone_is_heard_answered_and_played(
     assert tab.evaluate("document.activeElement.id") == "chat-hangup"  # keyboard follows
     question = "#chat-log li.user[data-spoken]"
     tab.wait_for_selector(question, timeout=WAIT_MS)
-    assert "capital" in tab.inner_text(question).lower()
+    heard = tab.inner_text(question).lower()
+    assert "capital" in heard
     answer = "#chat-log li.assistant[data-spoken][data-complete]"
     tab.wait_for_selector(answer, timeout=WAIT_MS)
-    assert "Paris" in tab.inner_text(answer)
+    # The answer answers what was heard. A loaded machine's fake microphone can cost
+    # whisper-tiny a word (a CI run heard "the capital of friends"); hearing our voice exactly
+    # is test_serve_realtime's check, which sends the same audio without a browser between.
+    said = tab.inner_text(answer)
+    assert ("Paris" if "france" in heard else "capital") in said, (heard, said)
     scheduled = tab.get_attribute("#chat-call", "data-scheduled-seconds")
     assert scheduled is not None and float(scheduled) >= 1.0, scheduled
     assert tab.get_attribute("#chat-call", "data-state") == "listening"
