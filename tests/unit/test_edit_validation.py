@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -262,6 +263,22 @@ class _Unstarted(Mesh):
         return cast(grpc.aio.Channel, object())
 
 
+async def _closed_under_it(channel: grpc.aio.Channel) -> object:
+    """A Describe whose channel a balancer closed under it."""
+    raise asyncio.CancelledError()
+
+
+def _waits_after(gate: asyncio.Event) -> Callable[[grpc.aio.Channel], Awaitable[object]]:
+    """A Describe that sets `gate` and then never answers."""
+
+    async def waits(channel: grpc.aio.Channel) -> object:
+        gate.set()
+        await asyncio.Event().wait()
+        return None
+
+    return waits
+
+
 async def test_a_describe_cancelled_under_the_request_is_a_503_naming_the_stage() -> None:
     """A replica's channel closed during a Describe (the balancer replaces a failed one) ends
     the call with a CancelledError though nobody cancelled the request: a 503, not a crash.
@@ -271,17 +288,9 @@ async def test_a_describe_cancelled_under_the_request_is_a_503_naming_the_stage(
                                                                              "vae"), 1)})
     catalog = StageCatalog(_Unstarted({"r": recipe}))
     gate = asyncio.Event()
-
-    async def closed_under_it(channel: grpc.aio.Channel) -> object:
-        raise asyncio.CancelledError()
-
-    async def waits(channel: grpc.aio.Channel) -> object:
-        gate.set()
-        await asyncio.Event().wait()
-        return None
-
+    waits = _waits_after(gate)
     with pytest.raises(StageUnavailable, match=r"vae stage at 127\.0\.0\.1:3 is unavailable"):
-        await catalog.read(DescribeCache("vae", closed_under_it), recipe)
+        await catalog.read(DescribeCache("vae", _closed_under_it), recipe)
     reading = asyncio.create_task(catalog.read(DescribeCache("vae", waits), recipe))
     await gate.wait()
     reading.cancel()
@@ -296,16 +305,8 @@ async def test_a_stage_list_row_whose_describe_is_cancelled_under_it_is_unreadab
     endpoint = StageEndpoint("dit", "127.0.0.1:2")
     catalog = StageCatalog(_Unstarted({"r": Recipe("r", Task.IMAGE_EDIT, "m", {"dit": endpoint})}))
     gate = asyncio.Event()
-
-    async def closed_under_it(channel: grpc.aio.Channel) -> object:
-        raise asyncio.CancelledError()
-
-    async def waits(channel: grpc.aio.Channel) -> object:
-        gate.set()
-        await asyncio.Event().wait()
-        return None
-
-    catalog.dit = cast(Any, DescribeCache("dit", closed_under_it))
+    waits = _waits_after(gate)
+    catalog.dit = cast(Any, DescribeCache("dit", _closed_under_it))
     assert await catalog.answer(endpoint) is None
     catalog.dit = cast(Any, DescribeCache("dit", waits))
     reading = asyncio.create_task(catalog.answer(endpoint))
