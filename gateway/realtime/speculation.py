@@ -1,7 +1,8 @@
 """Speculative end of turn: a turn's answer starts at the pause, before the turn is confirmed.
 
 With server VAD, the Transcriber decodes an open turn early, once its pause reaches 200 ms,
-and (stage option `early_partials`) sends that text as a partial: it is the turn's final text
+and (`TranscribeStart.early_partials`, which the session's listening call sets) sends that
+text as a partial: it is the turn's final text
 if the pause lasts `silence_duration_ms`. The session answers it at once, as it would answer
 the confirmed turn, but *held*: every event the answer produces (response.created, the
 transcript and audio deltas, ...) is kept back, the answer's item is not in the conversation,
