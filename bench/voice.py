@@ -24,6 +24,21 @@ all the time). Per answer, from the client's clock:
   `speech_started` to the last audio delta received (<= 0: nothing came after it);
 - transcription real-time factor: the listener's time for a recorded question / its duration.
 
+Where the time goes, in units that do not depend on the machine's load (per turn, and summed
+up per level):
+
+- `vad_lag_ms`: audio from the last voiced sample to where the listener says the pause began
+  (`speech_stopped.audio_end_ms`); the turn ends `silence_duration_ms` of audio after that, and
+  the VAD wait is that plus the microphone's chunking and one step;
+- `first_piece` and `first_piece_tokens`: the answer's first spoken piece (the first transcript
+  delta) and its length in thinker tokens (the thinker's own tokenizer): what the thinker
+  writes before the talker starts;
+- `speculative_answers` / `answers_at_confirmation`, `speculations_dropped` and
+  `speculation_lead_s_mean` (the gateway's /metrics, before and after the level): how many
+  turns' answers started at the pause (a held answer), and how much audio the session received
+  between such an answer's start and its turn's confirmation (the thinker's head start);
+  these count every turn of the level (the barge-in's question and interruption too).
+
 The machine's load average is recorded before and after (other work skews every timing).
 `--dry-run` checks the report and the chart with made-up samples, starting nothing.
 """
@@ -33,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import io
 import itertools
 import json
@@ -52,6 +68,8 @@ from stagemesh.bench.common import (
     BarGroup,
     machine_info,
     markdown_table,
+    metric_value,
+    parse_metrics,
     recipe_file_with_companions,
     serve_mesh,
     summarize,
@@ -86,6 +104,15 @@ class Turn:
     thinker_first_sentence: float
     talker_codec: float
     total: float
+
+
+@dataclass(frozen=True)
+class TurnFacts:
+    """What an answered question's time was made of, in load-independent units."""
+
+    vad_lag_ms: int
+    first_piece: str
+    first_piece_tokens: int = 0  # filled in by the level's report
 
 
 def record(client: httpx.Client, text: str) -> Pcm16:
@@ -125,8 +152,10 @@ class _Client:
         self.socket = socket
         self.events: list[tuple[float, dict[str, Any]]] = []
         self._arrived = asyncio.Event()
-        #: Audio to say, with the future of the clock time its last voiced sample is spoken.
-        self._speaking: asyncio.Queue[tuple[Pcm16, asyncio.Future[float]]] = asyncio.Queue()
+        #: Audio to say, with the future of when its last voiced sample is spoken: the clock
+        #: time, and the session audio's millisecond.
+        self._speaking: asyncio.Queue[tuple[Pcm16, asyncio.Future[tuple[float, int]]]] = (
+            asyncio.Queue())
 
     async def receive(self) -> None:
         async for message in self.socket:
@@ -143,7 +172,8 @@ class _Client:
             at = tick * size  # the stream's sample where this chunk starts
             if not pending.size and not self._speaking.empty():
                 pending, spoken = self._speaking.get_nowait()
-                spoken.set_result(started + (at + last_voiced(pending)) / RATE)
+                voiced = at + last_voiced(pending)
+                spoken.set_result((started + voiced / RATE, voiced * 1000 // RATE))
             chunk = pending[:size] if pending.size else np.zeros(size, np.int16)
             pending = pending[size:]
             chunk = np.concatenate([chunk, np.zeros(size - chunk.shape[0], np.int16)])
@@ -152,10 +182,10 @@ class _Client:
                                                "audio": base64.b64encode(chunk.tobytes())
                                                .decode()}))
 
-    async def say(self, pcm: Pcm16) -> float:
-        """Queue `pcm` for the microphone; the clock time of its last voiced sample (in the
-        future while it is still being said)."""
-        spoken: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    async def say(self, pcm: Pcm16) -> tuple[float, int]:
+        """Queue `pcm` for the microphone; the clock time and the session audio's millisecond
+        of its last voiced sample (in the future while it is still being said)."""
+        spoken: asyncio.Future[tuple[float, int]] = asyncio.get_running_loop().create_future()
         await self._speaking.put((pcm, spoken))
         return await spoken
 
@@ -168,18 +198,20 @@ class _Client:
             self._arrived.clear()
             await asyncio.wait_for(self._arrived.wait(), 120)
 
-    async def ask(self, pcm: Pcm16) -> Turn:
+    async def ask(self, pcm: Pcm16) -> tuple[Turn, TurnFacts]:
         mark = len(self.events)
-        voiced = await self.say(pcm)
-        _, stopped = await self.until("input_audio_buffer.speech_stopped", mark)
+        voiced, voiced_ms = await self.say(pcm)
+        stop, stopped = await self.until("input_audio_buffer.speech_stopped", mark)
         _, heard = await self.until(
             "conversation.item.input_audio_transcription.completed", mark)
         index, sentence = await self.until("response.output_audio_transcript.delta", mark)
         _, audio = await self.until("response.output_audio.delta", mark)
         await self.until("response.done", index)
+        facts = TurnFacts(vad_lag_ms=int(self.events[stop][1]["audio_end_ms"]) - voiced_ms,
+                          first_piece=str(self.events[index][1]["delta"]))
         return Turn(vad_wait=stopped - voiced, transcription=heard - stopped,
                     thinker_first_sentence=sentence - heard, talker_codec=audio - sentence,
-                    total=audio - voiced)
+                    total=audio - voiced), facts
 
     async def barge_in(self, question: Pcm16, interruption: Pcm16) -> float:
         """Talk over a long answer; seconds from speech_started to the last audio delta."""
@@ -196,7 +228,7 @@ class _Client:
 
 
 async def session(base_url: str, questions: list[Pcm16], long: Pcm16,
-                  interruption: Pcm16) -> tuple[list[Turn], float]:
+                  interruption: Pcm16) -> tuple[list[tuple[Turn, TurnFacts]], float]:
     from websockets.asyncio.client import connect
 
     url = base_url.replace("http://", "ws://") + f"/v1/realtime?model={RECIPE_NAME}"
@@ -217,31 +249,81 @@ async def session(base_url: str, questions: list[Pcm16], long: Pcm16,
 
 
 async def run_level(base_url: str, concurrency: int, questions: list[Pcm16], long: Pcm16,
-                    interruption: Pcm16) -> dict[str, Any]:
+                    interruption: Pcm16) -> tuple[list[tuple[Turn, TurnFacts]], list[float]]:
     results = await asyncio.gather(*(session(base_url, questions, long, interruption)
                                      for _ in range(concurrency)))
-    turns = [turn for session_turns, _ in results for turn in session_turns]
-    return level_report(concurrency, turns, [trail for _, trail in results])
+    return [turn for turns, _ in results for turn in turns], [trail for _, trail in results]
 
 
-def level_report(concurrency: int, turns: list[Turn], trails: list[float]) -> dict[str, Any]:
+#: The gateway's speculation metrics (gateway/realtime/speculation.py), by report key.
+SPECULATION_METRICS = {
+    "speculative_answers": ("stagemesh_realtime_turn_answers_total", {"speculative": "true"}),
+    "answers_at_confirmation": ("stagemesh_realtime_turn_answers_total",
+                                {"speculative": "false"}),
+    "speculations_dropped": ("stagemesh_realtime_speculations_dropped_total", {}),
+    "lead_sum": ("stagemesh_realtime_speculation_lead_seconds_sum", {}),
+    "lead_count": ("stagemesh_realtime_speculation_lead_seconds_count", {}),
+}
+
+
+def speculation_counts(client: httpx.Client) -> dict[str, float]:
+    response = client.get("/metrics")
+    response.raise_for_status()
+    samples = parse_metrics(response.text)
+    return {key: metric_value(samples, name, recipe=RECIPE_NAME, **labels)
+            for key, (name, labels) in SPECULATION_METRICS.items()}
+
+
+def speculation_report(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    delta = {key: after[key] - before[key] for key in SPECULATION_METRICS}
+    lead = delta.pop("lead_sum") / delta["lead_count"] if delta["lead_count"] else None
+    del delta["lead_count"]
+    return {**{key: int(value) for key, value in delta.items()}, "speculation_lead_s_mean": lead}
+
+
+def level_report(concurrency: int, turns: list[tuple[Turn, TurnFacts]], trails: list[float],
+                 speculation: dict[str, Any]) -> dict[str, Any]:
+    timings = [asdict(turn) for turn, _ in turns]
+    facts = [asdict(fact) for _, fact in turns]
     return {"concurrency": concurrency,
-            **{phase: summarize([asdict(t)[phase] for t in turns]) for phase in PHASES},
-            "barge_in_last_delta_s": summarize(trails)}
+            **{phase: summarize([t[phase] for t in timings]) for phase in PHASES},
+            "barge_in_last_delta_s": summarize(trails),
+            "vad_lag_ms": summarize([f["vad_lag_ms"] for f in facts]),
+            "first_piece_tokens": summarize([f["first_piece_tokens"] for f in facts]),
+            **speculation,
+            "turns": [{**t, **f} for t, f in zip(timings, facts, strict=True)]}
 
 
 def dry_results(levels: list[int]) -> dict[str, Any]:
     """Made-up samples of the right shape (--dry-run)."""
-    turn = Turn(0.55, 0.2, 0.3, 0.1, 1.15)
-    return {f"c{c}": level_report(c, [turn] * 3 * c, [0.0] * c) for c in levels}
+    turn = (Turn(0.55, 0.2, 0.3, 0.1, 1.15), TurnFacts(40, "The capital of France", 4))
+    counts = dict.fromkeys(SPECULATION_METRICS, 0.0)
+    return {f"c{c}": level_report(c, [turn] * 3 * c, [0.0] * c,
+                                  speculation_report(counts, counts)) for c in levels}
+
+
+def with_token_counts(turns: list[tuple[Turn, TurnFacts]]) -> list[tuple[Turn, TurnFacts]]:
+    """Each first piece's length in the thinker's tokens (its own tokenizer, from the model
+    folder the mesh serves)."""
+    from transformers import AutoTokenizer
+
+    from stagemesh.models.smollm2 import ensure_smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2())
+    return [(turn, dataclasses.replace(facts, first_piece_tokens=len(tokenizer.encode(
+        facts.first_piece, add_special_tokens=False)))) for turn, facts in turns]
 
 
 def table(results: dict[str, Any]) -> str:
     rows = [[r["concurrency"], *(f"{r[p]['p50']:.3f}" for p in PHASES),
-             f"{r['total']['p99']:.3f}", f"{r['barge_in_last_delta_s']['max']:.3f}"]
+             f"{r['total']['p99']:.3f}", f"{r['barge_in_last_delta_s']['max']:.3f}",
+             f"{r['vad_lag_ms']['p50']:.0f}", f"{r['first_piece_tokens']['p50']:.0f}",
+             f"{r['speculative_answers']} of "
+             f"{r['speculative_answers'] + r['answers_at_confirmation']}"]
             for r in results.values()]
     return markdown_table(["concurrency", *(f"{p} p50 s" for p in PHASES), "total p99 s",
-                           "barge-in last delta max s"], rows)
+                           "barge-in last delta max s", "VAD lag p50 ms",
+                           "first piece tokens p50", "speculative answers"], rows)
 
 
 def chart(path: Path, results: dict[str, Any], title: str) -> Path:
@@ -262,10 +344,17 @@ def measure(base_url: str, levels: list[int]) -> tuple[dict[str, Any], float]:
         rtf = transcription_rtf(client, questions[0])
     results = {}
     for concurrency in levels:
-        results[f"c{concurrency}"] = asyncio.run(run_level(base_url, concurrency, questions,
-                                                           long, interruption))
-        log.info("c=%d: last voiced sample to first audio p50 %.3f s", concurrency,
-                 results[f"c{concurrency}"]["total"]["p50"])
+        with httpx.Client(base_url=base_url, timeout=30) as client:
+            before = speculation_counts(client)
+            turns, trails = asyncio.run(run_level(base_url, concurrency, questions, long,
+                                                  interruption))
+            speculation = speculation_report(before, speculation_counts(client))
+        report = level_report(concurrency, with_token_counts(turns), trails, speculation)
+        results[f"c{concurrency}"] = report
+        log.info("c=%d: last voiced sample to first audio p50 %.3f s; %d of %d answers "
+                 "speculative", concurrency, report["total"]["p50"],
+                 report["speculative_answers"],
+                 report["speculative_answers"] + report["answers_at_confirmation"])
     return results, rtf
 
 

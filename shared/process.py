@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 #: The stages whose compute is most of a request's time: each gets every core this process may
 #: use. The others (tokenizer, vae, codec) run short, light work on one thread, so that they
-#: never take cores from a heavy stage that shares the machine.
-HEAVY_STAGES = frozenset({"dit", "talker", "thinker"})
+#: never take cores from a heavy stage that shares the machine. The transcriber's decode of a
+#: turn is a spoken answer's critical path (it must end inside the turn's closing pause for the
+#: answer to start early), and it rarely overlaps the thinker's work on the same turn.
+HEAVY_STAGES = frozenset({"dit", "talker", "thinker", "transcriber"})
 THREADS_ENV = "STAGEMESH_THREADS"
 #: Set by `stagemesh serve` for its children: the pid they must not outlive.
 PARENT_PID_ENV = "STAGEMESH_PARENT_PID"

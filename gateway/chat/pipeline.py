@@ -5,10 +5,11 @@ audio output, a SentenceSplitter cuts the text into pieces as it arrives, and ea
 piece is spoken through the speech recipe's own pipeline (`speech.pipeline.speak`) while the
 thinker keeps writing: the first piece's audio leaves long before the answer ends. Pieces are
 sentences; with `first_clause` (the realtime route's turns) the first piece is the answer's
-first clause (a few words up to a comma, or a capped number of words), so the voice starts
-after a handful of tokens, and the later ones stay whole sentences, for their prosody, written
-while the first one plays. Pieces are spoken one after another, in order, so the audio is one
-continuous stream; each is announced (`SpokenText`) as it goes to the talker.
+first clause (a few words up to a comma or a verb, its first sentence if shorter, or a capped
+number of words), so the voice starts after a handful of tokens, and the later ones stay whole
+sentences, for their prosody, written while the first one plays. Pieces are spoken one after
+another, in order, so the audio is one continuous stream; each is announced (`SpokenText`) as
+it goes to the talker.
 
 Every stage call (the thinker's and each piece's talker and codec) runs under the request's
 one CancelScope: a cancel by id, a passed deadline or a client that goes away stops all of them
@@ -46,11 +47,18 @@ if TYPE_CHECKING:  # the async stub class exists only in the generated .pyi file
 
 #: A sentence longer than this is cut at a space: the talker starts sooner, and stays bounded.
 MAX_SENTENCE_CHARS = 300
-#: An answer's first piece ends at a clause mark once it has FIRST_CLAUSE_WORDS words, or at a
-#: space once it has FIRST_PIECE_MAX_WORDS, whichever comes first (else at its sentence's end):
-#: the voice starts after a few tokens instead of a whole sentence's.
+#: An answer's first piece ends at a clause mark once it has FIRST_CLAUSE_WORDS words, before
+#: the verb or conjunction that follows that many (_BREAK_WORDS: "The capital of France | is
+#: Paris."), at a space once it has FIRST_PIECE_MAX_WORDS, or at its sentence's end as soon as
+#: the mark is written, whichever comes first: the voice starts after a few tokens instead of a
+#: whole sentence's (a spoken answer's first sentence is often 7-9 tokens, its subject 4-6).
 FIRST_CLAUSE_WORDS = 3
 FIRST_PIECE_MAX_WORDS = 8
+#: Words a first piece may end before, once FIRST_CLAUSE_WORDS words precede them (after a
+#: word that is not itself a leading one): where a spoken sentence's subject meets its verb, or
+#: a clause begins, a listener hears a natural break.
+_BREAK_WORDS = ("is", "are", "was", "were", "has", "have", "had", "will", "would", "can",
+                "could", "should", "must", "may", "might", "but", "because", "which", "who")
 #: Words a capped first piece does not end on (its voice would fall mid-phrase): the cut moves
 #: before them ("... lies | in the spider's anatomy", not "... lies in | the spider's ...").
 _LEADING_WORDS = frozenset({
@@ -196,6 +204,12 @@ _SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s)|\n+")
 _CLAUSE_END = re.compile(r"[,;:]+[\"')\]]*(?=\s)|(?<=\s)(?:-+|\u2013|\u2014)(?=\s)")
 #: A word followed by a space: the first piece's cap counts these.
 _WORD = re.compile(r"\S+(?=\s)")
+#: The space before a break word (one still being written may grow: "is" + "land" only moves
+#: the cut, never a word).
+_BREAK = re.compile(r"\s+(?=(?:" + "|".join(_BREAK_WORDS) + r")\b)")
+#: A sentence mark that ends the text written so far (a first piece need not wait for what
+#: follows it).
+_END_OF_TEXT = re.compile(r"[.!?]+[\"')\]]*$")
 
 
 class SentenceSplitter:
@@ -232,7 +246,7 @@ class SentenceSplitter:
         if self._first:
             cuts += [match.end() for match in _CLAUSE_END.finditer(self._text)
                      if len(self._text[:match.start()].split()) >= FIRST_CLAUSE_WORDS][:1]
-            cuts += self._capped_cut()
+            cuts += self._break_cut() + self._capped_cut() + self._written_end()
         if cuts:
             return min(cuts)
         if len(self._text) > self.max_chars:
@@ -240,6 +254,25 @@ class SentenceSplitter:
             return space if space > 0 else self.max_chars
         return None
 
+
+    def _break_cut(self) -> list[int]:
+        """Before the first break word that follows FIRST_CLAUSE_WORDS words, the last of which
+        does not lead into it ("the one that | is" would)."""
+        for match in _BREAK.finditer(self._text):
+            words = self._text[:match.start()].split()
+            if (len(words) >= FIRST_CLAUSE_WORDS
+                    and words[-1].lower().strip("\"'()[]") not in _LEADING_WORDS):
+                return [match.start()]
+        return []
+
+    def _written_end(self) -> list[int]:
+        """The sentence mark that ends the text so far, unless what follows could continue it:
+        a number's point ("3" + ".5") or a one-letter abbreviation ("e." + "g.")."""
+        match = _END_OF_TEXT.search(self._text)
+        if match is None or not _is_end(self._text, match.start()):
+            return []
+        words = self._text[:match.start()].split()
+        return [match.end()] if words and len(words[-1]) > 1 else []
 
     def _capped_cut(self) -> list[int]:
         """Where the first piece ends for want of a mark: after FIRST_PIECE_MAX_WORDS words,

@@ -5,8 +5,8 @@ stage runs the VAD: the gateway runs no models); its speech_started / speech_sto
 final segments go to the session's `Turns`. A call carries at most the stage's `max_seconds`
 of audio: before that, or when the client commits, the call gets its final input (the stage
 closes an open segment) and the next audio opens a new call; times stay the session's. A
-partial segment is the open turn's early text (stage option `early_partials`), which the
-session may answer before the turn ends (speculation.py). With VAD off, a commit transcribes
+partial segment is the open turn's early text (the call asks for it: `early_partials`), which
+the session may answer before the turn ends (speculation.py). With VAD off, a commit transcribes
 the buffered audio in one call (`transcribe_buffer`).
 """
 
@@ -142,7 +142,7 @@ class VadListener:
     async def _run(self, call: _Call, rate: int) -> None:
         context = RequestContext(new_id("listen"), CALL_TIMEOUT_S, self.owner)
         start = pb.TranscribeStart(
-            sample_rate=rate, vad=pb.VAD_MODE_ON, partial_interval_ms=-1,
+            sample_rate=rate, vad=pb.VAD_MODE_ON, partial_interval_ms=-1, early_partials=True,
             silence_duration_ms=self.vad.silence_duration_ms, vad_threshold=self.vad.threshold)
 
         async def on_event(stage: str, response: pb.TranscribeResponse) -> None:

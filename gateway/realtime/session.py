@@ -47,7 +47,13 @@ from stagemesh.gateway.realtime.protocol import (
     text_item,
     user_audio_item,
 )
-from stagemesh.gateway.realtime.speculation import HeldSend, Speculation
+from stagemesh.gateway.realtime.speculation import (
+    SPECULATION_LEAD,
+    SPECULATIONS_DROPPED,
+    TURN_ANSWERS,
+    HeldSend,
+    Speculation,
+)
 from stagemesh.gateway.recipes import Recipe, Task
 
 log = logging.getLogger(__name__)
@@ -365,7 +371,12 @@ class RealtimeSession:
         gate = HeldSend(self.send)
         answer = Answer(self.core, job, self.owner, gate)
         task = asyncio.create_task(self._run_answer(answer, turn))
-        self._speculation = Speculation(text, turns, config, turn, answer, gate, task)
+        self._speculation = Speculation(text, turns, config, turn, answer, gate, task,
+                                        self._heard_samples())
+
+    def _heard_samples(self) -> int:
+        """Session audio the listener has received, at PCM_RATE."""
+        return self._listener.received if self._listener is not None else 0
 
     async def _confirm_speculation(self) -> bool:
         """The confirmed turn's answer is the held one if that answers exactly this
@@ -380,6 +391,8 @@ class RealtimeSession:
             return False
         self.answer, self._answering = spec.answer, spec.task
         self._add(spec.answer)
+        SPECULATION_LEAD.labels(self.recipe.name).observe(
+            (self._heard_samples() - spec.heard_samples) / PCM_RATE)
         await spec.gate.release()
         return True
 
@@ -391,6 +404,7 @@ class RealtimeSession:
     def _drop(self, spec: Speculation) -> None:
         """Cancel a speculation: no event of it leaves, nothing of it stays in history."""
         spec.drop()
+        SPECULATIONS_DROPPED.labels(self.recipe.name).inc()
         self._dropped.add(spec.task)
         spec.task.add_done_callback(self._dropped.discard)
 
@@ -450,11 +464,15 @@ class RealtimeSession:
             await asyncio.wait({self._answering})  # a barged-in answer ends within a step
         if not (item.text and vad is not None and vad.create_response and not self.busy):
             self._drop_speculation()
-        elif not await self._confirm_speculation():
+        elif await self._confirm_speculation():
+            TURN_ANSWERS.labels(self.recipe.name, "true").inc()
+        else:
             try:
                 await self._start_answer(self.config)
             except RealtimeError as error:
                 await self.send(error.event(), None)
+            else:
+                TURN_ANSWERS.labels(self.recipe.name, "false").inc()
 
     async def listening_failed(self, error: GatewayError) -> None:
         self._drop_speculation()

@@ -1,8 +1,9 @@
 """Speculative end of turn: a turn's answer starts at the pause, before the turn is confirmed.
 
-With server VAD, the Transcriber decodes an open turn early, once its pause reaches 200 ms,
-and (stage option `early_partials`) sends that text as a partial: it is the turn's final text
-if the pause lasts `silence_duration_ms`. The session answers it at once, as it would answer
+With server VAD, the Transcriber decodes an open turn early, once its pause reaches 100 ms
+(the audio a close keeps after it), and (`TranscribeStart.early_partials`, which the session's
+listening call sets) sends that text as a partial: it is the turn's final text if the pause
+lasts `silence_duration_ms`. The session answers it at once, as it would answer
 the confirmed turn, but *held*: every event the answer produces (response.created, the
 transcript and audio deltas, ...) is kept back, the answer's item is not in the conversation,
 and its audio is never played. Then:
@@ -18,6 +19,10 @@ and its audio is never played. Then:
 
 The rules: an answer is only held while no other answer runs; one speculation at a time;
 the audio of an answer is never sent before its turn is confirmed.
+
+The gateway's /metrics count how each turn's answer started (`speculative`: a held answer
+confirmed) and how much audio the session received between a held answer's start and its
+confirmation (its lead over an answer started at the confirmation), and the dropped ones.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import Counter, Histogram
+
 from stagemesh.gateway.chat.protocol import ChatTurn
 from stagemesh.gateway.realtime.answer import Answer, Send
 from stagemesh.gateway.realtime.protocol import SessionConfig
@@ -35,6 +42,21 @@ from stagemesh.gateway.wire.requests import JsonObject
 
 #: The stop reason of a speculative answer that is dropped (never sent to the client).
 DROPPED = "speculation_dropped"
+
+TURN_ANSWERS = Counter(
+    "stagemesh_realtime_turn_answers_total",
+    "Realtime turns answered when server VAD ended them, by whether the answer was a held "
+    "speculation (started at the pause) or started at the confirmation.",
+    ["recipe", "speculative"])
+SPECULATION_LEAD = Histogram(
+    "stagemesh_realtime_speculation_lead_seconds",
+    "Audio a realtime session received between a held answer's start and its turn's "
+    "confirmation: how much sooner it started than an answer started at the confirmation.",
+    ["recipe"], buckets=(0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.75, 1.0))
+SPECULATIONS_DROPPED = Counter(
+    "stagemesh_realtime_speculations_dropped_total",
+    "Held answers cancelled unheard (speech resumed, another text, a changed conversation).",
+    ["recipe"])
 
 
 class _Gate(enum.Enum):
@@ -85,6 +107,7 @@ class Speculation:
     answer: Answer
     gate: HeldSend
     task: asyncio.Task[None]
+    heard_samples: int  # session audio received when it started
 
     def answers(self, turns: tuple[ChatTurn, ...], config: SessionConfig,
                 last_id: str | None) -> bool:

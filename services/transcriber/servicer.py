@@ -72,7 +72,6 @@ class ListeningDefaults(TypedDict, total=False):
     silence_duration_ms: int
     vad_threshold: float
     partial_interval_ms: int
-    early_partials: bool  # a pause's early text as a partial (see TranscribeInput)
 
 
 def _request(defaults: ListeningDefaults, message: pb.TranscribeRequest,
@@ -90,7 +89,7 @@ def _request(defaults: ListeningDefaults, message: pb.TranscribeRequest,
                 "vad_threshold", DEFAULT_VAD_THRESHOLD),
             partial_interval_ms=start.partial_interval_ms or defaults.get(
                 "partial_interval_ms", DEFAULT_PARTIAL_MS),
-            early_partials=defaults.get("early_partials", False)))
+            early_partials=start.early_partials))
 
 
 def _input(message: pb.TranscribeRequest) -> AudioInput:

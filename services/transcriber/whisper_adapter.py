@@ -13,7 +13,7 @@ The ears never wait for the decoder: a decode pass runs on CTranslate2's own thr
 (`asynchronous=True`) while the steps go on classifying the audio that arrives, so a speech
 start or stop is sent the step after the window that decided it, not after a decode (a
 realtime client's turn ends, and its barge-in is heard, that much sooner). Decodes are also
-started early: once a pause in a segment reaches SPEECH_PAD_MS, the segment as it would be
+started early: once a pause in a segment reaches END_PAD_MS, the segment as it would be
 closed there is decoded ("early"); when the pause then lasts `silence_duration_ms`, the
 segment closes on exactly that audio and the early text is its final text (the same samples
 and prompt: the same greedy decode), often ready as the stop is sent. Speech resuming makes it
@@ -71,9 +71,20 @@ SAMPLE_RATES = (8_000, 16_000, 22_050, 24_000, 32_000, 44_100, 48_000)
 MAX_CHUNK_SECONDS = 10.0
 #: A segment is closed at this length (Whisper decodes 30 s windows; the rest is padding).
 MAX_SEGMENT_SECONDS = 28.0
-#: Audio kept before a segment's first voiced window and after its last: Silero answers a
-#: window late, and Whisper misses clipped word edges.
+#: Audio kept before a segment's first voiced window: Silero answers a window late, and
+#: Whisper misses clipped word edges.
 SPEECH_PAD_MS = 200
+#: Audio kept after a segment's pause starts (the close's cut, and when the early decode of a
+#: pause can start): the pause starts where the voice went quiet (QUIET_PEAK), so this is
+#: silence already, which Whisper's own padding follows anyway.
+END_PAD_MS = 100
+#: Silero's probability stays high for 1-4 windows after a voice ends (its context and
+#: state): the windows just before the one that starts a pause are counted in the pause when
+#: every sample of theirs stays below this (-40 dBFS), up to MAX_QUIET_LOOKBACK_MS. So the
+#: pause starts within a window of the last voiced sample, and `silence_duration_ms` of
+#: silence ends the turn about when it has passed, not 70-150 ms later.
+QUIET_PEAK = 0.01
+MAX_QUIET_LOOKBACK_MS = 192
 #: A partial needs this much of an open segment: shorter, Whisper mostly guesses.
 MIN_PARTIAL_MS = 500
 #: The detector's probability must fall this far below the threshold to count as silence
@@ -378,16 +389,16 @@ class WhisperTranscriberAdapter:
         if self._early_due(state):
             assert state.speech_start is not None and state.silence_since is not None
             return _Kind.EARLY, _Span(state.speech_start,
-                                      state.silence_since + self._samples(SPEECH_PAD_MS))
+                                      state.silence_since + self._samples(END_PAD_MS))
         if self._partial_due(state):
             assert state.speech_start is not None
             return _Kind.PARTIAL, _Span(state.speech_start, state.heard)
         return None
 
     def _early_due(self, state: TranscribeState) -> bool:
-        """A pause in the open segment has lasted SPEECH_PAD_MS (a close would keep that much
+        """A pause in the open segment has lasted END_PAD_MS (a close would keep that much
         of it), is shorter than the silence that closes, and has no early decode yet."""
-        pad, rule = self._samples(SPEECH_PAD_MS), state.rule
+        pad, rule = self._samples(END_PAD_MS), state.rule
         if not rule.vad or state.speech_start is None or state.silence_since is None:
             return False
         return (pad < self._samples(rule.silence_duration_ms)
@@ -464,7 +475,7 @@ class WhisperTranscriberAdapter:
     def _pausing_at(self, state: TranscribeState, span: _Span) -> bool:
         """The open segment is still in the pause that `span` (an early decode) ends in."""
         return (state.speech_start == span.start and state.silence_since is not None
-                and span.end == state.silence_since + self._samples(SPEECH_PAD_MS))
+                and span.end == state.silence_since + self._samples(END_PAD_MS))
 
     def _settle(self, state: TranscribeState) -> None:
         """The oldest closed segment takes the early text decoded on exactly its audio."""
@@ -509,7 +520,7 @@ class WhisperTranscriberAdapter:
                     self._withdraw_early(state)
                 state.silence_since = None
             elif prob < rule.vad_threshold - VAD_HYSTERESIS and state.silence_since is None:
-                state.silence_since = at
+                state.silence_since = self._quiet_since(state, at)
             if state.silence_since is not None and state.heard - state.silence_since >= silence:
                 self._close(state, state.silence_since, stopped=True)
             elif state.heard - state.speech_start >= longest:  # too long for one window
@@ -519,10 +530,23 @@ class WhisperTranscriberAdapter:
                 state.speech_start = state.last_partial = state.heard
                 state.silence_since = None  # a pause is counted within its segment
 
+    def _quiet_since(self, state: TranscribeState, at: int) -> int:
+        """Where a pause that the detector hears from window `at` began: before `at`, back over
+        the quiet windows (QUIET_PEAK) that the detector still counted as voice, never before
+        the segment's start."""
+        assert state.speech_start is not None
+        floor = max(state.speech_start, state.base, at - self._samples(MAX_QUIET_LOOKBACK_MS))
+        since = at
+        while (since - VAD_WINDOW >= floor and float(np.abs(
+                state.audio[since - VAD_WINDOW - state.base : since - state.base]).max())
+               < QUIET_PEAK):
+            since -= VAD_WINDOW
+        return since
+
     def _close(self, state: TranscribeState, speech_end: int, stopped: bool) -> None:
         """Close the open segment where its speech ended; queue SpeechStopped and its decode."""
         assert state.speech_start is not None
-        end = min(speech_end + self._samples(SPEECH_PAD_MS), state.heard)
+        end = min(speech_end + self._samples(END_PAD_MS), state.heard)
         if stopped:
             state.queue.append(SpeechStopped(self._ms(speech_end)))
         if end > state.speech_start:

@@ -236,6 +236,13 @@ async def test_a_spoken_turn_is_answered_from_its_pause_and_held_until_it_ends(
     def kinds() -> list[str]:
         return [str(event["type"]) for event in events]
 
+    def gateway_count(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, {"recipe": "smollm2", **labels}) or 0.0
+
+    counts = {"held": ("stagemesh_realtime_turn_answers_total", {"speculative": "true"}),
+              "dropped": ("stagemesh_realtime_speculations_dropped_total", {}),
+              "leads": ("stagemesh_realtime_speculation_lead_seconds_count", {})}
+    before = {key: gateway_count(name, **labels) for key, (name, labels) in counts.items()}
     aborted, completed = finished("aborted"), finished("completed")
     async with open_gateway({**served.recipes, "listen": listen}) as core:
         session = RealtimeSession(core, core.recipes["smollm2"], "test", send, 10.0)
@@ -266,3 +273,6 @@ async def test_a_spoken_turn_is_answered_from_its_pause_and_held_until_it_ends(
     assert "Paris" in done["output"][0]["content"][0]["transcript"], done
     assert [item.role for item in session.conversation.items] == ["user", "assistant"]
     assert finished("completed") == completed + 1 and finished("aborted") == aborted + 1
+    # The gateway's /metrics say so: one turn answered by a held answer, one dropped.
+    assert {key: gateway_count(name, **labels) - before[key]
+            for key, (name, labels) in counts.items()} == {"held": 1, "dropped": 1, "leads": 1}

@@ -99,7 +99,7 @@ def test_the_first_piece_of_an_answer_ends_at_its_first_clause_the_others_are_se
                                      "It was old, and slow."]
     # Too few words for a clause: the sentence goes on; a number's comma is no clause mark.
     assert first_pieces("Yes, the capital of France is Paris. It is big.") == [
-        "Yes, the capital of France is Paris.", "It is big."]
+        "Yes, the capital of France", "is Paris.", "It is big."]
     assert first_pieces("About 1,000 people live there now.") == [
         "About 1,000 people live there now."]
     # A long first sentence without a mark is cut after FIRST_PIECE_MAX_WORDS words, or just
@@ -112,3 +112,23 @@ def test_the_first_piece_of_an_answer_ends_at_its_first_clause_the_others_are_se
                         "It has eight legs.") == [
         "The answer to this classic question lies", "in the spider's anatomy.",
         "It has eight legs."]
+
+
+def test_a_first_piece_ends_before_its_verb_or_as_soon_as_its_sentence_mark_is_written() -> None:
+    splitter = SentenceSplitter(first_clause=True)
+    assert splitter.push("The capital of France") == []
+    assert splitter.push(" is") == ["The capital of France"]  # the subject is said at once
+    assert splitter.push(" Paris.") == []  # later pieces wait for what follows their mark
+    assert splitter.push(" It") == ["is Paris."]
+    # A short first sentence leaves with its mark, not one token later.
+    assert SentenceSplitter(first_clause=True).push("A spider has 8 legs.") == [
+        "A spider has 8 legs."]
+    # A mark that what follows could continue waits: a number's point, a one-letter
+    # abbreviation.
+    for text in ("It costs 3.", "For example e."):
+        assert SentenceSplitter(first_clause=True).push(text) == [], text
+    # No break after fewer than FIRST_CLAUSE_WORDS words, nor after a word that leads into
+    # the verb; a word that only begins like one ("island") is no verb.
+    assert first_pieces("A spider has eight legs.") == ["A spider has eight legs."]
+    assert first_pieces("The one that is red is mine.") == ["The one that is red", "is mine."]
+    assert SentenceSplitter(first_clause=True).push("Old ships sailed islands far away") == []

@@ -132,6 +132,7 @@ def test_heavy_stages_get_every_usable_core_and_light_stages_one() -> None:
     assert {name: cli.stage_threads(name) for name in
             ("tokenizer", "dit", "vae", "talker", "codec")} == {
         "tokenizer": 1, "dit": 4, "vae": 1, "talker": 4, "codec": 1}
+    assert cli.stage_threads("transcriber") == 4  # a turn's decode is on the answer's path
 
 
 @pytest.mark.usefixtures("four_cores")

@@ -15,7 +15,9 @@ import pytest
 from stagemesh.models.families.whisper import WhisperFolder
 from stagemesh.services.transcriber.frontend import VAD_WINDOW, Floats, VadStream
 from stagemesh.services.transcriber.whisper_adapter import (
+    END_PAD_MS,
     MAX_SEGMENT_SECONDS,
+    QUIET_PEAK,
     SPEECH_PAD_MS,
     AudioInput,
     Segment,
@@ -103,10 +105,10 @@ def test_a_pause_closes_a_segment_which_is_decoded_whole_with_its_padding(
                  partial_interval_ms=-1)
     assert events == [
         SpeechStarted(0), SpeechStopped(1024),  # the first silent window starts at 1024 ms
-        Segment(0, str(1024 + SPEECH_PAD_MS), 0, 1024 + SPEECH_PAD_MS, True, 0.0),
+        Segment(0, str(1024 + END_PAD_MS), 0, 1024 + END_PAD_MS, True, 0.0),
         SpeechStarted(1984), SpeechStopped(4000),  # 1984: the window holding 2000
-        Segment(1, str(4000 + SPEECH_PAD_MS - (1984 - SPEECH_PAD_MS)), 1984 - SPEECH_PAD_MS,
-                4000 + SPEECH_PAD_MS, True, 0.0),
+        Segment(1, str(4000 + END_PAD_MS - (1984 - SPEECH_PAD_MS)), 1984 - SPEECH_PAD_MS,
+                4000 + END_PAD_MS, True, 0.0),
     ]
 
 
@@ -169,12 +171,12 @@ def test_a_pause_decodes_its_segment_early_and_speech_resuming_makes_that_stale(
     monkeypatch.setattr(adapter, "_generate", recording)
     events = run(adapter, np.concatenate([voice(1.0), silence(0.3), voice(1.0), silence(1.0)]),
                  partial_interval_ms=-1)
-    # 200 ms into each pause its segment is decoded as a close there would cut it; the first
+    # END_PAD_MS into each pause its segment is decoded as a close there would cut it; the first
     # pause ends too soon (speech resumes), the second closes on exactly the early audio, whose
     # text is the final one: no decode after the close.
-    assert decoded_ms == [1024 + SPEECH_PAD_MS, 2304 + SPEECH_PAD_MS]
+    assert decoded_ms == [1024 + END_PAD_MS, 2304 + END_PAD_MS]
     assert events == [SpeechStarted(0), SpeechStopped(2304),
-                      Segment(0, str(2304 + SPEECH_PAD_MS), 0, 2304 + SPEECH_PAD_MS, True, 0.0)]
+                      Segment(0, str(2304 + END_PAD_MS), 0, 2304 + END_PAD_MS, True, 0.0)]
 
 
 def test_early_partials_send_a_pauses_text_and_withdraw_it_when_speech_resumes(
@@ -186,6 +188,37 @@ def test_early_partials_send_a_pauses_text_and_withdraw_it_when_speech_resumes(
     # an empty partial withdraws its text; the second closes on exactly the early audio, so
     # its final text is the partial's.
     texts = [(e.index, e.text, e.final) for e in events if isinstance(e, Segment)]
-    assert texts == [(0, str(1024 + SPEECH_PAD_MS), False), (0, "", False),
-                     (0, str(2304 + SPEECH_PAD_MS), False), (0, str(2304 + SPEECH_PAD_MS), True)]
+    assert texts == [(0, str(1024 + END_PAD_MS), False), (0, "", False),
+                     (0, str(2304 + END_PAD_MS), False), (0, str(2304 + END_PAD_MS), True)]
     assert events[0] == SpeechStarted(0) and events[-2:-1] == [SpeechStopped(2304)]
+
+
+class LateDetector(LoudIsSpeech):
+    """Hears speech for three windows after the voice ends, as Silero does (its context)."""
+
+    def probabilities(self, stream: VadStream, audio: Floats) -> tuple[Floats, VadStream]:
+        loud, _ = super().probabilities(stream, audio)
+        held = np.concatenate([self.tail, loud])
+        self.tail = held[-3:]
+        return np.array([held[i : i + 4].max() for i in range(loud.shape[0])]), stream
+
+    tail = np.zeros(3, np.float32)
+
+
+def test_a_pause_starts_where_the_voice_went_quiet_not_where_the_detector_noticed(
+    adapter: WhisperTranscriberAdapter, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(adapter, "_vad", LateDetector())
+    quiet = run(adapter, np.concatenate([voice(1.0), silence(1.0)]), partial_interval_ms=-1,
+                silence_duration_ms=500)
+    # The detector hears silence from 1120 ms (three windows late); those windows are silent,
+    # so the pause starts at 1024 ms and 500 ms of it close the segment at 1524 ms.
+    assert quiet == [SpeechStarted(0), SpeechStopped(1024),
+                     Segment(0, str(1024 + END_PAD_MS), 0, 1024 + END_PAD_MS, True, 0.0)]
+    # A tail the detector does not count as speech, but louder than QUIET_PEAK (a murmur,
+    # noise): the pause starts where the detector says.
+    murmur = np.full(int(RATE * 0.096), 2 * QUIET_PEAK, np.float32)
+    monkeypatch.setattr(adapter, "_vad", LateDetector())
+    noisy = run(adapter, np.concatenate([voice(1.0), murmur, silence(1.0)]),
+                partial_interval_ms=-1, silence_duration_ms=500)
+    assert noisy[1] == SpeechStopped(1024 + 96)

@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as stagemesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&stagemesh/v1/transcriber_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\xa3\x01\n\x11TranscribeRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.stagemesh.v1.TranscribeStartH\x00\x12.\n\x05input\x18\x02 \x01(\x0b\x32\x1d.stagemesh.v1.TranscribeInputH\x00\x12&\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\xd1\x01\n\x0fTranscribeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\"\n\x03vad\x18\x05 \x01(\x0e\x32\x15.stagemesh.v1.VadMode\x12\x1b\n\x13silence_duration_ms\x18\x06 \x01(\x05\x12\x15\n\rvad_threshold\x18\x07 \x01(\x02\x12\x1b\n\x13partial_interval_ms\x18\x08 \x01(\x05\"C\n\x0fTranscribeInput\x12!\n\x03pcm\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\"\xc3\x02\n\x12TranscribeResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x35\n\x0espeech_started\x18\x02 \x01(\x0b\x32\x1b.stagemesh.v1.SpeechStartedH\x00\x12\x35\n\x0espeech_stopped\x18\x03 \x01(\x0b\x32\x1b.stagemesh.v1.SpeechStoppedH\x00\x12\x32\n\x07segment\x18\x04 \x01(\x0b\x32\x1f.stagemesh.v1.TranscriptSegmentH\x00\x12\x30\n\x06result\x18\x05 \x01(\x0b\x32\x1e.stagemesh.v1.TranscribeResultH\x00\x12(\n\x07\x61\x62orted\x18\x06 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"\'\n\rSpeechStarted\x12\x16\n\x0e\x61udio_start_ms\x18\x01 \x01(\x03\"%\n\rSpeechStopped\x12\x14\n\x0c\x61udio_end_ms\x18\x01 \x01(\x03\"y\n\x11TranscriptSegment\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08start_ms\x18\x03 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x04 \x01(\x03\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x16\n\x0eno_speech_prob\x18\x06 \x01(\x02\"\\\n\x10TranscribeResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08\x61udio_ms\x18\x02 \x01(\x03\x12\x10\n\x08segments\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\"\x1c\n\x1a\x44\x65scribeTranscriberRequest\"\xbf\x02\n\x1b\x44\x65scribeTranscriberResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x14\n\x0csample_rates\x18\x02 \x03(\x05\x12\x19\n\x11model_sample_rate\x18\x03 \x01(\x05\x12\x11\n\tlanguages\x18\x04 \x03(\t\x12\x13\n\x0bmax_seconds\x18\x05 \x01(\x02\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x19\n\x11max_chunk_seconds\x18\x07 \x01(\x02\x12#\n\x1b\x64\x65\x66\x61ult_silence_duration_ms\x18\x08 \x01(\x05\x12\x1d\n\x15\x64\x65\x66\x61ult_vad_threshold\x18\t \x01(\x02\x12#\n\x1b\x64\x65\x66\x61ult_partial_interval_ms\x18\n \x01(\x05*F\n\x07VadMode\x12\x18\n\x14VAD_MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bVAD_MODE_ON\x10\x01\x12\x10\n\x0cVAD_MODE_OFF\x10\x02\x32\xd5\x01\n\x12TranscriberService\x12S\n\nTranscribe\x12\x1f.stagemesh.v1.TranscribeRequest\x1a .stagemesh.v1.TranscribeResponse(\x01\x30\x01\x12j\n\x13\x44\x65scribeTranscriber\x12(.stagemesh.v1.DescribeTranscriberRequest\x1a).stagemesh.v1.DescribeTranscriberResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&stagemesh/v1/transcriber_service.proto\x12\x0cstagemesh.v1\x1a\x19stagemesh/v1/common.proto\"\xa3\x01\n\x11TranscribeRequest\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.stagemesh.v1.TranscribeStartH\x00\x12.\n\x05input\x18\x02 \x01(\x0b\x32\x1d.stagemesh.v1.TranscribeInputH\x00\x12&\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x14.stagemesh.v1.CancelH\x00\x42\x06\n\x04kind\"\xe9\x01\n\x0fTranscribeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\"\n\x03vad\x18\x05 \x01(\x0e\x32\x15.stagemesh.v1.VadMode\x12\x1b\n\x13silence_duration_ms\x18\x06 \x01(\x05\x12\x15\n\rvad_threshold\x18\x07 \x01(\x02\x12\x1b\n\x13partial_interval_ms\x18\x08 \x01(\x05\x12\x16\n\x0e\x65\x61rly_partials\x18\t \x01(\x08\"C\n\x0fTranscribeInput\x12!\n\x03pcm\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.Tensor\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\"\xc3\x02\n\x12TranscribeResponse\x12&\n\x06queued\x18\x01 \x01(\x0b\x32\x14.stagemesh.v1.QueuedH\x00\x12\x35\n\x0espeech_started\x18\x02 \x01(\x0b\x32\x1b.stagemesh.v1.SpeechStartedH\x00\x12\x35\n\x0espeech_stopped\x18\x03 \x01(\x0b\x32\x1b.stagemesh.v1.SpeechStoppedH\x00\x12\x32\n\x07segment\x18\x04 \x01(\x0b\x32\x1f.stagemesh.v1.TranscriptSegmentH\x00\x12\x30\n\x06result\x18\x05 \x01(\x0b\x32\x1e.stagemesh.v1.TranscribeResultH\x00\x12(\n\x07\x61\x62orted\x18\x06 \x01(\x0b\x32\x15.stagemesh.v1.AbortedH\x00\x42\x07\n\x05\x65vent\"\'\n\rSpeechStarted\x12\x16\n\x0e\x61udio_start_ms\x18\x01 \x01(\x03\"%\n\rSpeechStopped\x12\x14\n\x0c\x61udio_end_ms\x18\x01 \x01(\x03\"y\n\x11TranscriptSegment\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08start_ms\x18\x03 \x01(\x03\x12\x0e\n\x06\x65nd_ms\x18\x04 \x01(\x03\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x16\n\x0eno_speech_prob\x18\x06 \x01(\x02\"\\\n\x10TranscribeResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08\x61udio_ms\x18\x02 \x01(\x03\x12\x10\n\x08segments\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\"\x1c\n\x1a\x44\x65scribeTranscriberRequest\"\xbf\x02\n\x1b\x44\x65scribeTranscriberResponse\x12-\n\x05stage\x18\x01 \x01(\x0b\x32\x1e.stagemesh.v1.StageDescription\x12\x14\n\x0csample_rates\x18\x02 \x03(\x05\x12\x19\n\x11model_sample_rate\x18\x03 \x01(\x05\x12\x11\n\tlanguages\x18\x04 \x03(\t\x12\x13\n\x0bmax_seconds\x18\x05 \x01(\x02\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x19\n\x11max_chunk_seconds\x18\x07 \x01(\x02\x12#\n\x1b\x64\x65\x66\x61ult_silence_duration_ms\x18\x08 \x01(\x05\x12\x1d\n\x15\x64\x65\x66\x61ult_vad_threshold\x18\t \x01(\x02\x12#\n\x1b\x64\x65\x66\x61ult_partial_interval_ms\x18\n \x01(\x05*F\n\x07VadMode\x12\x18\n\x14VAD_MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bVAD_MODE_ON\x10\x01\x12\x10\n\x0cVAD_MODE_OFF\x10\x02\x32\xd5\x01\n\x12TranscriberService\x12S\n\nTranscribe\x12\x1f.stagemesh.v1.TranscribeRequest\x1a .stagemesh.v1.TranscribeResponse(\x01\x30\x01\x12j\n\x13\x44\x65scribeTranscriber\x12(.stagemesh.v1.DescribeTranscriberRequest\x1a).stagemesh.v1.DescribeTranscriberResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stagemesh.v1.transcriber_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VADMODE']._serialized_start=1505
-  _globals['_VADMODE']._serialized_end=1575
+  _globals['_VADMODE']._serialized_start=1529
+  _globals['_VADMODE']._serialized_end=1599
   _globals['_TRANSCRIBEREQUEST']._serialized_start=84
   _globals['_TRANSCRIBEREQUEST']._serialized_end=247
   _globals['_TRANSCRIBESTART']._serialized_start=250
-  _globals['_TRANSCRIBESTART']._serialized_end=459
-  _globals['_TRANSCRIBEINPUT']._serialized_start=461
-  _globals['_TRANSCRIBEINPUT']._serialized_end=528
-  _globals['_TRANSCRIBERESPONSE']._serialized_start=531
-  _globals['_TRANSCRIBERESPONSE']._serialized_end=854
-  _globals['_SPEECHSTARTED']._serialized_start=856
-  _globals['_SPEECHSTARTED']._serialized_end=895
-  _globals['_SPEECHSTOPPED']._serialized_start=897
-  _globals['_SPEECHSTOPPED']._serialized_end=934
-  _globals['_TRANSCRIPTSEGMENT']._serialized_start=936
-  _globals['_TRANSCRIPTSEGMENT']._serialized_end=1057
-  _globals['_TRANSCRIBERESULT']._serialized_start=1059
-  _globals['_TRANSCRIBERESULT']._serialized_end=1151
-  _globals['_DESCRIBETRANSCRIBERREQUEST']._serialized_start=1153
-  _globals['_DESCRIBETRANSCRIBERREQUEST']._serialized_end=1181
-  _globals['_DESCRIBETRANSCRIBERRESPONSE']._serialized_start=1184
-  _globals['_DESCRIBETRANSCRIBERRESPONSE']._serialized_end=1503
-  _globals['_TRANSCRIBERSERVICE']._serialized_start=1578
-  _globals['_TRANSCRIBERSERVICE']._serialized_end=1791
+  _globals['_TRANSCRIBESTART']._serialized_end=483
+  _globals['_TRANSCRIBEINPUT']._serialized_start=485
+  _globals['_TRANSCRIBEINPUT']._serialized_end=552
+  _globals['_TRANSCRIBERESPONSE']._serialized_start=555
+  _globals['_TRANSCRIBERESPONSE']._serialized_end=878
+  _globals['_SPEECHSTARTED']._serialized_start=880
+  _globals['_SPEECHSTARTED']._serialized_end=919
+  _globals['_SPEECHSTOPPED']._serialized_start=921
+  _globals['_SPEECHSTOPPED']._serialized_end=958
+  _globals['_TRANSCRIPTSEGMENT']._serialized_start=960
+  _globals['_TRANSCRIPTSEGMENT']._serialized_end=1081
+  _globals['_TRANSCRIBERESULT']._serialized_start=1083
+  _globals['_TRANSCRIBERESULT']._serialized_end=1175
+  _globals['_DESCRIBETRANSCRIBERREQUEST']._serialized_start=1177
+  _globals['_DESCRIBETRANSCRIBERREQUEST']._serialized_end=1205
+  _globals['_DESCRIBETRANSCRIBERRESPONSE']._serialized_start=1208
+  _globals['_DESCRIBETRANSCRIBERRESPONSE']._serialized_end=1527
+  _globals['_TRANSCRIBERSERVICE']._serialized_start=1602
+  _globals['_TRANSCRIBERSERVICE']._serialized_end=1815
 # @@protoc_insertion_point(module_scope)

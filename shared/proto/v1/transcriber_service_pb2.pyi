@@ -90,6 +90,7 @@ class TranscribeStart(_message.Message):
     SILENCE_DURATION_MS_FIELD_NUMBER: _builtins.int
     VAD_THRESHOLD_FIELD_NUMBER: _builtins.int
     PARTIAL_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    EARLY_PARTIALS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id, unique per request."""
     sample_rate: _builtins.int
@@ -108,6 +109,14 @@ class TranscribeStart(_message.Message):
     """Audio between two partial transcripts of a segment still open, in milliseconds
     (0 = the stage's default; negative = no partials).
     """
+    early_partials: _builtins.bool
+    """Send a pause's early text at once, as a partial of its open segment, whatever
+    partial_interval_ms says: once a pause inside a segment is long enough for the segment's
+    end padding, the segment as a close there would cut it is decoded, and if the pause lasts
+    silence_duration_ms that text is the segment's final text. An empty partial of the same
+    index withdraws it when speech resumes. A caller may start on the likely end of a turn
+    before the turn ends (the realtime route does).
+    """
     def __init__(
         self,
         *,
@@ -119,10 +128,11 @@ class TranscribeStart(_message.Message):
         silence_duration_ms: _builtins.int = ...,
         vad_threshold: _builtins.float = ...,
         partial_interval_ms: _builtins.int = ...,
+        early_partials: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["language", b"language", "partial_interval_ms", b"partial_interval_ms", "prompt", b"prompt", "request_id", b"request_id", "sample_rate", b"sample_rate", "silence_duration_ms", b"silence_duration_ms", "vad", b"vad", "vad_threshold", b"vad_threshold"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["early_partials", b"early_partials", "language", b"language", "partial_interval_ms", b"partial_interval_ms", "prompt", b"prompt", "request_id", b"request_id", "sample_rate", b"sample_rate", "silence_duration_ms", b"silence_duration_ms", "vad", b"vad", "vad_threshold", b"vad_threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
