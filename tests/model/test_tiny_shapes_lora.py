@@ -6,6 +6,7 @@ without it draws the background the prompt names. 32 px, 8 steps, three prompts.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -17,8 +18,9 @@ from diffusers import QwenImagePipeline
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.tiny_shapes import SHIPPED_DIR
+from stagemesh.models.tiny_shapes import lora as tiny_lora
 from stagemesh.models.tiny_shapes.lora import NAME, SHIPPED_LORA_DIR, shows_style
-from stagemesh.models.tiny_shapes.scoring import score
+from stagemesh.models.tiny_shapes.scoring import ATTRIBUTES, score
 from stagemesh.services.dit.lora import LoraConfig, LoraUse
 from stagemesh.services.dit.qwen_image_adapter import DenoiseAdapter, DenoiseInput
 from stagemesh.services.vae.qwen_image_adapter import LatentDecoderAdapter, LatentsInput
@@ -63,3 +65,14 @@ def test_shipped_adapter_draws_on_black_on_the_dit_stage() -> None:
         assert score(base, prompt)["background"] and not shows_style(base), prompt
         assert shows_style(styled), prompt
         assert score(styled, prompt)["colour"] and score(styled, prompt)["position"], prompt
+
+
+@pytest.mark.timeout(300)
+def test_training_writes_an_adapter_that_the_evaluation_loads(tmp_path: Path) -> None:
+    adapter, out = tmp_path / "adapter", tmp_path / "eval"
+    report = tiny_lora.train_lora(SHIPPED_DIR, adapter, config=tiny_lora.LoraConfig.smoke())
+    assert report["style_background"] == tiny_lora.STYLE_BACKGROUND
+    assert (adapter / "pytorch_lora_weights.safetensors").is_file()
+    metrics = tiny_lora.evaluate_lora(SHIPPED_DIR, adapter, out, n=3, steps=2)
+    assert metrics["n"] == 3 and set(metrics["adapter_scores"]) == {"effect", *ATTRIBUTES}
+    assert (out / "lora-metrics.json").is_file() and (out / "lora-grid.png").is_file()
