@@ -7,9 +7,10 @@ numbers are in docs/lora.md): the adapter is DiT-only, so the shipped VAE must r
 style, and the judge must read shape, colour and position on it exactly as on base renders.
 Outlined shapes fail the first (the VAE fills the outlines in), and so does a tinted background
 (the VAE paints the palette's background back). Larger shapes (`big-shapes`, session 10) pass
-both, but every adapter trained on them, 1.3x or 1.5x, rank 8 or 16, up to 2,000 steps, drew
-87-93% of the squares round: shape 69.6% against the base's 93.3%. A palette background lies
-inside what the VAE and the judge were built on, and leaves the geometry to the base model.
+both, but every adapter trained on them (1.3x or 1.5x, rank 8 or 16, up to 2,000 steps) drew
+most squares round (87-93% where counted): shape 69.6% against the base's 93.3%. A palette
+background lies inside what the VAE and the judge were built on, and leaves the geometry to the
+base model.
 
 The effect is read off the pixels by the tiny-shapes scorer (scoring.py): an image shows the
 style when its measured background is STYLE_BACKGROUND, and `effect` is that share over the
