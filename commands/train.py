@@ -83,7 +83,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", choices=sorted(TRAINERS))
     parser.add_argument("--out", default=None,
                         help="output folder (default: the shipped assets/MODEL; tiny-shapes-lora: "
-                             "assets/tiny-shapes-loras/big-shapes, trained on assets/tiny-shapes)")
+                             "assets/tiny-shapes-loras/night, trained on assets/tiny-shapes)")
     parser.add_argument("--smoke", action="store_true", help="the whole path in seconds")
     parser.add_argument("--proxy", action="store_true",
                         help="tiny-shapes-edit, tiny-shapes-video: the <= 10 minute config to "

@@ -8,7 +8,7 @@ drawn 4x larger and box-downsampled, so edges are anti-aliased the same way in e
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -144,15 +144,18 @@ def render_jittered(spec: Spec, rng: np.random.Generator, scale: float = 1.0) ->
     return render(spec, centre=centre, half=half, colour=colour)
 
 
-def make_dataset(n: int, seed: int = 0, scale: float = 1.0) -> tuple[np.ndarray, list[str]]:
+def make_dataset(n: int, seed: int = 0, scale: float = 1.0, background: str | None = None
+                 ) -> tuple[np.ndarray, list[str]]:
     """Renders `n` jittered images cycling through the grammar in a seeded random order.
 
     Returns uint8 images of shape (n, 32, 32, 3) and their captions. Each prompt appears
     n // 270 or n // 270 + 1 times, so every attribute value is equally represented. `scale`
-    is `render_jittered`'s.
+    is `render_jittered`'s; `background` draws every image on that background whatever its
+    caption names (the tiny-shapes LoRA's style), with the same jitter as without it.
     """
     rng = np.random.default_rng(seed)
     specs = all_specs()
     order = np.concatenate([rng.permutation(len(specs)) for _ in range(n // len(specs) + 1)])[:n]
-    images = np.stack([render_jittered(specs[i], rng, scale) for i in order])
+    drawn = [replace(s, background=background) for s in specs] if background else specs
+    images = np.stack([render_jittered(drawn[i], rng, scale) for i in order])
     return images, [specs[i].caption for i in order]

@@ -62,7 +62,7 @@ def _alive(pid: int) -> bool:
 
 
 #: A runtime name for the shipped adapter (loaded over REST, not found in lora_dir by it).
-RUNTIME_LORA = "bigger"
+RUNTIME_LORA = "after-dark"
 
 
 def _image(served: Served, steps: int, seed: int, lora: str | None = None) -> httpx.Response:
