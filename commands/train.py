@@ -105,12 +105,25 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny-shapes-video: held-out prompts to ask for (0 = all 42)")
     parser.add_argument("--model-name", default=None, help="recipe to ask for (default: MODEL)")
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--guidance", type=float, default=4.0)
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="default: what the model's recipe serves (4; tiny-shapes-edit: 1)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _default_guidance(model: str) -> float:
+    if model == "tiny-shapes-edit":
+        from stagemesh.models.tiny_shapes_edit.evaluate import EDIT_GUIDANCE
+
+        return EDIT_GUIDANCE
+    from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE
+
+    return DEFAULT_GUIDANCE
 
 
 def _run_eval(args: argparse.Namespace) -> None:
     args.out = args.out or f"eval-results/{args.model}"
+    if args.guidance is None:
+        args.guidance = _default_guidance(args.model)
     args.model_name = args.model_name or args.model
     EVALUATORS[args.model](args)
 

@@ -16,9 +16,14 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from stagemesh.models.tiny_shapes.evaluate import DEFAULT_STEPS
 from stagemesh.models.tiny_shapes.mesh_eval import answered_png
-from stagemesh.models.tiny_shapes_edit.evaluate import EditGenerate, evaluate, held_out_sample
+from stagemesh.models.tiny_shapes_edit.evaluate import (
+    EDIT_GUIDANCE,
+    EditGenerate,
+    evaluate,
+    held_out_sample,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +35,7 @@ def png_bytes(image: np.ndarray) -> bytes:
 
 
 def rest_edit_generator(url: str, *, model: str = "tiny-shapes-edit",
-                        steps: int = DEFAULT_STEPS, guidance: float = DEFAULT_GUIDANCE,
+                        steps: int = DEFAULT_STEPS, guidance: float = EDIT_GUIDANCE,
                         timeout: float = 120.0) -> EditGenerate:
     """An `EditGenerate` that asks a running gateway for each edit, at the input's size."""
     client = httpx.Client(base_url=url, timeout=timeout)

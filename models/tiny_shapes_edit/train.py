@@ -55,20 +55,22 @@ def _edit_template() -> tuple[str, int]:
 class EditTrainConfig:
     """Everything that decides the trained weights besides the seed."""
 
-    n_pairs: int = 6000
+    n_pairs: int = 12000
     text_dim: int = 64
-    steps: int = 700
-    batch: int = 24
+    steps: int = 3000
+    batch: int = 32
     lr: float = 4e-4
     warmup: int = 100
-    caption_dropout: float = 0.1
+    caption_dropout: float = 0.2
     ema_decay: float = 0.998
     threads: int = 1
+    balance_kinds: bool = True  # a third of the pairs per kind (`data.make_dataset`)
+    keep_when_dropped: bool = True  # a dropped instruction's target is the source itself
     snapshot: bool = False  # also write <out>-halfway, the EMA weights at half the steps
 
     @classmethod
     def proxy(cls) -> EditTrainConfig:
-        return cls(n_pairs=2000, steps=300)
+        return cls(n_pairs=4000, steps=1000, batch=24)
 
     @classmethod
     def smoke(cls) -> EditTrainConfig:
@@ -119,8 +121,12 @@ def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.
         idx = torch.randint(0, len(targets), (cfg.batch,), generator=gen).tolist()
         drop = (torch.rand(cfg.batch, generator=gen) < cfg.caption_dropout).tolist()
         batch_text = ["" if d else instructions[i] for i, d in zip(idx, drop, strict=True)]
-        return edit_loss(pipe, targets[idx], conds[idx], [sources[i] for i in idx], batch_text,
-                         gen)
+        x0 = targets[idx]
+        if cfg.keep_when_dropped:
+            # "" reads as "change nothing": the guidance's negative (the recipe's "") is then
+            # the source copied, and true CFG amplifies only what the instruction changes.
+            x0 = torch.where(torch.tensor(drop)[:, None, None, None], conds[idx], x0)
+        return edit_loss(pipe, x0, conds[idx], [sources[i] for i in idx], batch_text, gen)
 
     def after_step(step: int) -> None:
         ema.update(step)
@@ -156,7 +162,8 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     cpu_start = time.process_time()
     training_edits, held_out = split()
     sources, targets, instructions = harness.phase(
-        "render", lambda: make_dataset(training_edits, cfg.n_pairs, seed=seed), timings)
+        "render", lambda: make_dataset(training_edits, cfg.n_pairs, seed=seed,
+                                       balance_kinds=cfg.balance_kinds), timings)
 
     template, drop = _edit_template()
     tokenizer = base.build_tokenizer(all_instructions(), template=template,

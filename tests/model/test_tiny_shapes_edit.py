@@ -21,10 +21,12 @@ from stagemesh.models.tiny_shapes_edit.evaluate import (
     pipeline_generator,
 )
 
-#: The shipped model's floors on a 10-per-kind held-out sample, where it is good: recolour and
-#: move are edited as asked (100% on 20 per kind). Shape keeping (30-35%) and the held-out
-#: reshape (5%) are below the issue's bar and not asserted (docs/edit-and-video.md).
-EDITED_FLOORS = {"colour": 0.8, "position": 0.8}
+#: The shipped model's floors on a 10-per-kind held-out sample, at the guidance it is served at
+#: (none): recolour and move are edited as asked (100% on 10, and on 60 through the mesh), and
+#: what is kept (50% / 70% / 100% here) has floors too. The held-out reshape (triangle->square,
+#: 0-5% without guidance) and shape keeping are below the issue's bar (docs/edit-and-video.md).
+EDITED_FLOORS = {"colour": 0.9, "position": 0.9}
+KEPT_FLOORS = {"colour": 0.4, "position": 0.6, "shape": 0.9}
 
 
 def _weights(folder: Path) -> dict[str, bytes]:
@@ -62,6 +64,8 @@ def test_shipped_weights_edit_held_out_combinations(tmp_path: Path) -> None:
     metrics = evaluate(pipeline_generator(SHIPPED_DIR), tmp_path, held_out_sample(10))
     for kind, floor in EDITED_FLOORS.items():
         assert metrics["accuracy"][kind]["edited"] >= floor, metrics["accuracy"]
+    for kind, floor in KEPT_FLOORS.items():
+        assert metrics["accuracy"][kind]["kept"] >= floor, metrics["accuracy"]
     # The background is never touched by any kind of edit.
     assert all(r["seen"]["background"] == parse_caption(r["source"]).background
                for r in metrics["records"])

@@ -52,6 +52,16 @@ def test_the_dataset_cycles_through_training_edits_only() -> None:
     assert set(instructions) <= {e.instruction for e in training}
 
 
+def test_balanced_kinds_give_each_kind_a_third_of_the_pairs() -> None:
+    training, _ = split()
+    kind_of = {e.instruction: e.kind for e in training}
+    _, _, instructions = make_dataset(training, 90, seed=3, balance_kinds=True)
+    assert [kind_of[i] for i in instructions].count("shape") == 30
+    assert {kind_of[i] for i in instructions[:12]} == set(KINDS), "the kinds are interleaved"
+    _, _, unbalanced = make_dataset(training, 90, seed=3)
+    assert [kind_of[i] for i in unbalanced].count("shape") < 30  # 19% of the edits
+
+
 def test_the_judge_passes_true_targets_and_fails_an_unedited_source() -> None:
     assert all(v == 1.0 for kind in judge_accuracy_on_renders(30).values() for v in kind.values())
     _, held_out = split()
