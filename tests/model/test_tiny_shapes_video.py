@@ -15,6 +15,7 @@ from stagemesh.models.tiny_shapes_video.evaluate import (
     held_out_prompts,
     pipeline_generator,
 )
+from stagemesh.models.tiny_shapes_video.probe import ATTRIBUTES, SIGMAS, attribute_sensitivity
 from stagemesh.models.tiny_shapes_video.train import VideoTrainConfig, train
 
 
@@ -46,3 +47,8 @@ def test_smoke_training_writes_a_wan_folder_the_stock_pipeline_runs(tmp_path: Pa
     clip = generate("a red circle moving right", 0)
     assert clip.shape == (NUM_FRAMES, 32, 32, 3) and clip.dtype == np.uint8
     assert np.array_equal(clip, generate("a red circle moving right", 0))  # seeded
+    # The word probe reads the folder: a loss ratio per swapped attribute at each sigma.
+    table = attribute_sensitivity(out, n=4)
+    assert list(table) == [f"sigma {s}" for s in SIGMAS]
+    assert all(set(row) == {"loss", *ATTRIBUTES} and min(row.values()) > 0.0
+               for row in table.values())
