@@ -94,6 +94,10 @@ class VideoTrainConfig:
     dit_head_dim: int = 32
     dit_ffn: int = 256
     dit_freq_dim: int = 64
+    # latent frames per transformer token; 3 = the whole clip in one token, so each token holds
+    # its frames in order: Wan's RoPE is relative and its text has no position, which leaves a
+    # one-frame token no absolute time to tell "moving right" from "moving left" by
+    dit_patch_frames: int = 1
     dit_steps: int = 4000  # ~0.6-0.8 s a step of 32 at one thread on a busy machine
     dit_batch: int = 32
     dit_lr: float = 1e-3
@@ -376,7 +380,8 @@ def build_pipeline(cfg: VideoTrainConfig, seed: int) -> WanPipeline:
         text_encoder=seeded(seed, 2, lambda: _build_text_encoder(preset, len(tokenizer))),
         vae=seeded(seed, 1, lambda: build_vae(cfg)),
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG, flow_shift=cfg.flow_shift),
-        transformer=seeded(seed, 3, lambda: _build_transformer(preset, Z_DIM)),
+        transformer=seeded(seed, 3, lambda: _build_transformer(preset, Z_DIM,
+                                                               cfg.dit_patch_frames)),
     )
 
 
