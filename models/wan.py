@@ -168,9 +168,11 @@ def _build_text_encoder(spec: WanPreset, vocab_size: int) -> UMT5EncoderModel:
     return UMT5EncoderModel(config)
 
 
-def _build_transformer(spec: WanPreset, in_channels: int) -> WanTransformer3DModel:
+def _build_transformer(spec: WanPreset, in_channels: int, patch_frames: int = 1
+                       ) -> WanTransformer3DModel:
+    """`patch_frames` latent frames per token (Wan's: 1)."""
     transformer: WanTransformer3DModel = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
+        patch_size=(patch_frames, 2, 2),
         num_attention_heads=spec.dit_heads,
         attention_head_dim=spec.dit_head_dim,
         in_channels=in_channels,

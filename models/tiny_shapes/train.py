@@ -337,9 +337,10 @@ def set_latent_stats(vae: AutoencoderKLQwenImage, latents: torch.Tensor) -> torc
 # DiT + text encoder
 
 
-def sample_sigmas(n: int, gen: torch.Generator) -> torch.Tensor:
-    """Logit-normal sigmas, with 10% drawn uniformly so the ends of the schedule are covered."""
-    logit_normal = torch.sigmoid(torch.randn(n, generator=gen))
+def sample_sigmas(n: int, gen: torch.Generator, location: float = 0.0) -> torch.Tensor:
+    """Logit-normal sigmas (centred on sigmoid(`location`)), with 10% drawn uniformly so the ends
+    of the schedule are covered."""
+    logit_normal = torch.sigmoid(torch.randn(n, generator=gen) + location)
     uniform = torch.rand(n, generator=gen)
     pick_uniform = torch.rand(n, generator=gen) < 0.1
     return torch.where(pick_uniform, uniform, logit_normal).clamp(1e-3, 1.0)

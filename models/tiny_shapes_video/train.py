@@ -94,11 +94,19 @@ class VideoTrainConfig:
     dit_head_dim: int = 32
     dit_ffn: int = 256
     dit_freq_dim: int = 64
+    # latent frames per transformer token; 3 = the whole clip in one token, so each token holds
+    # its frames in order: Wan's RoPE is relative and its text has no position, which leaves a
+    # one-frame token no absolute time to tell "moving right" from "moving left" by
+    dit_patch_frames: int = 1
     dit_steps: int = 4000  # ~0.6-0.8 s a step of 32 at one thread on a busy machine
     dit_batch: int = 32
     dit_lr: float = 1e-3
     dit_warmup: int = 100
     caption_dropout: float = 0.1
+    # > 0: extra weight on the part of the flow error that varies across latent frames (the
+    # motion); the plain MSE let the shipped model ignore the motion words entirely
+    motion_weight: float = 0.0
+    sigma_location: float = 0.0  # logit-normal centre of the training sigmas (> 0: noisier)
     ema_decay: float = 0.998
     flow_shift: float = 2.0
     threads: int = 1
@@ -306,16 +314,22 @@ def prompt_embeds(pipe: WanPipeline, captions: list[str]) -> torch.Tensor:
 
 
 def flow_loss(pipe: WanPipeline, x0: torch.Tensor, captions: list[str],
-              gen: torch.Generator) -> torch.Tensor:
-    """Rectified flow: x_t = (1-s) x0 + s noise, target noise - x0, timestep 1000 s."""
+              gen: torch.Generator, cfg: VideoTrainConfig) -> torch.Tensor:
+    """Rectified flow: x_t = (1-s) x0 + s noise, target noise - x0, timestep 1000 s; plus
+    `motion_weight` x the error's deviation from its mean over latent frames (the motion: a
+    shape held still in the middle of every frame costs the plain MSE little)."""
     noise = torch.randn(x0.shape, generator=gen)
-    sigma = base.sample_sigmas(len(x0), gen)
+    sigma = base.sample_sigmas(len(x0), gen, cfg.sigma_location)
     s = sigma.view(-1, 1, 1, 1, 1)
     pred = pipe.transformer(hidden_states=(1.0 - s) * x0 + s * noise,
                             timestep=sigma * pipe.scheduler.config.num_train_timesteps,
                             encoder_hidden_states=prompt_embeds(pipe, captions),
                             return_dict=False)[0]
-    return F.mse_loss(pred, noise - x0)
+    loss = F.mse_loss(pred, noise - x0)
+    if cfg.motion_weight:
+        err = pred - (noise - x0)  # (N, C, T, h, w)
+        loss = loss + cfg.motion_weight * (err - err.mean(dim=2, keepdim=True)).pow(2).mean()
+    return loss
 
 
 def train_dit(pipe: WanPipeline, latents: torch.Tensor, captions: list[str],
@@ -332,7 +346,7 @@ def train_dit(pipe: WanPipeline, latents: torch.Tensor, captions: list[str],
         idx = torch.randint(0, len(latents), (cfg.dit_batch,), generator=gen).tolist()
         drop = (torch.rand(cfg.dit_batch, generator=gen) < cfg.caption_dropout).tolist()
         text = ["" if d else captions[i] for i, d in zip(idx, drop, strict=True)]
-        return flow_loss(pipe, latents[idx], text, gen)
+        return flow_loss(pipe, latents[idx], text, gen, cfg)
 
     def after_step(step: int) -> None:
         ema.update(step)
@@ -366,7 +380,8 @@ def build_pipeline(cfg: VideoTrainConfig, seed: int) -> WanPipeline:
         text_encoder=seeded(seed, 2, lambda: _build_text_encoder(preset, len(tokenizer))),
         vae=seeded(seed, 1, lambda: build_vae(cfg)),
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG, flow_shift=cfg.flow_shift),
-        transformer=seeded(seed, 3, lambda: _build_transformer(preset, Z_DIM)),
+        transformer=seeded(seed, 3, lambda: _build_transformer(preset, Z_DIM,
+                                                               cfg.dit_patch_frames)),
     )
 
 

@@ -4,9 +4,11 @@ judge: tests/unit/test_tiny_shapes_video_data.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from stagemesh.models.families.wan import WanGeometry
 from stagemesh.models.tiny_shapes_video.data import NUM_FRAMES, PROMPT_TOKENS
@@ -15,7 +17,13 @@ from stagemesh.models.tiny_shapes_video.evaluate import (
     held_out_prompts,
     pipeline_generator,
 )
-from stagemesh.models.tiny_shapes_video.train import VideoTrainConfig, train
+from stagemesh.models.tiny_shapes_video.probe import ATTRIBUTES, SIGMAS, attribute_sensitivity
+from stagemesh.models.tiny_shapes_video.train import (
+    VideoTrainConfig,
+    build_pipeline,
+    prompt_embeds,
+    train,
+)
 
 
 def test_smoke_training_writes_a_wan_folder_the_stock_pipeline_runs(tmp_path: Path) -> None:
@@ -46,3 +54,20 @@ def test_smoke_training_writes_a_wan_folder_the_stock_pipeline_runs(tmp_path: Pa
     clip = generate("a red circle moving right", 0)
     assert clip.shape == (NUM_FRAMES, 32, 32, 3) and clip.dtype == np.uint8
     assert np.array_equal(clip, generate("a red circle moving right", 0))  # seeded
+    # The word probe reads the folder: a loss ratio per swapped attribute at each sigma.
+    table = attribute_sensitivity(out, n=4)
+    assert list(table) == [f"sigma {s}" for s in SIGMAS]
+    assert all(set(row) == {"loss", *ATTRIBUTES} and min(row.values()) > 0.0
+               for row in table.values())
+
+
+def test_a_transformer_token_can_hold_every_latent_frame_of_the_clip() -> None:
+    cfg = replace(VideoTrainConfig.smoke(), dit_patch_frames=3)
+    pipe = build_pipeline(cfg, seed=0)
+    assert list(pipe.transformer.config.patch_size) == [3, 2, 2]
+    latents = torch.randn(1, 16, 3, 8, 8)  # 9 frames of 32x32: 16 tokens instead of 48
+    with torch.no_grad():  # the stock WanPipeline runs such a folder (the smoke test's path)
+        out = pipe.transformer(hidden_states=latents, timestep=torch.tensor([500.0]),
+                               encoder_hidden_states=prompt_embeds(pipe, ["a red circle"]),
+                               return_dict=False)[0]
+    assert out.shape == latents.shape

@@ -3,8 +3,12 @@ path: tests/model/test_tiny_shapes_video.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import numpy as np
 import pytest
+import torch
 
 from stagemesh.gateway.recipes import DEFAULT_RECIPES, Task, default_recipe, load_recipes
 from stagemesh.models.tiny_shapes.data import BACKGROUNDS, COLOURS, SHAPES
@@ -25,6 +29,8 @@ from stagemesh.models.tiny_shapes_video.judge import (
     judge_accuracy_on_renders,
     measure_clip,
 )
+from stagemesh.models.tiny_shapes_video.probe import swapped
+from stagemesh.models.tiny_shapes_video.train import VideoTrainConfig, flow_loss
 
 
 def test_a_fifth_of_the_combinations_is_held_out_in_every_background() -> None:
@@ -97,3 +103,51 @@ def test_the_default_video_recipe_serves_the_model_as_it_was_trained() -> None:
     assert (defaults.width, defaults.height, defaults.num_frames) == (32, 32, NUM_FRAMES)
     assert (defaults.num_inference_steps, defaults.guidance_scale) == (DEFAULT_STEPS,
                                                                       DEFAULT_GUIDANCE)
+
+
+@pytest.mark.parametrize("attribute", ["colour", "shape", "motion"])
+def test_the_probe_swaps_one_attribute_and_keeps_the_rest(attribute: str) -> None:
+    for spec in split()[0]:
+        other = swapped(spec, attribute)
+        assert getattr(other, attribute) != getattr(spec, attribute)
+        kept = {"colour", "shape", "motion", "background"} - {attribute}
+        assert all(getattr(other, a) == getattr(spec, a) for a in kept)
+        assert parse_clip_caption(other.caption) == other  # still in the grammar
+        if attribute == "motion":  # the opposite direction: the layout over frames mirrored
+            (dx, dy), (ox, oy) = MOTIONS[spec.motion], MOTIONS[other.motion]
+            assert (ox, oy) == (-dx, -dy)
+
+
+class _Truth(torch.nn.Module):
+    """A transformer that predicts the flow target exactly, plus `offset`."""
+
+    def __init__(self, x0: torch.Tensor, offset: torch.Tensor) -> None:
+        super().__init__()
+        self.x0, self.offset = x0, offset
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                **_: object) -> tuple[torch.Tensor]:
+        s = (timestep / 1000.0).view(-1, 1, 1, 1, 1)
+        noise = (hidden_states - (1.0 - s) * self.x0) / s
+        return (noise - self.x0 + self.offset,)
+
+
+def test_the_motion_weight_charges_only_errors_that_vary_across_frames() -> None:
+    x0 = torch.randn(2, 16, 3, 4, 4)
+    steady = torch.full_like(x0, 0.1)  # the same error in every latent frame
+    varying = steady.clone()
+    varying[:, :, 0] = -0.1  # the first frame's error differs from the others'
+
+    def loss(offset: torch.Tensor, motion_weight: float) -> float:
+        pipe: Any = SimpleNamespace(  # what flow_loss reads of a WanPipeline
+            transformer=_Truth(x0, offset),
+            scheduler=SimpleNamespace(config=SimpleNamespace(num_train_timesteps=1000)),
+            encode_prompt=lambda *_, **__: (torch.zeros(2, PROMPT_TOKENS, 8),))
+        cfg = VideoTrainConfig(motion_weight=motion_weight)
+        return float(flow_loss(pipe, x0, ["", ""], torch.Generator().manual_seed(0), cfg))
+
+    assert loss(steady, 0.0) == pytest.approx(0.01, rel=1e-4)
+    assert loss(steady, 4.0) == pytest.approx(0.01, rel=1e-4)
+    assert loss(varying, 0.0) == pytest.approx(0.01, rel=1e-4)  # plain MSE: the same cost
+    # deviation from the frame mean: 2/3 * 0.2 in one frame, 1/3 * 0.2 in two -> 0.2^2 * 2/9
+    assert loss(varying, 4.0) == pytest.approx(0.01 + 4.0 * 0.04 * 2 / 9, rel=1e-4)
