@@ -3,11 +3,12 @@ hears it: from the last voiced sample of a question to the first audio of its an
 
 One mesh (`stagemesh serve` with the chat recipe, the speech recipe it speaks through and the
 listener it hears with). Questions are recorded once in our own voice (the mesh's Piper, 24 kHz
-PCM16) and replayed by c sessions at once (c = 1 and 4 by default), each through a microphone
-that never stops: 100 ms chunks in real time, silence between questions, each chunk sent once
-its 100 ms have been "recorded" (as a real microphone can), with server VAD on
-(silence_duration_ms 500). Every server event is timed as it arrives (a task reads the socket
-all the time). Per answer, from the client's clock:
+PCM16) and replayed by c sessions at once (c = 1 and 4 by default; `--rounds` fresh sessions one
+after another per slot, 3 by default), each through a microphone that never stops: 100 ms
+chunks in real time, silence between questions, each chunk sent once its 100 ms have been
+"recorded" (as a real microphone can), with server VAD on (silence_duration_ms 500). Every
+server event is timed as it arrives (a task reads the socket all the time).
+Per answer, from the client's clock:
 
 - VAD wait: last voiced sample -> `input_audio_buffer.speech_stopped` (includes the 500 ms of
   silence the client asked for, and the microphone's chunking);
@@ -248,10 +249,15 @@ async def session(base_url: str, questions: list[Pcm16], long: Pcm16,
                 task.cancel()
 
 
-async def run_level(base_url: str, concurrency: int, questions: list[Pcm16], long: Pcm16,
-                    interruption: Pcm16) -> tuple[list[tuple[Turn, TurnFacts]], list[float]]:
-    results = await asyncio.gather(*(session(base_url, questions, long, interruption)
-                                     for _ in range(concurrency)))
+async def run_level(base_url: str, concurrency: int, rounds: int, questions: list[Pcm16],
+                    long: Pcm16, interruption: Pcm16,
+                    ) -> tuple[list[tuple[Turn, TurnFacts]], list[float]]:
+    """`rounds` times, `concurrency` fresh sessions at once (a fresh history each round, so
+    every round asks the same prompts: the rounds only add samples)."""
+    results = []
+    for _ in range(rounds):
+        results += await asyncio.gather(*(session(base_url, questions, long, interruption)
+                                          for _ in range(concurrency)))
     return [turn for turns, _ in results for turn in turns], [trail for _, trail in results]
 
 
@@ -337,7 +343,7 @@ def chart(path: Path, results: dict[str, Any], title: str) -> Path:
     ], suptitle=title)
 
 
-def measure(base_url: str, levels: list[int]) -> tuple[dict[str, Any], float]:
+def measure(base_url: str, levels: list[int], rounds: int) -> tuple[dict[str, Any], float]:
     with httpx.Client(base_url=base_url, timeout=120) as client:
         questions = [record(client, text) for text in QUESTIONS]
         long, interruption = record(client, LONG_QUESTION), record(client, INTERRUPTION)
@@ -346,8 +352,8 @@ def measure(base_url: str, levels: list[int]) -> tuple[dict[str, Any], float]:
     for concurrency in levels:
         with httpx.Client(base_url=base_url, timeout=30) as client:
             before = speculation_counts(client)
-            turns, trails = asyncio.run(run_level(base_url, concurrency, questions, long,
-                                                  interruption))
+            turns, trails = asyncio.run(run_level(base_url, concurrency, rounds, questions,
+                                                  long, interruption))
             speculation = speculation_report(before, speculation_counts(client))
         report = level_report(concurrency, with_token_counts(turns), trails, speculation)
         results[f"c{concurrency}"] = report
@@ -362,6 +368,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="stagemesh bench voice", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4", help="comma-separated session counts")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="sessions per concurrent slot, one after another (each asks every "
+                             "question once): more samples for the percentiles")
     parser.add_argument("--dry-run", action="store_true",
                         help="write the report and chart from made-up samples; start nothing")
     parser.add_argument("--out", default="bench-results/voice", help="folder for JSON + PNG")
@@ -381,12 +390,13 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             recipes = recipe_file_with_companions(Path(tmp) / "recipes.yaml", RECIPE_NAME)
             with serve_mesh(recipes, out / "serve.log") as mesh:
-                results, rtf = measure(mesh.base_url, levels)
+                results, rtf = measure(mesh.base_url, levels, args.rounds)
     report = {"benchmark": "voice", "created": datetime.now(UTC).isoformat(),
               "dry_run": args.dry_run, "machine": load_before,
               "load_average_after": machine_info()["load_average"], "recipe": RECIPE_NAME,
               "questions": list(QUESTIONS), "silence_duration_ms": SILENCE_MS,
-              "transcription_rtf": rtf, "levels": levels, "results": results}
+              "transcription_rtf": rtf, "levels": levels, "rounds": args.rounds,
+              "results": results}
     json_path = write_json(out / "voice.json", report)
     png_path = chart(out / "voice.png", results,
                      f"stagemesh bench voice — {RECIPE_NAME}, realtime, server VAD "
