@@ -287,7 +287,9 @@ async def _restart_second(mesh: Mesh, fresh: LoraDit) -> ReplicaState:
                                 [dit_service_pb2.DESCRIPTOR.services_by_name["DitService"]
                                  .full_name], port=mesh.ports["dit-b"])
     mesh.servers["dit-b"], mesh.replicas[1] = served.server, fresh
-    await _until(replicas, lambda: second.state is not ReplicaState.UNREACHABLE)
+    # a stage's health may say NOT_SERVING for a moment while it starts: wait that out too
+    await _until(replicas, lambda: second.state not in (ReplicaState.UNREACHABLE,
+                                                        ReplicaState.NOT_SERVING))
     return second.state
 
 
