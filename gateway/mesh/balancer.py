@@ -166,7 +166,11 @@ class ReplicaSet:
         for callback in self._on_back:
             try:
                 await callback(self.address, replica)
-            except Exception as error:  # a callback's failure must not stop the polling
+            except (Exception, asyncio.CancelledError) as error:
+                # a callback's failure must not stop the polling; nor a call of it cancelled
+                # because the replica's channel was closed under it
+                if isinstance(error, asyncio.CancelledError) and cancelling():
+                    raise
                 log.warning("%s replica %s serves, but is kept out until it is set up again: "
                             "%s", self.stage, replica.address, error)
                 return False
@@ -344,6 +348,14 @@ class ReplicaSet:
             self._tasks.append(asyncio.create_task(old.close()))
 
 
+def cancelling() -> bool:
+    """True when the running task is being cancelled, rather than one of its gRPC calls: a
+    call on a channel that is closed under it (a replaced replica channel) raises
+    CancelledError too, though nobody cancelled the caller."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def _health(channel: grpc.aio.Channel) -> int | None:
     """The replica's grpc.health status (overall, service ""); None if unreachable."""
     check = channel.unary_unary(
@@ -353,6 +365,10 @@ async def _health(channel: grpc.aio.Channel) -> int | None:
         reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=POLL_TIMEOUT_S)
     except grpc.aio.AioRpcError:
         return None
+    except asyncio.CancelledError:
+        if cancelling():
+            raise
+        return None  # the channel was replaced and closed under the call: look again later
     return int(reply.status)
 
 
@@ -365,6 +381,10 @@ async def _load(channel: grpc.aio.Channel) -> control_service_pb2.GetStageLoadRe
                                        timeout=POLL_TIMEOUT_S)
     except grpc.aio.AioRpcError:
         return None
+    except asyncio.CancelledError:
+        if cancelling():
+            raise
+        return None  # the channel was closed under the call, as in `_health`
 
 
 class NoReplica(Exception):

@@ -38,6 +38,7 @@ from stagemesh.gateway.mesh.balancer import (
     ReplicaChannel,
     ReplicaSet,
     ReplicaState,
+    cancelling,
 )
 from stagemesh.gateway.mesh.stubs import (
     ImageStubs,
@@ -470,12 +471,6 @@ class SpeechFacts:
                    reference_sample_rates=tuple(codec.reference_sample_rates))
 
 
-def _cancelling() -> bool:
-    """True when the running task is being cancelled (rather than one of its gRPC calls)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 #: A stage's Describe answer, whatever its role.
 StageAnswer: TypeAlias = (
     tokenizer_service_pb2.DescribeTokenizerResponse | dit_service_pb2.DescribeDitResponse
@@ -600,7 +595,7 @@ class StageCatalog:
         except (grpc.aio.AioRpcError, NoReplica):
             return None
         except asyncio.CancelledError:
-            if _cancelling():
+            if cancelling():
                 raise  # the caller itself was cancelled
             return None  # its replica's channel closed under the call (see `read`)
         return None
@@ -619,7 +614,7 @@ class StageCatalog:
         except NoReplica as none:
             raise StageUnavailable(str(none)) from None
         except asyncio.CancelledError:
-            if _cancelling():
+            if cancelling():
                 raise  # the request itself was cancelled
             # the call was cancelled under it: its replica's channel was closed (a replica
             # that went away gets a fresh channel, see balancer.ReplicaSet)
