@@ -129,13 +129,12 @@ class GatewayCore:
     async def stage_infos(self) -> list[gateway_service_pb2.StageInfo]:
         """Every stage's health, plus what it published: device, dtype, quantization,
         compilation, a DiT's parallel group (`stages.publish_into`; empty if unreadable)."""
-        infos = await self.mesh.stage_infos()
-        answers = await asyncio.gather(
-            *(self.catalog.answer(endpoint) for endpoint in self.mesh.row_endpoints()))
-        for info, answer in zip(infos, answers, strict=True):
+        rows = await self.mesh.stage_rows()
+        answers = await asyncio.gather(*(self.catalog.answer(endpoint) for endpoint, _ in rows))
+        for (_, info), answer in zip(rows, answers, strict=True):
             if answer is not None:
                 publish_into(info, answer)
-        return infos
+        return [info for _, info in rows]
 
     async def cancel(self, request_id: str, reason: str = "cancelled by id",
                      owner: str = "") -> CancelOutcome:

@@ -317,7 +317,8 @@ class ReplicaSet:
 
     async def _poll(self, replica: Replica) -> None:
         ours = replica.in_flight
-        health, load = await asyncio.gather(_health(replica.channel), _load(replica.channel))
+        health, load = await asyncio.gather(health_status(replica.channel, POLL_TIMEOUT_S),
+                                            _load(replica.channel))
         before = replica.state
         if health is None:
             replica.state = ReplicaState.UNREACHABLE
@@ -356,13 +357,14 @@ def cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-async def _health(channel: grpc.aio.Channel) -> int | None:
-    """The replica's grpc.health status (overall, service ""); None if unreachable."""
+async def health_status(channel: grpc.aio.Channel, timeout: float) -> int | None:
+    """The replica's grpc.health status (overall, service ""); None if unreachable, or if its
+    channel was closed under the call."""
     check = channel.unary_unary(
         HEALTH_CHECK, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
         response_deserializer=health_pb2.HealthCheckResponse.FromString)
     try:
-        reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=POLL_TIMEOUT_S)
+        reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
     except grpc.aio.AioRpcError:
         return None
     except asyncio.CancelledError:
@@ -384,7 +386,7 @@ async def _load(channel: grpc.aio.Channel) -> control_service_pb2.GetStageLoadRe
     except asyncio.CancelledError:
         if cancelling():
             raise
-        return None  # the channel was closed under the call, as in `_health`
+        return None  # the channel was closed under the call, as in `health_status`
 
 
 class NoReplica(Exception):

@@ -30,7 +30,6 @@ from grpc_health.v1 import health_pb2
 
 from stagemesh.gateway.errors import InvalidRequest, StageUnavailable
 from stagemesh.gateway.mesh.balancer import (
-    HEALTH_CHECK,
     NoReplica,
     OnBack,
     OnChange,
@@ -39,6 +38,7 @@ from stagemesh.gateway.mesh.balancer import (
     ReplicaSet,
     ReplicaState,
     cancelling,
+    health_status,
 )
 from stagemesh.gateway.mesh.stubs import (
     ImageStubs,
@@ -250,15 +250,17 @@ class Mesh:
         """Every stage of every recipe, in recipe order."""
         return [(r, e) for r in self.recipes.values() for e in r.stages.values()]
 
-    async def stage_infos(self) -> list[gateway_service_pb2.StageInfo]:
-        """Every replica of every stage with its grpc.health status (device and dtype: see
-        GatewayCore); a stage of one replica is one row, as before replicas."""
+    async def stage_rows(self) -> list[tuple[StageEndpoint, gateway_service_pb2.StageInfo]]:
+        """Every replica of every stage with its grpc.health status, beside the endpoint of its
+        stage (device and dtype: see GatewayCore); a stage of one replica is one row, as before
+        replicas. The rows are taken at one moment: a replica set changing while the health
+        checks run (a failed replica replaced) changes nothing here."""
         rows = [(r, e, replica) for r, e in self.endpoints()
                 for replica in self.replica_set(e).replicas if not replica.retired]
         healths = await asyncio.gather(*(_health(replica) for _, _, replica in rows))
-        return [gateway_service_pb2.StageInfo(
+        return [(e, gateway_service_pb2.StageInfo(
                     name=e.name, recipe=r.name, address=replica.address, health=health,
-                    metrics_url=_metrics_url(e, replica))
+                    metrics_url=_metrics_url(e, replica)))
                 for (r, e, replica), health in zip(rows, healths, strict=True)]
 
     async def stage_health(self) -> dict[str, str]:
@@ -272,11 +274,6 @@ class Mesh:
         health = {address: await _set_health(replicas) for address, replicas in self._sets.items()}
         return {f"{r.name}/{e.name}": health.get(e.address, "NO_REPLICA")
                 for r, e in self.endpoints()}
-
-    def row_endpoints(self) -> list[StageEndpoint]:
-        """The endpoint of each row `stage_infos` returns, in the same order."""
-        return [e for r, e in self.endpoints()
-                for replica in self.replica_set(e).replicas if not replica.retired]
 
     async def cancel_everywhere(self, request_id: str, reason: str,
                                 owner: str) -> list[StageCancel]:
@@ -317,14 +314,10 @@ async def _polled_health(replica: Replica) -> str:
 
 
 async def _health(replica: Replica) -> str:
-    check = replica.channel.unary_unary(
-        HEALTH_CHECK, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-        response_deserializer=health_pb2.HealthCheckResponse.FromString)
-    try:
-        reply = await check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
-    except grpc.aio.AioRpcError:
+    status = await health_status(replica.channel, HEALTH_TIMEOUT_S)
+    if status is None:
         return "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
 # -- what the stages publish ----------------------------------------------------------------------

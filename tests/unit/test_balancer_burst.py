@@ -60,7 +60,7 @@ async def test_a_load_report_read_while_our_calls_end_is_not_others_load(
     replicas = _replicas(2)
     replica = replicas.replicas[0]
 
-    async def health(channel: object) -> int:
+    async def health(channel: object, timeout: float) -> int:
         return 1  # SERVING
 
     async def load(channel: object) -> control_service_pb2.GetStageLoadResponse:
@@ -68,7 +68,7 @@ async def test_a_load_report_read_while_our_calls_end_is_not_others_load(
         replica.in_flight = ours_after  # ... which end before the report arrives
         return report
 
-    monkeypatch.setattr(balancer, "_health", health)
+    monkeypatch.setattr(balancer, "health_status", health)
     monkeypatch.setattr(balancer, "_load", load)
     await replicas.poll()
     assert replica.others == 0

@@ -1,7 +1,8 @@
 """A replica's channel closed under a poll (the balancer replaces a failed channel and closes the
 old one) cancels the poll's health and load calls though nobody cancelled the poller: the poll
 reads the replica as unreachable and the polling goes on; a poller that is itself cancelled
-still stops."""
+still stops. The stages listing, which asks every replica's health itself, reads it the same
+way."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from stagemesh.gateway.core import GatewayCore
 from stagemesh.gateway.mesh.balancer import Replica, ReplicaSet, ReplicaState
-from stagemesh.gateway.recipes import parse_target
+from stagemesh.gateway.mesh.stages import Mesh, StageCatalog
+from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task, parse_target
 from stagemesh.shared.server import open_channel
 
 
@@ -62,3 +65,35 @@ async def test_a_cancelled_poller_still_stops(silent_replica: ReplicaSet) -> Non
     polling.cancel()
     with pytest.raises(asyncio.CancelledError):
         await polling
+
+
+async def test_stage_rows_read_while_a_replica_is_replaced_are_one_moment() -> None:
+    """GET /v1/stages while the balancer replaces a failed replica (its channel closed, the
+    set changed): every row is the replica that was asked, read as unreachable — no
+    CancelledError and no rows paired with the wrong endpoints (both were 500s)."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((_NeverAnswers(),))
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    mesh = Mesh({"whisper": Recipe(
+        name="whisper", task=Task.SPEECH_TO_TEXT, model="w",
+        stages={"transcriber": StageEndpoint("transcriber", address)})})
+    await mesh.start()
+    core = GatewayCore(mesh, StageCatalog(mesh))
+    try:
+        listing = asyncio.create_task(core.stage_infos())
+        await asyncio.sleep(0.3)  # the health check is open on the server
+        replicas = mesh.replica_set(mesh.recipes["whisper"].stage("transcriber"))
+        replaced = replicas.replicas[0]
+        # as the balancer's _reconnect_if_failed does: a fresh channel, the old one's watcher
+        # stopped, then the old one closed
+        old, replaced.channel = replaced.channel, open_channel(address)
+        replicas._watchers.pop(replaced).cancel()
+        replicas.replicas.append(Replica(address, open_channel(address), 1))  # the set grew
+        await old.close()
+        infos = await asyncio.wait_for(listing, 10)
+        assert [(info.name, info.address, info.health) for info in infos] == [
+            ("transcriber", address, "UNREACHABLE")]
+    finally:
+        await mesh.close()
+        await server.stop(0)
