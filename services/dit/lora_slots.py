@@ -112,7 +112,7 @@ class _Rows:
 class _Stacks:
     """One LoRA'd Linear's slot stacks, applied by a forward hook while rows are bound."""
 
-    def __init__(self, bank: SlotBank, linear: torch.nn.Linear) -> None:
+    def __init__(self, bank: SlotStacks, linear: torch.nn.Linear) -> None:
         self.bank = bank
         shape = (bank.max_loras + 1, bank.max_rank)
         weight = linear.weight
@@ -135,35 +135,25 @@ class _Stacks:
         return out + delta.to(out.dtype)
 
 
-class SlotBank:
-    """`max_loras` slots on every Linear the catalog's adapters target, and their holders."""
+class SlotStacks:
+    """`max_loras` slots on LoRA'd Linears of the transformers, and which rows run which slots
+    in a forward (`bind`, `narrowed`). What is in a slot is written by `write_slot`; a
+    `SlotBank` decides that. A group's worker rank holds one of these alone, mirroring rank 0's
+    (services/dit/parallel.py): the Linears are named by (transformer index, module name)."""
 
-    def __init__(
-        self,
-        transformers: Sequence[torch.nn.Module],
-        catalog: LoraCatalog,
-        files: LoraFiles = QwenImageLoraLoaderMixin.lora_state_dict,
-    ) -> None:
-        """transformers: each gets the slots (Wan 2.2: both, as diffusers'
-        `load_into_transformer_2`); files: the pipeline's `lora_state_dict` (it converts the
-        layouts that pipeline's LoRAs come in)."""
-        config = catalog.config
-        self.catalog, self.files = catalog, files
-        self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
+    def __init__(self, transformers: Sequence[torch.nn.Module], max_loras: int,
+                 max_rank: int) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype = next(transformers[0].parameters()).dtype
         self.device = next(transformers[0].parameters()).device
         self.rows: _Rows | None = None
-        self.stacks: list[tuple[str, _Stacks]] = []  # (module name, its stacks), every model
+        #: (transformer index, module name, its stacks), in the order they were added
+        self.stacks: list[tuple[int, str, _Stacks]] = []
         self._modules = [dict(transformer.named_modules()) for transformer in transformers]
         self._stacked: set[str] = set()
-        self._add_stacks(catalog.targets())
-        self._loaded: OrderedDict[AdapterFile, int] = OrderedDict()  # least recent first
-        self._holders: dict[int, int] = {}  # slot -> requests holding it
         self._ranks: dict[int, int] = {}  # slot -> the largest rank written into it
-        self._pending: list[LoraHold] = []  # oldest first
-        self._loading: dict[AdapterFile, futures.Future[Matrices]] = {}
-        # Files are read off the engine thread; one reader keeps disk and host memory calm.
-        self._loader = futures.ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
+        #: slots written since `take_written` (what a group's rank 0 sends its workers)
+        self._written: set[int] = set()
 
     def check_targets(self, targets: frozenset[str]) -> None:
         """ValueError unless every target is a Linear of every transformer."""
@@ -177,14 +167,104 @@ class SlotBank:
         between forwards: a hook must not be added to a module while it runs)."""
         new = targets - self._stacked
         self.check_targets(new)
-        for modules in self._modules:
-            for name in sorted(new):
-                linear = modules[name]
-                assert isinstance(linear, torch.nn.Linear)
-                stacks = _Stacks(self, linear)
-                self.stacks.append((name, stacks))
-                linear.register_forward_hook(stacks.hook)
+        self.add_stacks([(model, name) for model in range(len(self._modules))
+                         for name in sorted(new)])
         self._stacked |= new
+
+    def add_stacks(self, linears: Sequence[tuple[int, str]]) -> None:
+        """Zero stacks and a forward hook on each (transformer index, module name), in order."""
+        for model, name in linears:
+            linear = self._modules[model][name]
+            assert isinstance(linear, torch.nn.Linear)
+            stacks = _Stacks(self, linear)
+            self.stacks.append((model, name, stacks))
+            linear.register_forward_hook(stacks.hook)
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, rank: int,
+                   pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot `slot` of every stack, in `stacks` order: its (A, B) pair (any rank up to
+        `max_rank`), or zeros (None: the adapter targets nothing there); `rank` is the
+        largest rank written."""
+        for (_, _, stacks), pair in zip(self.stacks, pairs, strict=True):
+            stacks.down[slot].zero_()
+            stacks.up[slot].zero_()
+            if pair is not None:
+                down, up = pair
+                stacks.down[slot, : down.shape[0]] = down.to(self.device, self.dtype)
+                stacks.up[slot, : down.shape[0]] = up.T.to(self.device, self.dtype)
+        self._ranks[slot] = rank
+        self._written.add(slot)
+
+    def take_written(self) -> list[int]:
+        """The slots written since the last call, in slot order."""
+        written, self._written = sorted(self._written), set()
+        return written
+
+    def slot_rank(self, slot: int) -> int:
+        return self._ranks.get(slot, 1)
+
+    # -- one forward -----------------------------------------------------------------------
+
+    @contextmanager
+    def bind(self, rows: Sequence[RowMeta]) -> Iterator[None]:
+        """The rows' slots and scales for one forward; nothing added when no row has any."""
+        width = max((len(row.adapters) for row in rows), default=0)
+        if not width:
+            yield
+            return
+        groups = [row.adapters for row in rows]
+        if all(adapters == groups[0] for adapters in groups):
+            groups = groups[:1]  # one group: the slots gathered once for every row
+        rank = max(self.slot_rank(use.slot) for row in groups for use in row)
+        slots = torch.full((len(groups), width), self.max_loras, dtype=torch.long)  # zero slot
+        scales = torch.zeros(len(groups), width, dtype=torch.float32)
+        for i, adapters in enumerate(groups):
+            for k, use in enumerate(adapters):
+                slots[i, k], scales[i, k] = use.slot, use.scale
+        columns = scales.repeat_interleave(rank, dim=1)[:, None]  # [groups, 1, k * rank]
+        self.rows = _Rows(slots.to(self.device), columns.to(self.device, self.dtype), rank)
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    @contextmanager
+    def narrowed(self, rows: torch.Tensor) -> Iterator[None]:
+        """Only `rows` (indices into the bound rows) run until the block returns."""
+        bound = self.rows
+        if bound is None:
+            yield
+            return
+        self.rows = bound.select(rows)
+        try:
+            yield
+        finally:
+            self.rows = bound
+
+
+class SlotBank(SlotStacks):
+    """The slots of every Linear the catalog's adapters target, and their holders."""
+
+    def __init__(
+        self,
+        transformers: Sequence[torch.nn.Module],
+        catalog: LoraCatalog,
+        files: LoraFiles = QwenImageLoraLoaderMixin.lora_state_dict,
+    ) -> None:
+        """transformers: each gets the slots (Wan 2.2: both, as diffusers'
+        `load_into_transformer_2`); files: the pipeline's `lora_state_dict` (it converts the
+        layouts that pipeline's LoRAs come in)."""
+        config = catalog.config
+        super().__init__(transformers, config.max_loras, config.max_lora_rank)
+        self.catalog, self.files = catalog, files
+        self._add_stacks(catalog.targets())
+        self._loaded: OrderedDict[AdapterFile, int] = OrderedDict()  # least recent first
+        self._holders: dict[int, int] = {}  # slot -> requests holding it
+        self._pending: list[LoraHold] = []  # oldest first
+        self._loading: dict[AdapterFile, futures.Future[Matrices]] = {}
+        # Files are read off the engine thread; one reader keeps disk and host memory calm.
+        self._loader = futures.ThreadPoolExecutor(1, thread_name_prefix="lora-loader")
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -320,61 +400,14 @@ class SlotBank:
 
     # -- loading ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def _write(self, slot: int, adapter: AdapterFile, matrices: Matrices) -> None:
         """The adapter's matrices into `slot` of every stack (zeros where it targets nothing)."""
         self._add_stacks(frozenset(matrices))
-        for module, stacks in self.stacks:
-            stacks.down[slot].zero_()
-            stacks.up[slot].zero_()
-            pair = matrices.get(module)
-            if pair is None:
-                continue
-            down, up = pair
-            rank = down.shape[0]
-            stacks.down[slot, :rank] = down.to(self.device, self.dtype)
-            stacks.up[slot, :rank] = up.T.to(self.device, self.dtype)
-        self._ranks[slot] = max((down.shape[0] for down, _ in matrices.values()), default=1)
+        self.write_slot(
+            slot, max((down.shape[0] for down, _ in matrices.values()), default=1),
+            [matrices.get(name) for _, name, _ in self.stacks])
         self._loaded[adapter] = slot
         logger.info("LoRA %s loaded into slot %d", adapter.name, slot)
-
-    # -- one forward -----------------------------------------------------------------------
-
-    @contextmanager
-    def bind(self, rows: Sequence[RowMeta]) -> Iterator[None]:
-        """The rows' slots and scales for one forward; nothing added when no row has any."""
-        width = max((len(row.adapters) for row in rows), default=0)
-        if not width:
-            yield
-            return
-        groups = [row.adapters for row in rows]
-        if all(adapters == groups[0] for adapters in groups):
-            groups = groups[:1]  # one group: the slots gathered once for every row
-        rank = max(self._ranks.get(use.slot, 1) for row in groups for use in row)
-        slots = torch.full((len(groups), width), self.max_loras, dtype=torch.long)  # zero slot
-        scales = torch.zeros(len(groups), width, dtype=torch.float32)
-        for i, adapters in enumerate(groups):
-            for k, use in enumerate(adapters):
-                slots[i, k], scales[i, k] = use.slot, use.scale
-        columns = scales.repeat_interleave(rank, dim=1)[:, None]  # [groups, 1, k * rank]
-        self.rows = _Rows(slots.to(self.device), columns.to(self.device, self.dtype), rank)
-        try:
-            yield
-        finally:
-            self.rows = None
-
-    @contextmanager
-    def narrowed(self, rows: torch.Tensor) -> Iterator[None]:
-        """Only `rows` (indices into the bound rows) run until the block returns."""
-        bound = self.rows
-        if bound is None:
-            yield
-            return
-        self.rows = bound.select(rows)
-        try:
-            yield
-        finally:
-            self.rows = bound
 
 
 def _waiting(state: Holding) -> StepOutput[NoStream]:

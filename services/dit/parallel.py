@@ -69,9 +69,11 @@ from stagemesh.services.dit.forward import (
     RowAdapters,
     RowHooks,
     RowMeta,
+    SlotUse,
     qwen_image_forward,
     wan_forward,
 )
+from stagemesh.services.dit.lora_slots import SlotStacks
 from stagemesh.services.dit.parallel_cache import (
     ShardedFirstBlock,
     ShardStore,
@@ -97,15 +99,16 @@ LOOPBACK, READY_KEY = "127.0.0.1", "stagemesh/ready/"
 WATCH_S = 0.2
 #: How long a group fault's handler (stopping the engine and the workers) may take.
 FAULT_HANDLING_S = 30.0
-#: The broadcast header: [op, ndim, MAX_DIMS sizes of the hidden states, text tokens, text
-#: dim, has mask, transformer, dtypes of hidden, text and timesteps (DTYPES indices), has
-#: step-cache plans, freed cache keys, image shapes, then up to MAX_SHAPES (frames, rows,
-#: columns)].
+#: The broadcast header of a forward: [op, ndim, MAX_DIMS sizes of the hidden states, text
+#: tokens, text dim, has mask, transformer, dtypes of hidden, text and timesteps (DTYPES
+#: indices), has step-cache plans, freed cache keys, LoRA adapters per row (0: none), image
+#: shapes, then up to MAX_SHAPES (frames, rows, columns)]. Of a LoRA slot sync: [op, new
+#: stacks, bytes of their names, slots written, max_loras, max_lora_rank].
 MAX_DIMS, MAX_SHAPES = 5, 8
-HEADER_LEN = 2 + MAX_DIMS + 10 + 3 * MAX_SHAPES
+HEADER_LEN = 2 + MAX_DIMS + 11 + 3 * MAX_SHAPES
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
           torch.int32)
-OP_FORWARD, OP_STOP = 1, 2
+OP_FORWARD, OP_STOP, OP_SLOTS = 1, 2, 3
 #: The collectives' backend by device type; the interrupt vote always runs on VOTE_BACKEND.
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 VOTE_BACKEND = "gloo"
@@ -224,6 +227,15 @@ class ForwardCall:
     model: int = 0  # which of the family's transformers (Wan 2.2: 0 or 1)
     cache: tuple[RowPlan, ...] | None = None  # each row's first-block cache (None: no cache)
     freed: tuple[int, ...] = ()  # cache keys of the requests that left since the last forward
+    #: each row's LoRA slots and scales (every rank holds the same slots: `GroupForward`)
+    adapters: tuple[tuple[SlotUse, ...], ...] = ()
+
+    @property
+    def rows(self) -> list[RowMeta]:
+        """What the forward knows of each row (no request ids: nothing on a rank needs them)."""
+        adapters = self.adapters or ((),) * len(self.branches)
+        return [RowMeta("", branch, uses)
+                for branch, uses in zip(self.branches, adapters, strict=True)]
 
     def select(self, rows: Sequence[int]) -> ForwardCall:
         index = torch.tensor(rows, dtype=torch.long, device=self.hidden_states.device)
@@ -233,7 +245,8 @@ class ForwardCall:
             encoder_hidden_states=self.encoder_hidden_states[index],
             encoder_hidden_states_mask=None if mask is None else mask[index],
             timestep=self.timestep[index], branches=tuple(self.branches[i] for i in rows),
-            cache=None if self.cache is None else tuple(self.cache[i] for i in rows))
+            cache=None if self.cache is None else tuple(self.cache[i] for i in rows),
+            adapters=tuple(self.adapters[i] for i in rows) if self.adapters else ())
 
 
 #: The transformers a group runs.
@@ -249,11 +262,14 @@ class Family(Protocol):
 
     def blocks(self, model: int) -> Sequence[torch.nn.Module]: ...
 
-    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None) -> torch.Tensor: ...
+    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None,
+            adapters: RowAdapters | None) -> torch.Tensor: ...
 
     def row_output(self, call: ForwardCall) -> tuple[int, ...]: ...
 
 
+#: A worker's mirror of rank 0's LoRA slot stacks, given (max_loras, max_lora_rank).
+StacksOf = Callable[[int, int], SlotStacks]
 #: A worker's model: (source, its stage options) -> its family and the group's degrees.
 Builder = Callable[[str, Mapping[str, object]], tuple["Family", Degrees]]
 
@@ -269,14 +285,15 @@ class QwenImageFamily:
     def blocks(self, model: int) -> Sequence[torch.nn.Module]:
         return list(self.transformer.transformer_blocks)
 
-    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None) -> torch.Tensor:
+    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None,
+            adapters: RowAdapters | None) -> torch.Tensor:
         embeds, mask = _padded_to(call.encoder_hidden_states, call.encoder_hidden_states_mask,
                                   ulysses)
         return qwen_image_forward(
             self.transformer, hidden_states=call.hidden_states, encoder_hidden_states=embeds,
             encoder_hidden_states_mask=mask, timestep=call.timestep,
-            img_shapes=[list(call.img_shapes)] * len(call.branches),
-            rows=[RowMeta("", branch) for branch in call.branches], hooks=hooks)
+            img_shapes=[list(call.img_shapes)] * len(call.branches), rows=call.rows,
+            hooks=hooks, adapters=adapters)
 
     def row_output(self, call: ForwardCall) -> tuple[int, ...]:
         return (call.hidden_states.shape[1], self.transformer.proj_out.out_features)
@@ -293,20 +310,21 @@ class WanFamily:
     def blocks(self, model: int) -> Sequence[torch.nn.Module]:
         return list(self.models[model].blocks)
 
-    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None) -> torch.Tensor:
+    def run(self, call: ForwardCall, ulysses: int, hooks: RowHooks | None,
+            adapters: RowAdapters | None) -> torch.Tensor:
         return wan_forward(
             self.models[call.model], hidden_states=call.hidden_states, timestep=call.timestep,
-            encoder_hidden_states=call.encoder_hidden_states,
-            rows=[RowMeta("", branch) for branch in call.branches], hooks=hooks)
+            encoder_hidden_states=call.encoder_hidden_states, rows=call.rows, hooks=hooks,
+            adapters=adapters)
 
     def row_output(self, call: ForwardCall) -> tuple[int, ...]:
         return (self.models[call.model].config["out_channels"], *call.hidden_states.shape[2:])
 
 
 class Channel:
-    """Rank 0's forwards, broadcast to every rank as tensors on the rank's device (nothing is
-    pickled): a header of integers (the shapes, dtypes, image shapes and transformer), then the
-    tensors."""
+    """Rank 0's forwards, and what it writes into its LoRA slots, broadcast to every rank as
+    tensors on the rank's device (nothing is pickled): a header of integers (the shapes,
+    dtypes, image shapes and transformer), then the tensors."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -319,7 +337,7 @@ class Channel:
         header = [OP_FORWARD, hidden.ndim, *dims, *encoder.shape[1:],
                   int(call.encoder_hidden_states_mask is not None), call.model,
                   *(DTYPES.index(t.dtype) for t in (hidden, encoder, call.timestep)),
-                  int(call.cache is not None), len(call.freed),
+                  int(call.cache is not None), len(call.freed), _width(call.adapters),
                   len(call.img_shapes), *(n for shape in call.img_shapes for n in shape)]
         self._header(header)
         for tensor in self._tensors(call):
@@ -327,6 +345,42 @@ class Channel:
 
     def stop(self) -> None:
         self._header([OP_STOP])
+
+    def send_slots(self, stacks: SlotStacks, new: Sequence[tuple[int, str]],
+                   written: Sequence[int]) -> None:
+        """The Linears that got stacks since the last sync (their transformer and name), then
+        the slots written since: each one's rank, and its rows of every stack."""
+        names = "\n".join(name for _, name in new).encode()
+        self._header([OP_SLOTS, len(new), len(names), len(written), stacks.max_loras,
+                      stacks.max_rank])
+        if new:
+            dist.broadcast(torch.tensor([model for model, _ in new], dtype=torch.int64,
+                                        device=self.device), src=0)
+            dist.broadcast(torch.tensor(list(names), dtype=torch.uint8, device=self.device),
+                           src=0)
+        if written:
+            dist.broadcast(torch.tensor([[slot, stacks.slot_rank(slot)] for slot in written],
+                                        dtype=torch.int64, device=self.device), src=0)
+            index = torch.tensor(written, dtype=torch.long, device=stacks.device)
+            for _, _, stack in stacks.stacks:
+                for matrices in (stack.down, stack.up):
+                    dist.broadcast(matrices[index].to(self.device).contiguous(), src=0)
+
+    def _receive_slots(self, values: list[int], stacks_of: StacksOf) -> None:
+        """A worker's side of `send_slots`: the same stacks, the same slots written."""
+        new, name_bytes, count, max_loras, max_rank = values[1:6]
+        stacks = stacks_of(max_loras, max_rank)
+        if new:
+            models = self._next((new,), torch.int64).tolist()
+            names = bytes(self._next((name_bytes,), torch.uint8).tolist()).decode().split("\n")
+            stacks.add_stacks(list(zip(models, names, strict=True)))
+        if not count:
+            return
+        slots = self._next((count, 2), torch.int64).tolist()
+        received = [[self._next((count, *matrices.shape[1:]), stacks.dtype)
+                     for matrices in (stack.down, stack.up)] for _, _, stack in stacks.stacks]
+        for i, (slot, rank) in enumerate(slots):
+            stacks.write_slot(slot, rank, [(down[i], up[i].T) for down, up in received])
 
     def _header(self, values: list[int]) -> None:
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
@@ -345,18 +399,31 @@ class Channel:
             tensors.extend(plans_to_tensors(call.cache, self.device))
         if call.freed:
             tensors.append(torch.tensor(call.freed, dtype=torch.int64, device=self.device))
+        if width := _width(call.adapters):
+            # [rows, width] slots (-1: none) and scales
+            slots = torch.full((len(call.branches), width), -1, dtype=torch.int64)
+            scales = torch.zeros(len(call.branches), width, dtype=torch.float64)
+            for row, uses in enumerate(call.adapters):
+                for k, use in enumerate(uses):
+                    slots[row, k], scales[row, k] = use.slot, use.scale
+            tensors.extend((slots.to(self.device), scales.to(self.device)))
         return tensors
 
-    def receive(self) -> ForwardCall | None:
-        """The next forward (a worker's side); None when rank 0 stops the group."""
+    def receive(self, stacks_of: StacksOf) -> ForwardCall | None:
+        """The next forward (a worker's side); None when rank 0 stops the group. LoRA slot
+        syncs before it are applied to the stacks `stacks_of` gives."""
         header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=0)
         values = header.tolist()
+        while values[0] == OP_SLOTS:
+            self._receive_slots(values, stacks_of)
+            dist.broadcast(header, src=0)
+            values = header.tolist()
         if values[0] == OP_STOP:
             return None
         ndim, dims = values[1], values[2: 2 + MAX_DIMS]
-        (text, dim, has_mask, model, hidden_t, encoder_t, timestep_t, has_cache, freed, count,
-         *rest) = values[2 + MAX_DIMS:]
+        (text, dim, has_mask, model, hidden_t, encoder_t, timestep_t, has_cache, freed, width,
+         count, *rest) = values[2 + MAX_DIMS:]
         rows, device = dims[0], self.device
         hidden = torch.empty(dims[:ndim], dtype=DTYPES[hidden_t], device=device)
         encoder = torch.empty(rows, text, dim, dtype=DTYPES[encoder_t], device=device)
@@ -368,12 +435,19 @@ class Channel:
         plans = (plans_from_tensors(self._next((rows, 4), torch.int64),
                                     self._next((rows,), torch.float64)) if has_cache else None)
         keys = tuple(self._next((freed,), torch.int64).tolist()) if freed else ()
+        adapters: tuple[tuple[SlotUse, ...], ...] = ()
+        if width:
+            slots = self._next((rows, width), torch.int64).tolist()
+            scales = self._next((rows, width), torch.float64).tolist()
+            adapters = tuple(
+                tuple(SlotUse(slot, scale) for slot, scale in zip(row, weights, strict=True)
+                      if slot >= 0) for row, weights in zip(slots, scales, strict=True))
         return ForwardCall(
             hidden, encoder, None if mask is None else mask.to(torch.bool),
             timestep.to(DTYPES[timestep_t]),
             tuple(Branch.UNCOND if b else Branch.COND for b in branches.tolist()),
             tuple((rest[3 * i], rest[3 * i + 1], rest[3 * i + 2]) for i in range(count)), model,
-            plans, keys)
+            plans, keys, adapters)
 
     def _next(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next tensor rank 0 broadcasts."""
@@ -406,6 +480,10 @@ class GroupForward:
         #: This rank's shards of the rows' step-cache residuals (services/dit/parallel_cache.py).
         self.store = ShardStore()
         self._freed: list[int] = []  # rank 0: cache keys to free with the next forward
+        #: The LoRA slot stacks this rank's forwards apply: rank 0's are its adapter's bank,
+        #: a worker's mirror them (made at the first sync, `Channel.send_slots`).
+        self.slots: SlotStacks | None = None
+        self._synced = 0  # rank 0: how many of its stacks the workers hold
         for model in range(len(family.transformers)):
             for block in family.blocks(model):
                 block.register_forward_pre_hook(lambda module, args: self._vote())
@@ -425,11 +503,11 @@ class GroupForward:
         adapters: RowAdapters | None = None,
     ) -> torch.Tensor:
         """`qwen_image_forward` over the group (rank 0)."""
-        _refuse(adapters)
         mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.bool()
         return self._lead(ForwardCall(
             hidden_states, encoder_hidden_states, mask, timestep,
-            tuple(row.branch for row in rows), tuple(img_shapes[0])), hooks)
+            tuple(row.branch for row in rows), tuple(img_shapes[0]),
+            adapters=_adapters(rows, adapters)), hooks, adapters)
 
     def wan(
         self, transformer: WanTransformer3DModel, *, hidden_states: torch.Tensor,
@@ -438,19 +516,24 @@ class GroupForward:
     ) -> torch.Tensor:
         """`wan_forward` over the group (rank 0), on whichever transformer it names."""
         # jscpd:ignore-end
-        _refuse(adapters)
         model = list(self.family.transformers).index(transformer)
         return self._lead(ForwardCall(
             hidden_states, encoder_hidden_states, None, timestep,
-            tuple(row.branch for row in rows), model=model), hooks)
+            tuple(row.branch for row in rows), model=model,
+            adapters=_adapters(rows, adapters)), hooks, adapters)
 
-    def _lead(self, call: ForwardCall, hooks: RowHooks | None) -> torch.Tensor:
+    def _lead(self, call: ForwardCall, hooks: RowHooks | None,
+              adapters: RowAdapters | None) -> torch.Tensor:
         if hooks is not None and not isinstance(hooks, FirstBlockHooks):
             raise ValueError(f"a parallel group runs no {type(hooks).__name__}")
+        if adapters is not None and not isinstance(adapters, SlotStacks):
+            raise ValueError(f"a parallel group runs no {type(adapters).__name__}")
         call = replace(call, freed=tuple(self._freed),
                        cache=None if hooks is None else tuple(hooks.plans(self._freed.append)))
         self._freed.clear()
         try:
+            if adapters is not None:
+                self._sync(adapters)
             self._channel.send(call)
             output, reused = self._run(call)
         except StepInterrupted:
@@ -467,6 +550,17 @@ class GroupForward:
             hooks.settle(reused)
         return output
 
+    def _sync(self, slots: SlotStacks) -> None:
+        """Before a forward, the workers' stacks are made rank 0's: the Linears that got
+        stacks and the slots written since the last forward (slots change only between
+        forwards, on rank 0's engine thread, which also sends the forwards)."""
+        self.slots = slots
+        new = [(model, name) for model, name, _ in slots.stacks[self._synced:]]
+        written = slots.take_written()
+        if new or written:
+            self._channel.send_slots(slots, new, written)
+            self._synced = len(slots.stacks)
+
     def stop(self) -> None:
         """Tell the workers to leave their loop (rank 0, at shutdown)."""
         self._channel.stop()
@@ -478,11 +572,17 @@ class GroupForward:
         interrupt ends a forward on every rank alike; anything else propagates (a fault).
         Nothing is kept for a backward pass (rank 0's forwards run in inference mode too)."""
         with torch.inference_mode():
-            while (call := self._channel.receive()) is not None:
+            while (call := self._channel.receive(self._stacks_of)) is not None:
                 try:
                     self._run(call)
                 except StepInterrupted:
                     continue
+
+    def _stacks_of(self, max_loras: int, max_rank: int) -> SlotStacks:
+        """A worker's mirror of rank 0's slot stacks (made at the first sync)."""
+        if self.slots is None:
+            self.slots = SlotStacks(self.family.transformers, max_loras, max_rank)
+        return self.slots
 
     def _half(self, call: ForwardCall, cfg_index: int) -> list[int]:
         """The rows the ranks of CFG index `cfg_index` run."""
@@ -498,8 +598,9 @@ class GroupForward:
         cfg_index, _ = self.degrees.place(self.rank)
         mine = self._half(call, cfg_index)
         hooks = self._hooks(call, mine)
-        output = (self.family.run(call.select(mine), self.degrees.ulysses, hooks) if mine
-                  else self._idle(call))
+        adapters = self.slots if call.adapters else None
+        output = (self.family.run(call.select(mine), self.degrees.ulysses, hooks, adapters)
+                  if mine else self._idle(call))
         reused = hooks.reused if hooks is not None else [False] * len(mine)
         if self.degrees.cfg == 1:
             return output, reused
@@ -565,9 +666,17 @@ class GroupForward:
             raise StepInterrupted
 
 
-def _refuse(adapters: RowAdapters | None) -> None:
-    if adapters is not None:
-        raise ValueError("a parallel group runs no LoRA adapters yet (option lora_dir)")
+def _adapters(rows: Sequence[RowMeta],
+              adapters: RowAdapters | None) -> tuple[tuple[SlotUse, ...], ...]:
+    """Each row's LoRA slots for the broadcast; () when the forward applies none."""
+    if adapters is None or not any(row.adapters for row in rows):
+        return ()
+    return tuple(row.adapters for row in rows)
+
+
+def _width(adapters: Sequence[tuple[SlotUse, ...]]) -> int:
+    """The most adapters a row of a forward runs (0: none)."""
+    return max((len(uses) for uses in adapters), default=0)
 
 
 def _padded_to(embeds: torch.Tensor, mask: torch.Tensor | None,

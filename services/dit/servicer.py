@@ -558,7 +558,6 @@ def _check_group(options: DitModeOptions, device: DeviceOptions) -> None:
     if "device" in device:
         GroupDevices.named(device["device"])
     refused = {
-        "lora_dir": LoraConfig.from_options(options).enabled,
         "compile": compile_from_options(options) is not CompileMode.OFF,
         "quantization": options.get("quantization", "none") != "none",
     }

@@ -2,8 +2,9 @@
 of 4 CPU ranks (`parallel_cfg: 2` x `parallel_ulysses: 2`, 1 thread each: the stage process is
 rank 0 and starts 3 workers) answers over REST and gRPC; a rank killed mid-request is a group
 fault: the requests it ran fail (REST 503 naming the stage, gRPC UNAVAILABLE), the stage turns
-NOT_SERVING and exits, serve restarts the whole group and it serves again. One serve start for
-the module (tiny-shapes: the cheapest model whose 4 heads split among 2 Ulysses ranks)."""
+NOT_SERVING and exits, serve restarts the whole group and it serves again; the shipped LoRA
+adapter runs on the group. One serve start for the module (tiny-shapes: the cheapest model whose
+4 heads split among 2 Ulysses ranks)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from PIL import Image
 
+from stagemesh.models.tiny_shapes.lora import SHIPPED_LORA_DIR, shows_style
 from stagemesh.serve import HEALTH_CHECK_METHOD
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc
@@ -39,7 +42,7 @@ recipes:
       tokenizer: {address: "127.0.0.1:1"}
       dit: {address: "127.0.0.1:2", metrics_port: 2,
             options: {parallel_cfg: 2, parallel_ulysses: 2, max_steps: 1000,
-                      drain_grace_s: 1}}
+                      drain_grace_s: 1, lora_dir: "%s"}}
       vae: {address: "127.0.0.1:3"}
     defaults: {width: 32, height: 32, num_inference_steps: 4, true_cfg_scale: 4.0,
                negative_prompt: ""}
@@ -54,7 +57,7 @@ HEALTH_POLL_S = 0.02
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     recipe = tmp_path_factory.mktemp("parallel") / "recipe.yaml"
-    recipe.write_text(RECIPE)
+    recipe.write_text(RECIPE % SHIPPED_LORA_DIR)
     served = start_serve("--recipes", str(recipe))
     yield served
     assert stop_serve(served) == 0
@@ -77,10 +80,10 @@ def _dit_address(served: Served) -> str:
     return served.stages()["dit"]["address"]
 
 
-def _rest(served: Served, steps: int, seed: int) -> httpx.Response:
+def _rest(served: Served, steps: int, seed: int, **fields: object) -> httpx.Response:
     return httpx.post(f"{served.http_url}/v1/images/generations", timeout=300, json={
         "prompt": "a red circle on the left", "seed": seed, "num_inference_steps": steps,
-        "response_format": "b64_json"})
+        "response_format": "b64_json", **fields})
 
 
 def _grpc(served: Served, steps: int, seed: int) -> list[pb.GenerateImageResponse]:
@@ -131,6 +134,19 @@ def test_a_parallel_dit_serves_rest_and_grpc(served: Served) -> None:
     assert steps == [1, 2, 3, 4]
     # the same request over either API: the same pixels from the same group
     assert events[-1].result.images[0].png == rest_png
+
+
+def test_the_shipped_lora_adapter_runs_on_the_group(served: Served) -> None:
+    """`night` paints the background black on every rank's rows and tokens (exactness against
+    one device: tests/model/test_dit_parallel.py)."""
+    def image(**fields: object) -> np.ndarray:
+        response = _rest(served, 12, seed=3, **fields)
+        assert response.status_code == 200, response.text
+        return np.asarray(_png(base64.b64decode(response.json()["data"][0]["b64_json"]))
+                          .convert("RGB"))
+
+    assert not shows_style(image())
+    assert shows_style(image(lora=[{"name": "night", "scale": 1.0}]))
 
 
 def test_a_killed_rank_fails_its_requests_then_serve_restarts_the_group(

@@ -12,8 +12,11 @@ CFG-parallel its unconditional half has no rows) must match one device within 1e
 stops every rank at the same block (before the first, or between two), after which the group
 serves on. With the step cache on (first_block: the ranks hold the residuals' shards and
 all-reduce each decision), a mixed batch decides row by row and step by step as one device
-does, with the same latents. Text-to-video: tests/model/test_dit_wan_parallel.py; the engine's
-promises over gRPC: tests/integration/test_dit_group.py.
+does, with the same latents. The edit adapters serve LoRA (two seeded adapters): rows with
+one adapter, two, none, guided and unguided, in one batch, match one device too (rank 0 syncs
+its slots to the workers before the forward that needs them). Text-to-video:
+tests/model/test_dit_wan_parallel.py; the engine's promises over gRPC:
+tests/integration/test_dit_group.py.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import QwenImageTransformer2DModel
 from diffusers import __version__ as diffusers_version
 from diffusers.models._modeling_parallel import ContextParallelConfig
 
 from stagemesh.models.families.qwen_image import PromptEmbeddings
+from stagemesh.services.dit.lora import LoraConfig, LoraUse
 from stagemesh.services.dit.parallel import (
     Degrees,
     GroupDevices,
@@ -45,6 +50,7 @@ from stagemesh.shared.engine import (
     StepInterrupt,
     StepInterrupted,
 )
+from tests.lora_files import write_adapter
 from tests.model import test_dit_edit as edit_tests
 from tests.model import test_dit_step_cache as step_cache_tests
 from tests.model.test_dit_batching import TOLERANCE, Job, _continuous, _solo
@@ -81,14 +87,25 @@ class Adapters:
 
 
 @pytest.fixture(scope="module")
-def one_device(edit_dir: Path, text_to_image_dir: Path) -> Adapters:
-    return Adapters(DenoiseAdapter(text_to_image_dir), DenoiseAdapter(edit_dir))
+def loras(edit_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoraConfig:
+    """Two seeded adapters of the edit transformer ("ink" rank 4, "wax" rank 2)."""
+    root = tmp_path_factory.mktemp("loras")
+    transformer = QwenImageTransformer2DModel.from_pretrained(edit_dir, subfolder="transformer")
+    for name, rank, seed in (("ink", 4, 1), ("wax", 2, 2)):
+        write_adapter(transformer, root, name, rank, seed, alpha=rank * 4)
+    return LoraConfig(directory=root.resolve(), max_lora_rank=4)
+
+
+@pytest.fixture(scope="module")
+def one_device(edit_dir: Path, text_to_image_dir: Path, loras: LoraConfig) -> Adapters:
+    return Adapters(DenoiseAdapter(text_to_image_dir), DenoiseAdapter(edit_dir, lora=loras))
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def group(request: pytest.FixtureRequest, edit_dir: Path,
-          text_to_image_dir: Path) -> Iterator[Adapters]:
-    adapters = Adapters(DenoiseAdapter(text_to_image_dir), DenoiseAdapter(edit_dir))
+def group(request: pytest.FixtureRequest, edit_dir: Path, text_to_image_dir: Path,
+          loras: LoraConfig) -> Iterator[Adapters]:
+    # the edit adapter's transformer is the one the group runs: its LoRA slots are rank 0's
+    adapters = Adapters(DenoiseAdapter(text_to_image_dir), DenoiseAdapter(edit_dir, lora=loras))
     family = QwenImageFamily(adapters.edit.transformer)
     with running_group(family, edit_dir, LAYOUTS[request.param]) as adapters.edit.group:
         adapters.text_to_image.group = adapters.edit.group
@@ -109,10 +126,11 @@ def _condition(adapter: DenoiseAdapter, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _job(adapter: DenoiseAdapter, task: str, name: str, emb: PromptEmbeddings, seed: int, *,
-         arrives: int = 0, steps: int = 3, cfg: float = 4.0) -> Job:
+         arrives: int = 0, steps: int = 3, cfg: float = 4.0,
+         lora: tuple[LoraUse, ...] = ()) -> Job:
     condition = _condition(adapter, seed) if task == "edit" else ()
     return Job(name, DenoiseInput(emb, HEIGHT, WIDTH, steps, cfg, seed,
-                                  condition_latents=condition), arrives)
+                                  condition_latents=condition, lora=lora), arrives)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -137,6 +155,27 @@ def test_group_equals_one_device(task: str, one_device: Adapters, group: Adapter
     lone = job("lone-unguided", plain, 8, steps=2)
     got = _solo(grouped, lone)
     assert (got - _solo(one_device.of(task), lone)).abs().max().item() <= TOLERANCE
+
+
+def test_rows_with_lora_adapters_equal_one_device(one_device: Adapters, group: Adapters) -> None:
+    """Rows with one adapter, two at other scales, none; guided (the unconditional row carries
+    the adapters: under CFG-parallel on another rank) and unguided; one joining later."""
+    short, long = _embeddings(1, 3, 2), _embeddings(2, 9, 5)
+    job = functools.partial(_job, group.edit, "edit")
+    ink = (LoraUse("ink", 0.8),)
+    jobs = [
+        job("ink", short, 1, lora=ink),
+        job("ink-and-wax", long, 2, lora=(LoraUse("wax", 1.5), LoraUse("ink", -0.6))),
+        job("none", short, 3),
+        job("wax-unguided", long, 4, arrives=1, cfg=1.0, lora=(LoraUse("wax", 1.0),)),
+    ]
+    batched = _continuous(group.edit, jobs)
+    for j in jobs:
+        want = _solo(one_device.edit, j)
+        assert (batched[j.name] - want).abs().max().item() <= TOLERANCE, j.name
+    # ... and the adapters are strong enough that a rank running without them would show
+    plain = replace(jobs[0], payload=replace(jobs[0].payload, lora=()))
+    assert (batched["ink"] - _solo(one_device.edit, plain)).abs().max().item() > 100 * TOLERANCE
 
 
 def test_a_worker_that_cannot_load_fails_the_start_at_once(

@@ -4,8 +4,8 @@ Three module-scoped groups in turn over the tiny text-to-video model, one per la
 a rank): `parallel_ulysses: 2` (each rank holds half of every forward's video tokens),
 `parallel_cfg: 2` (conditional and unconditional rows on different ranks) and both (4 ranks).
 Guided and unguided requests of different steps and seeds advancing together, and a lone
-unguided request, match one device within 1e-5; with the step cache on, they reuse where one
-device reuses.
+unguided request, match one device within 1e-5, with LoRA adapters too (rows with one, two,
+none); with the step cache on, they reuse where one device reuses.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from stagemesh.services.dit.lora import LoraConfig, LoraUse
 from stagemesh.services.dit.parallel import Degrees, WanFamily, running_group
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, StepCacheMethod
 from stagemesh.services.dit.wan_adapter import VideoDenoiseInput, WanDenoiseAdapter
 from stagemesh.shared.engine import EngineRequest, InvalidInputError
 from tests.model import test_dit_step_cache as step_cache_tests
 from tests.model import test_dit_wan as one_device_wan
+from tests.model import test_dit_wan_lora as wan_lora_tests
 from tests.model.test_dit_step_cache import Triple
 from tests.model.test_dit_wan import TOLERANCE, _embeddings, _run, _video
 
@@ -32,23 +34,31 @@ LAYOUTS = {"ulysses2": Degrees(ulysses=2), "cfg2": Degrees(cfg=2),
 
 #: The tiny text-to-video folder, as the Wan tests build it.
 t2v_dir = one_device_wan.t2v_dir
+#: Two seeded adapters of that transformer ("ink" rank 4, "wax" rank 2), as the Wan LoRA tests
+#: write them.
+lora_dir = wan_lora_tests.lora_dir
 #: The step cache's committed decisions, and (autouse) the check that no one-device decision
 #: lies within 1% of its threshold, as the step-cache tests have them.
 mesh_decisions = step_cache_tests.mesh_decisions
 clear_of_the_threshold = step_cache_tests.clear_of_the_threshold
 
 
+def _loras(lora_dir: Path) -> LoraConfig:
+    return LoraConfig(directory=lora_dir.resolve(), max_lora_rank=4)
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def group(request: pytest.FixtureRequest, t2v_dir: Path) -> Iterator[WanDenoiseAdapter]:
-    adapter = WanDenoiseAdapter(t2v_dir)
+def group(request: pytest.FixtureRequest, t2v_dir: Path,
+          lora_dir: Path) -> Iterator[WanDenoiseAdapter]:
+    adapter = WanDenoiseAdapter(t2v_dir, lora=_loras(lora_dir))
     degrees = LAYOUTS[request.param]
     with running_group(WanFamily(adapter.transformers), t2v_dir, degrees) as adapter.group:
         yield adapter
 
 
 @pytest.fixture(scope="module")
-def one_device(t2v_dir: Path) -> WanDenoiseAdapter:
-    return WanDenoiseAdapter(t2v_dir)
+def one_device(t2v_dir: Path, lora_dir: Path) -> WanDenoiseAdapter:
+    return WanDenoiseAdapter(t2v_dir, lora=_loras(lora_dir))
 
 
 def _together(adapter: WanDenoiseAdapter,
@@ -89,6 +99,22 @@ def test_a_video_group_equals_one_device(group: WanDenoiseAdapter,
         assert (got[rid] - want).abs().max().item() <= TOLERANCE, rid
     lone = replace(payloads["unguided"], seed=5)
     assert (_run(group, lone).latents - _run(one_device, lone).latents).abs().max() <= TOLERANCE
+
+
+def test_video_rows_with_lora_adapters_equal_one_device(
+        group: WanDenoiseAdapter, one_device: WanDenoiseAdapter) -> None:
+    payloads = {
+        "ink": _video(_embeddings(1), lora=(LoraUse("ink", 0.8),)),
+        "both-unguided": _video(_embeddings(2), guidance_scale=1.0, num_inference_steps=2,
+                                seed=3, lora=(LoraUse("ink", 1.2), LoraUse("wax", -0.7))),
+        "none": _video(_embeddings(3), num_inference_steps=3, seed=9),
+    }
+    got = _together(group, payloads)
+    for rid, payload in payloads.items():
+        want = _run(one_device, payload).latents
+        assert (got[rid] - want).abs().max().item() <= TOLERANCE, rid
+    plain = _run(one_device, replace(payloads["ink"], lora=())).latents
+    assert (got["ink"] - plain).abs().max().item() > 100 * TOLERANCE  # the adapter shows
 
 
 def test_video_tokens_must_divide_among_ulysses_ranks(group: WanDenoiseAdapter) -> None:
