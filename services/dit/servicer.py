@@ -534,14 +534,21 @@ def video_adapter(model_dir: Path, options: Mapping[str, object],
 def group_family(model_dir: Path | str,
                  options: Mapping[str, object]) -> tuple[Family, Degrees]:
     """What a worker rank of a group builds (`services/dit/parallel_worker.py`,
-    `parallel.STAGE_BUILDER`): the same transformers as rank 0, and the group's degrees."""
+    `parallel.STAGE_BUILDER`): the same transformers as rank 0, quantized as rank 0 quantizes
+    its own (`_accelerate`), and the group's degrees."""
     model_dir = Path(model_dir)
-    mode_options, *_ = parse_options("dit", options, DitModeOptions, DitEngineOptions,
-                                     AnyLimitOptions, DeviceOptions)
+    mode_options, *_, device_options = parse_options(
+        "dit", options, DitModeOptions, DitEngineOptions, AnyLimitOptions, DeviceOptions)
     degrees = Degrees.from_options(mode_options)
-    if pipeline_family(model_dir).name == WAN:
-        return WanFamily(video_adapter(model_dir, options).transformers), degrees
-    return QwenImageFamily(image_adapter(model_dir, options).transformer), degrees
+    family: Family = (
+        WanFamily(video_adapter(model_dir, options).transformers)
+        if pipeline_family(model_dir).name == WAN
+        else QwenImageFamily(image_adapter(model_dir, options).transformer))
+    quantize([block for model in range(len(family.transformers))
+              for block in family.blocks(model)],
+             quantization_from_options(
+                 "dit", mode_options, resolve_placement("dit", device_options, CPU_DTYPE).device))
+    return family, degrees
 
 
 def _group(family: Family, model_dir: Path, options: Mapping[str, object],
@@ -557,13 +564,9 @@ def _check_group(options: DitModeOptions, device: DeviceOptions) -> None:
     span, before the model is read)."""
     if "device" in device:
         GroupDevices.named(device["device"])
-    refused = {
-        "compile": compile_from_options(options) is not CompileMode.OFF,
-        "quantization": options.get("quantization", "none") != "none",
-    }
-    if named := [name for name, applies in refused.items() if applies]:
-        raise ValueError(f"stage dit: parallel_cfg/parallel_ulysses cannot be combined with "
-                         f"{', '.join(named)} yet")
+    if compile_from_options(options) is not CompileMode.OFF:
+        raise ValueError("stage dit: parallel_cfg/parallel_ulysses cannot be combined with "
+                         "compile yet")
 
 
 def _accelerate(adapter: DenoiseAdapter | WanDenoiseAdapter, blocks: list[torch.nn.Module],

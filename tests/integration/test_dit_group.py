@@ -1,8 +1,9 @@
 """A DiT stage served by a group of ranks keeps every promise of a one-device stage.
 
 One module-scoped stage (parallel_cfg 2 x parallel_ulysses 2: this process is rank 0, three
-worker processes, 1 thread each) serves every test over gRPC; the last test kills one of its
-ranks, so it runs last.
+worker processes, 1 thread each; int8 weights, which every rank quantizes alike) serves every
+test over gRPC, its results compared with one int8 device; the last test kills one of its ranks,
+so it runs last.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from stagemesh.shared.proto.v1 import (
     dit_service_pb2_grpc,
     gateway_service_pb2,
 )
+from stagemesh.shared.quantization import Quantization, quantize
 from stagemesh.shared.server import RunningServer
 from stagemesh.shared.stage_runtime import (
     Ending,
@@ -47,7 +49,8 @@ from tests.model.test_dit_batching import TOLERANCE, Job, _solo
 pytestmark = [pytest.mark.timeout(240), pytest.mark.asyncio(loop_scope="module")]
 
 #: max_batch 2: a third request waits, a more urgent one preempts.
-OPTIONS = {"parallel_cfg": 2, "parallel_ulysses": 2, "max_batch": 2, "max_running": 3}
+OPTIONS = {"parallel_cfg": 2, "parallel_ulysses": 2, "max_batch": 2, "max_running": 3,
+           "quantization": "int8"}
 SIZE = 64
 
 
@@ -79,7 +82,9 @@ async def group(tiny_model_dir: Path) -> AsyncIterator[Group]:
 
 @pytest.fixture(scope="module")
 def one_device(tiny_model_dir: Path) -> DenoiseAdapter:
-    return DenoiseAdapter(tiny_model_dir)
+    adapter = DenoiseAdapter(tiny_model_dir)
+    quantize(adapter.transformer.transformer_blocks, Quantization.INT8)
+    return adapter
 
 
 def _dim(model_dir: Path) -> int:
@@ -130,6 +135,7 @@ async def test_describe_publishes_the_group(group: Group) -> None:
             dit_service_pb2.DescribeDitRequest())
     assert (described.parallel_cfg, described.parallel_ulysses) == (2, 2)
     assert list(described.group_devices) == ["cpu"] * 4
+    assert described.quantization == "int8"
     assert len(group.pids) == 3
     # the gateway's /v1/stages row of this stage shows the group as Describe publishes it
     row = gateway_service_pb2.StageInfo(name="dit")
