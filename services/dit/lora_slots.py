@@ -26,6 +26,10 @@ read on a loader thread and written into their slots on the engine thread at a s
 (`attach`); a request whose adapters are not attached yet (loading, or every slot it could
 take is held) waits while the others step.
 
+`SlotStacks` holds the stacks and the binding; `SlotBank` (one per DiT stage) adds the holders
+and the loading. A parallel group's workers hold only a `SlotStacks`, which rank 0 keeps equal
+to its bank's (services/dit/parallel.py).
+
 Runtime updates (services/dit/lora_updates.py) change the catalog, never the slots: a hold
 names the files its request resolved in prepare, slots are keyed by file, and a withdrawn
 file's slot is freed at the first boundary where no row holds it. A file that targets Linears
