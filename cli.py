@@ -20,7 +20,7 @@ from stagemesh.commands import Command
 from stagemesh.commands.bench import BENCH
 from stagemesh.commands.model import MODEL
 from stagemesh.commands.serving import GATEWAY, SERVE
-from stagemesh.commands.stage import STAGE
+from stagemesh.commands.stage import GROUP_WORKER, STAGE
 from stagemesh.commands.train import EVAL, TRAIN
 from stagemesh.shared import process
 from stagemesh.shared.logs import configure_logging
@@ -29,7 +29,7 @@ from stagemesh.shared.logs import configure_logging
 process.stay_offline()
 
 #: Every command, in the order `stagemesh --help` lists them: a new one is added here.
-COMMANDS: tuple[Command, ...] = (SERVE, GATEWAY, STAGE, MODEL, BENCH, TRAIN, EVAL)
+COMMANDS: tuple[Command, ...] = (SERVE, GATEWAY, STAGE, MODEL, BENCH, TRAIN, EVAL, GROUP_WORKER)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,3 +60,23 @@ def _run(args: argparse.Namespace) -> None:
 
 STAGE = Command("stage", "run one stage service", _add_arguments, _run,
                 log_name=lambda args: f"stage:{args.name}")
+
+
+def _add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("builder", help="module:function building the rank's transformers")
+    parser.add_argument("source", help="what the builder builds from (a model folder)")
+    parser.add_argument("options", help="the stage's options as JSON")
+
+
+def _run_worker(args: argparse.Namespace) -> None:
+    from stagemesh.services.dit import parallel_worker
+
+    raise SystemExit(parallel_worker.main([args.builder, args.source, args.options]))
+
+
+#: `stagemesh dit-group-worker BUILDER SOURCE OPTIONS`: a worker rank of a DiT group
+#: (services/dit/parallel.py starts it, forked from a stage launcher when it has one); not for
+#: people: `--help` does not list it.
+GROUP_WORKER_COMMAND = "dit-group-worker"
+GROUP_WORKER = Command(GROUP_WORKER_COMMAND, argparse.SUPPRESS, _add_worker_arguments,
+                       _run_worker, log_name=lambda args: "stage:dit-worker")

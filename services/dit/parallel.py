@@ -2,7 +2,8 @@
 
 A group is one gRPC endpoint. Rank 0 is the stage process: it owns the engine, the scheduler,
 every request's state and the server. Ranks 1.. are worker processes it starts
-(`services/dit/parallel_worker.py`, one device and their share of the cores each); they hold
+(`services/dit/parallel_worker.py`, one device and their share of the cores each; forked from a
+stage launcher where it can, see `Workers`); they hold
 the same transformer and, of a request, at most their shards of its step-cache residuals
 (services/dit/parallel_cache.py). Each transformer forward of rank 0 is broadcast to every rank
 (rows, timesteps, text, mask, image shapes, each row's CFG branch and step-cache plan, the
@@ -33,9 +34,11 @@ has run (tests/model/test_dit_parallel.py and friends), the CUDA one awaits a mu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,6 +67,8 @@ from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from stagemesh.commands.stage import GROUP_WORKER_COMMAND
+from stagemesh.launcher import ChildProcess, Launcher, LauncherUnavailable, StartMode, start_mode
 from stagemesh.services.dit.forward import (
     Branch,
     RowAdapters,
@@ -83,6 +88,7 @@ from stagemesh.services.dit.parallel_cache import (
 from stagemesh.services.dit.step_cache import FirstBlockHooks, RowPlan
 from stagemesh.shared.engine.adapter import InvalidInputError
 from stagemesh.shared.engine.interrupt import StepInterrupt, StepInterrupted
+from stagemesh.shared.process import PARENT_PID_ENV, THREADS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -764,6 +770,11 @@ def shard_family(family: Family, degrees: Degrees, rank: int,
     return GroupForward(family, degrees, rank, devices, votes, tokens)
 
 
+def _may_fork() -> bool:
+    """Whether workers may be forked from a launcher (Linux, and not turned off)."""
+    return start_mode() is StartMode.FORK
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind((LOOPBACK, 0))
@@ -772,21 +783,41 @@ def free_port() -> int:
 
 
 class Workers:
-    """Rank 0's worker processes: started together, watched by pid, stopped together."""
+    """Rank 0's worker processes: started together, watched by pid, stopped together.
+
+    A worker is `stagemesh dit-group-worker ARGS`: forked from a stage launcher (a process that
+    has imported torch, diffusers and the stage code once: `stagemesh.launcher`) when there is
+    one, so that it only loads its model; spawned otherwise (each then imports them itself,
+    ~6.5 s of CPU). A group of more than two ranks starts a launcher of its own (one import
+    instead of one per worker; it dies with rank 0, its children with it); tests share one
+    for all their groups (`start_group(launcher=...)`)."""
 
     def __init__(self, args: Sequence[str], degrees: Degrees, threads: int,
-                 devices: GroupDevices, env: Mapping[str, str] | None = None) -> None:
-        """args: what a worker is started with after `python -m <worker module>`."""
+                 devices: GroupDevices, env: Mapping[str, str] | None = None,
+                 launcher: Launcher | None = None) -> None:
+        """args: the worker's BUILDER SOURCE OPTIONS; launcher: one to fork the workers from
+        (its owner closes it); None: this group starts its own when it has more than one
+        worker."""
         self.port = free_port()
         self.degrees = degrees
         self.devices = devices
-        base = {**os.environ, **(env or {}), "STAGEMESH_PARENT_PID": str(os.getpid()),
-                "STAGEMESH_THREADS": str(threads), PORT_ENV: str(self.port),
+        base = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid()),
+                THREADS_ENV: str(threads), PORT_ENV: str(self.port),
                 WORLD_ENV: str(degrees.world)}
-        self.processes = [
-            subprocess.Popen([sys.executable, "-m", "stagemesh.services.dit.parallel_worker",
-                              *args], env={**base, RANK_ENV: str(rank)})
-            for rank in range(1, degrees.world)]
+        #: The launcher this group started for itself (closed with the workers).
+        self._own_launcher = (Launcher.start(base)
+                              if launcher is None and degrees.world > 2 and _may_fork() else None)
+        launcher = launcher or self._own_launcher
+        argv = [GROUP_WORKER_COMMAND, *args]
+        self.processes: list[ChildProcess] = []
+        for rank in range(1, degrees.world):
+            env_of_rank = {**base, RANK_ENV: str(rank)}
+            process: ChildProcess | None = None
+            if launcher is not None:
+                with contextlib.suppress(LauncherUnavailable):  # it logged why
+                    process = launcher.run(argv, env_of_rank)
+            self.processes.append(process or subprocess.Popen(
+                [sys.executable, "-m", "stagemesh", *argv], env=env_of_rank))
         #: Set once the group failed, after `watch`'s `on_fault` has run.
         self.fault = threading.Event()
         self._stopping = threading.Event()  # rank 0 ends them: no fault
@@ -834,26 +865,30 @@ class Workers:
         self._stopping.set()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """End every worker still running (a fault's other ranks, or the group at its end)."""
+        """End every worker still running (a fault's other ranks, or the group at its end),
+        then the group's own launcher."""
         self.retire()
         for process in self.processes:
             if process.poll() is None:
-                process.terminate()
+                process.send_signal(signal.SIGTERM)
         for process in self.processes:
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if self._own_launcher is not None:
+            self._own_launcher.close()
 
 
 
 def start_group(family: Family, source: Path | str, options: Mapping[str, object],
-                degrees: Degrees, builder: str = STAGE_BUILDER) -> tuple[GroupForward, Workers]:
+                degrees: Degrees, builder: str = STAGE_BUILDER,
+                launcher: Launcher | None = None) -> tuple[GroupForward, Workers]:
     """Rank 0's start: the workers (each builds `family`'s equal from `source` with `builder`
-    and the stage's `options`, on its own device: `worker_options`) with this process's share
-    of the cores each, then the group joined and sharded. The group starts as one: a failure
-    stops every worker."""
+    and the stage's `options`, on its own device: `worker_options`; forked from `launcher` if
+    given, see `Workers`) with this process's share of the cores each, then the group joined
+    and sharded. The group starts as one: a failure stops every worker."""
     for transformer in family.transformers:
         degrees.check_heads(transformer.config["num_attention_heads"])
     devices = GroupDevices.of(family)
@@ -861,7 +896,8 @@ def start_group(family: Family, source: Path | str, options: Mapping[str, object
     threads = max(1, torch.get_num_threads() // degrees.world)
     torch.set_num_threads(threads)
     options = {**options, "device": str(devices.rank(0))}
-    workers = Workers([builder, str(source), json.dumps(options)], degrees, threads, devices)
+    workers = Workers([builder, str(source), json.dumps(options)], degrees, threads, devices,
+                      launcher=launcher)
     try:
         lead_group(workers)
         group = shard_family(family, degrees, 0, devices)
@@ -874,11 +910,12 @@ def start_group(family: Family, source: Path | str, options: Mapping[str, object
 
 @contextmanager
 def running_group(family: Family, source: Path | str, degrees: Degrees,
-                  builder: str = STAGE_BUILDER) -> Iterator[GroupForward]:
+                  builder: str = STAGE_BUILDER,
+                  launcher: Launcher | None = None) -> Iterator[GroupForward]:
     """A group over `family` while the block runs, this process its rank 0 (benchmarks, tests:
     a stage's group lives as long as its process); its workers build from `source`."""
     options = {"parallel_cfg": degrees.cfg, "parallel_ulysses": degrees.ulysses}
-    group, workers = start_group(family, source, options, degrees, builder)
+    group, workers = start_group(family, source, options, degrees, builder, launcher)
     try:
         yield group
     finally:

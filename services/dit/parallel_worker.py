@@ -1,5 +1,6 @@
 """A worker rank of a DiT group (`services/dit/parallel.py`): started by rank 0 as
-`python -m stagemesh.services.dit.parallel_worker <builder> <source> <options as JSON>`, it
+`stagemesh dit-group-worker <builder> <source> <options as JSON>` (forked from a stage launcher,
+or spawned; `python -m stagemesh.services.dit.parallel_worker ...` runs the same), it
 builds the same transformers as rank 0 on its own device (`parallel.GroupDevices`) with the
 builder, a `module:function` taking (source, options) (`parallel.STAGE_BUILDER`: the stage's
 model folder; `stagemesh bench gpu`: a seeded real-size model), joins the group and runs its

@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from PIL import Image
 
+from stagemesh.commands.stage import GROUP_WORKER_COMMAND
 from stagemesh.models.tiny_shapes.lora import SHIPPED_LORA_DIR, shows_style
 from stagemesh.serve import HEALTH_CHECK_METHOD
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
@@ -49,7 +50,8 @@ recipes:
 """
 #: A request still denoising when the rank dies (milliseconds a step here).
 LONG_STEPS = 1000
-WORKER_MODULE = "stagemesh.services.dit.parallel_worker"
+#: What a worker's command line says (forked from the group's own launcher: 4 ranks).
+WORKER_COMMAND = GROUP_WORKER_COMMAND
 #: How often the health watcher asks the DiT stage (its NOT_SERVING lasts about a second).
 HEALTH_POLL_S = 0.02
 
@@ -73,7 +75,7 @@ def _dit(served: Served) -> int | None:
 
 def _workers(pid: int) -> list[int]:
     """The pids of a DiT stage's workers (its ranks 1..)."""
-    return sorted(p for p, cmd in process_tree(pid).items() if WORKER_MODULE in cmd)
+    return sorted(p for p, cmd in process_tree(pid).items() if WORKER_COMMAND in cmd)
 
 
 def _dit_address(served: Served) -> str:

@@ -1,14 +1,18 @@
-"""Models loaded in this process, shared where several modules draw the same pictures."""
+"""Models loaded in this process, shared where several modules draw the same pictures; the
+stage launcher the DiT groups fork their workers from."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pytest
 
+from stagemesh.launcher import Launcher
 from stagemesh.models.tiny_shapes import SHIPPED_DIR
 from stagemesh.models.tiny_shapes.evaluate import Draw, load_pipeline, stock_drawer
+from stagemesh.shared.process import PARENT_PID_ENV
 
 
 class Drawn:
@@ -37,3 +41,12 @@ def shipped_tiny_shapes() -> Drawn:
     once per session: the shipped weights' floors (test_tiny_shapes.py) and the float32 side of
     the int8 comparison (test_quantization_quality.py) score the same pictures."""
     return Drawn(stock_drawer(load_pipeline(SHIPPED_DIR)))
+
+
+@pytest.fixture(scope="session")
+def group_launcher() -> Iterator[Launcher]:
+    """One stage launcher for every DiT group the model tests start: its workers are forked
+    from it, so each loads only its model (not torch & co.: ~6.5 s of CPU a worker)."""
+    launcher = Launcher.start({**os.environ, PARENT_PID_ENV: str(os.getpid())})
+    yield launcher
+    launcher.close()

@@ -33,6 +33,7 @@ from diffusers import QwenImageTransformer2DModel
 from diffusers import __version__ as diffusers_version
 from diffusers.models._modeling_parallel import ContextParallelConfig
 
+from stagemesh.launcher import Launcher
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.services.dit.lora import LoraConfig, LoraUse
 from stagemesh.services.dit.parallel import (
@@ -103,11 +104,12 @@ def one_device(edit_dir: Path, text_to_image_dir: Path, loras: LoraConfig) -> Ad
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def group(request: pytest.FixtureRequest, edit_dir: Path, text_to_image_dir: Path,
-          loras: LoraConfig) -> Iterator[Adapters]:
+          loras: LoraConfig, group_launcher: Launcher) -> Iterator[Adapters]:
     # the edit adapter's transformer is the one the group runs: its LoRA slots are rank 0's
     adapters = Adapters(DenoiseAdapter(text_to_image_dir), DenoiseAdapter(edit_dir, lora=loras))
     family = QwenImageFamily(adapters.edit.transformer)
-    with running_group(family, edit_dir, LAYOUTS[request.param]) as adapters.edit.group:
+    with running_group(family, edit_dir, LAYOUTS[request.param],
+                       launcher=group_launcher) as adapters.edit.group:
         adapters.text_to_image.group = adapters.edit.group
         yield adapters
 
@@ -179,11 +181,12 @@ def test_rows_with_lora_adapters_equal_one_device(one_device: Adapters, group: A
 
 
 def test_a_worker_that_cannot_load_fails_the_start_at_once(
-        one_device: Adapters, tmp_path: Path) -> None:
+        one_device: Adapters, tmp_path: Path, group_launcher: Launcher) -> None:
     family = QwenImageFamily(one_device.edit.transformer)  # no worker joins: it stays unsharded
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] ended before the group started"):
-        start_group(family, tmp_path / "no-model", {"parallel_cfg": 2}, Degrees(cfg=2))
+        start_group(family, tmp_path / "no-model", {"parallel_cfg": 2}, Degrees(cfg=2),
+                    launcher=group_launcher)
     assert time.monotonic() - started < 60  # not a collective's timeout
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stagemesh.launcher import Launcher
 from stagemesh.services.dit.lora import LoraConfig, LoraUse
 from stagemesh.services.dit.parallel import Degrees, WanFamily, running_group
 from stagemesh.services.dit.step_cache import StepCache, StepCacheConfig, StepCacheMethod
@@ -48,11 +49,12 @@ def _loras(lora_dir: Path) -> LoraConfig:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def group(request: pytest.FixtureRequest, t2v_dir: Path,
-          lora_dir: Path) -> Iterator[WanDenoiseAdapter]:
+def group(request: pytest.FixtureRequest, t2v_dir: Path, lora_dir: Path,
+          group_launcher: Launcher) -> Iterator[WanDenoiseAdapter]:
     adapter = WanDenoiseAdapter(t2v_dir, lora=_loras(lora_dir))
     degrees = LAYOUTS[request.param]
-    with running_group(WanFamily(adapter.transformers), t2v_dir, degrees) as adapter.group:
+    with running_group(WanFamily(adapter.transformers), t2v_dir, degrees,
+                       launcher=group_launcher) as adapter.group:
         yield adapter
 
 
