@@ -8,8 +8,21 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from stagemesh.commands import Command
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
+
+
+def _config(base: C, args: argparse.Namespace) -> C:
+    """`base` at `--threads`, then each `--set key=value` (a field of the model's config)."""
+    from stagemesh.models.tiny_shapes.harness import with_overrides
+
+    return with_overrides(dataclasses.replace(base, threads=args.threads), args.set)
 
 
 def _train_tiny_shapes(args: argparse.Namespace) -> None:
@@ -17,9 +30,8 @@ def _train_tiny_shapes(args: argparse.Namespace) -> None:
     from stagemesh.models.tiny_shapes.train import TrainConfig, train
 
     base = TrainConfig.smoke() if args.smoke else TrainConfig()
-    config = dataclasses.replace(base, threads=args.threads)
     train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES, smoke=args.smoke, seed=args.seed,
-          config=config)
+          config=_config(base, args))
 
 
 def _train_tiny_shapes_edit(args: argparse.Namespace) -> None:
@@ -29,7 +41,7 @@ def _train_tiny_shapes_edit(args: argparse.Namespace) -> None:
     base = (EditTrainConfig.smoke() if args.smoke else
             EditTrainConfig.proxy() if args.proxy else EditTrainConfig())
     train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES_EDIT, seed=args.seed,
-          config=dataclasses.replace(base, threads=args.threads))
+          config=_config(base, args))
 
 
 def _train_tiny_shapes_lora(args: argparse.Namespace) -> None:
@@ -38,8 +50,7 @@ def _train_tiny_shapes_lora(args: argparse.Namespace) -> None:
 
     base = LoraConfig.smoke() if args.smoke else LoraConfig()
     out = Path(args.out) if args.out else SHIPPED_LORA_DIR / NAME
-    train_lora(SHIPPED_DIR, out, seed=args.seed,
-               config=dataclasses.replace(base, threads=args.threads))
+    train_lora(SHIPPED_DIR, out, seed=args.seed, config=_config(base, args))
 
 
 def _train_tiny_shapes_video(args: argparse.Namespace) -> None:
@@ -49,7 +60,7 @@ def _train_tiny_shapes_video(args: argparse.Namespace) -> None:
     base = (VideoTrainConfig.smoke() if args.smoke else
             VideoTrainConfig.proxy() if args.proxy else VideoTrainConfig())
     train(Path(args.out) if args.out else SHIPPED_TINY_SHAPES_VIDEO, seed=args.seed,
-          config=dataclasses.replace(base, threads=args.threads))
+          config=_config(base, args))
 
 
 def _eval_tiny_shapes(args: argparse.Namespace) -> None:
@@ -91,6 +102,9 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a busy 2-core machine)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="override fields of the model's training config (the value read "
+                             "as JSON), e.g. --set dit_steps=2000")
 
 
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:

@@ -343,6 +343,11 @@ class WanDenoiseAdapter:
         step = folder.geometry.frame_multiple
         frames_cap = (positions - 1) * step + 1
         frames = (capped_option("max_frames", max_frames, frames_cap) - 1) // step * step + 1
+        valid = self._frame_counts(frames)
+        if not valid:
+            raise ValueError(f"max_frames {frames} allows no clip of whole transformer patches "
+                             f"(patch_size[0] {folder.geometry.patch[0]} latent frames)")
+        frames = valid[-1]
         video_cap = frames * image.max_pixels
         if max_video_pixels is None:
             max_video_pixels = min(DEFAULT_MAX_VIDEO_PIXELS, video_cap)
@@ -382,14 +387,37 @@ class WanDenoiseAdapter:
         frames = self.folder.geometry.latent_frames(payload.num_frames) // patch[0]
         return int(frames * (payload.height // side) * (payload.width // side))
 
+    def _frame_counts(self, max_frames: int) -> list[int]:
+        """The frame counts up to `max_frames` the transformer can take: 4k+1 frames whose
+        latent frames are a whole number of its patches in time (`patch_size[0]`; a
+        transformer with 3 latent frames per token takes 9, 21, 33 ... frames, not 5)."""
+        geometry = self.folder.geometry
+        step = geometry.frame_multiple
+        return [
+            frames
+            for frames in range(1, max_frames + 1, step)
+            if geometry.latent_frames(frames) % geometry.patch[0] == 0
+        ]
+
     def _check_frames(self, payload: VideoDenoiseInput) -> None:
-        """4k+1 frames, at most max_frames, and frames x pixels at most max_video_pixels."""
+        """4k+1 frames of whole temporal patches, at most max_frames, and frames x pixels at
+        most max_video_pixels."""
         limits, frames = self.limits, payload.num_frames
-        step = limits.frame_multiple
+        step, patch = limits.frame_multiple, self.folder.geometry.patch[0]
         if not (1 <= frames <= limits.max_frames and (frames - 1) % step == 0):
             raise InvalidInputError(
                 "num_frames",
                 f"num_frames must be {step}*k+1 in [1, {limits.max_frames}], got {frames}",
+            )
+        if self.folder.geometry.latent_frames(frames) % patch:
+            valid = self._frame_counts(limits.max_frames)
+            shown = ", ".join(map(str, valid[:4]))
+            if len(valid) > 4:
+                shown += f", ... {valid[-1]}"
+            raise InvalidInputError(
+                "num_frames",
+                f"num_frames must be one of {shown} (this transformer takes {patch} latent "
+                f"frames per token, and {step}*k+1 frames are k+1 latent frames), got {frames}",
             )
         if frames * payload.height * payload.width > limits.max_video_pixels:
             raise InvalidInputError(

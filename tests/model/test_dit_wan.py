@@ -10,6 +10,7 @@ model does not take with INVALID_ARGUMENT naming the field.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry as Registry
 from stagemesh.models import wan
 from stagemesh.models.families.qwen_image import PromptEmbeddings
 from stagemesh.models.families.wan import PROMPT_MAX_TOKENS
+from stagemesh.models.qwen_image import seeded
 from stagemesh.services.dit import servicer
 from stagemesh.services.dit.preview import PreviewOptions
 from stagemesh.services.dit.preview_decode import PainterChoice
@@ -302,6 +304,43 @@ def test_video_pixels_are_bounded(t2v_dir: Path) -> None:
     assert adapter.limits.max_video_pixels == FRAMES * HEIGHT * WIDTH
     adapter.check_inputs(_video(_embeddings()))
     assert _refused(adapter, _video(_embeddings(), num_frames=FRAMES + 4)) == "num_frames"
+
+
+@pytest.fixture(scope="module")
+def t2v_clip_tokens_dir(t2v_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """t2v whose transformer takes 3 latent frames per token (tiny-shapes-video's layout)."""
+    out = tmp_path_factory.mktemp("wan") / "t2v-patch3"
+    shutil.copytree(t2v_dir, out)
+    shutil.rmtree(out / "transformer")
+    preset = wan.PRESETS["t2v"]
+    seeded(0, 3, lambda: wan._build_transformer(preset, 16, 3)).save_pretrained(
+        out / "transformer"
+    )
+    return out
+
+
+def test_frames_come_in_whole_temporal_patches(t2v_clip_tokens_dir: Path) -> None:
+    """With 3 latent frames per token only 9, 21, 33 ... frames make whole tokens: 5 frames (2
+    latent frames) are refused naming the valid counts (the stock pipeline fails on them), the
+    published max_frames is one of them, and 9 frames give the stock pipeline's latents."""
+    adapter = WanDenoiseAdapter(t2v_clip_tokens_dir, max_frames=85)
+    assert adapter.limits.max_frames == 81  # 21 latent frames; 85 would be 22
+    for frames in (5, 13, 85):
+        with pytest.raises(InvalidInputError) as refused:
+            adapter.check_inputs(_video(_embeddings(), num_frames=frames))
+        assert refused.value.field_name == "num_frames"
+    with pytest.raises(InvalidInputError, match=r"one of 9, 21, 33, 45, \.\.\. 81"):
+        adapter.check_inputs(_video(_embeddings(), num_frames=5))
+    emb = _embeddings()
+    want = WanPipeline.from_pretrained(t2v_clip_tokens_dir)(
+        prompt_embeds=emb.prompt_embeds, negative_prompt_embeds=emb.negative_prompt_embeds,
+        height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=2,
+        guidance_scale=5.0, generator=torch.Generator("cpu").manual_seed(7),
+        output_type="latent",
+    ).frames
+    got = _run(adapter, _video(emb, num_inference_steps=2))
+    assert got.latents.shape == want.shape == (1, 16, 3, 4, 6)
+    assert (got.latents - want).abs().max().item() <= TOLERANCE
 
 
 def test_flow_shift_is_refused_by_a_scheduler_without_one(t2v: WanDenoiseAdapter) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+from safetensors import safe_open
 
 from stagemesh.models.families.wan import WanGeometry
 from stagemesh.models.tiny_shapes_video.data import NUM_FRAMES, PROMPT_TOKENS
@@ -45,6 +47,12 @@ def test_smoke_training_writes_a_wan_folder_the_stock_pipeline_runs(tmp_path: Pa
     facts = WanGeometry.from_folder(out)
     assert (facts.spatial_factor, facts.temporal_factor) == (4, 4)
     assert facts.latent_frames(NUM_FRAMES) == 3
+    # The transformer is stored in float16 (the 15 MB budget) and loads back as float32.
+    with safe_open(str(out / "transformer" / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        names = f.keys()  # (a safe_open handle is not iterable)
+        assert {f.get_slice(name).get_dtype() for name in names} == {"F16"}
+    loaded = WanTransformer3DModel.from_pretrained(out, subfolder="transformer")
+    assert loaded.dtype == torch.float32
     # The stock WanPipeline loads it and makes 9 frames of 32x32 that the judge can read.
     generate = pipeline_generator(out, steps=1)
     metrics = evaluate(generate, tmp_path / "eval", held_out_prompts(1))

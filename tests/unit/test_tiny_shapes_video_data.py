@@ -3,6 +3,8 @@ path: tests/model/test_tiny_shapes_video.py)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from stagemesh.cli import build_parser
+from stagemesh.commands.train import _config as train_config
 from stagemesh.gateway.recipes import DEFAULT_RECIPES, Task, default_recipe, load_recipes
+from stagemesh.models.registry import SHIPPED_TINY_SHAPES_VIDEO
 from stagemesh.models.tiny_shapes.data import BACKGROUNDS, COLOURS, SHAPES
 from stagemesh.models.tiny_shapes.evaluate import DEFAULT_GUIDANCE, DEFAULT_STEPS
 from stagemesh.models.tiny_shapes_video.data import (
@@ -151,3 +156,21 @@ def test_the_motion_weight_charges_only_errors_that_vary_across_frames() -> None
     assert loss(varying, 0.0) == pytest.approx(0.01, rel=1e-4)  # plain MSE: the same cost
     # deviation from the frame mean: 2/3 * 0.2 in one frame, 1/3 * 0.2 in two -> 0.2^2 * 2/9
     assert loss(varying, 4.0) == pytest.approx(0.01 + 4.0 * 0.04 * 2 / 9, rel=1e-4)
+
+
+def test_stagemesh_train_takes_config_overrides() -> None:
+    """`stagemesh train MODEL --set key=value ...` sets fields of the model's training config,
+    so a run of any config is one command."""
+    args = build_parser().parse_args(["train", "tiny-shapes-video", "--threads", "2",
+                                      "--set", "dit_steps=7", "dit_lr=0.5"])
+    cfg = train_config(VideoTrainConfig(), args)
+    assert (cfg.threads, cfg.dit_steps, cfg.dit_lr) == (2, 7, 0.5)
+    assert cfg.dit_batch == VideoTrainConfig().dit_batch  # the rest as given
+
+
+def test_the_default_config_is_the_shipped_run() -> None:
+    """`stagemesh train tiny-shapes-video` with no flags reproduces the shipped folder: its
+    training.json records the config it was trained with."""
+    shipped = json.loads((SHIPPED_TINY_SHAPES_VIDEO / "training.json").read_text())
+    assert shipped["config"] == asdict(VideoTrainConfig())
+    assert shipped["seed"] == 0 and shipped["dit_steps_done"] == VideoTrainConfig().dit_steps
