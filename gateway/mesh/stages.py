@@ -419,6 +419,8 @@ class VideoFacts:
     can_encode: bool  # the VAE has EncodeImage (image-to-video)
     task: str  # what the DiT's model does ("text-to-video", "image-to-video")
     max_video_pixels: int = 0  # frames x height x width the DiT takes (0: no such limit)
+    #: latent frames per transformer token: a clip's latent frames are a multiple of it
+    frame_patch: int = 1
 
     @classmethod
     def published(cls, tokenizer: tokenizer_service_pb2.DescribeTokenizerResponse,
@@ -431,7 +433,8 @@ class VideoFacts:
                    max_condition_images=dit.max_condition_images,
                    has_second_transformer=dit.has_second_transformer,
                    accepts_flow_shift=dit.accepts_flow_shift, can_encode=vae.can_encode,
-                   task=dit.task, max_video_pixels=dit.max_video_pixels)
+                   task=dit.task, max_video_pixels=dit.max_video_pixels,
+                   frame_patch=max(1, dit.frame_patch))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ The client's fields are read once into a VideoRequest (from an OpenAI multipart 
 gRPC message); `resolve_video_request` then fills the recipe's defaults and checks every field
 against what the Tokenizer, DiT and VAE publish (catalog.VideoFacts), before any stage runs.
 Each refusal names its field. The frame count follows the DiT's rule (`frame_multiple` * k + 1,
-Wan's 4k+1): an explicit `num_frames` must keep it, while `seconds` x `fps` is rounded up to it.
+Wan's 4k+1, whose k + 1 latent frames are a multiple of `frame_patch`, the latent frames of one
+transformer token): an explicit `num_frames` must keep it, while `seconds` x `fps` is rounded
+up to it.
 
 Decoding the input image is CPU work: call `resolve_video_request` off the event loop.
 """
@@ -128,15 +130,31 @@ def image_from_reference(value: str) -> bytes:
     return image_data_url(url, "image_reference")
 
 
-def round_up_frames(frames: int, multiple: int) -> int:
-    """The smallest `multiple` * k + 1 that is at least `frames` (any count for multiple <= 1)."""
-    if multiple <= 1 or frames <= 1:
-        return max(1, frames)
-    return (frames - 2) // multiple * multiple + multiple + 1
+def allows_frames(frames: int, multiple: int, patch: int = 1) -> bool:
+    """Whether a DiT whose rule is `multiple` * k + 1 frames, k + 1 latent frames a multiple of
+    `patch`, takes `frames` (any count >= 1 for multiple <= 1)."""
+    if frames < 1 or multiple <= 1:
+        return frames >= 1
+    return (frames - 1) % multiple == 0 and ((frames - 1) // multiple + 1) % patch == 0
 
 
-def _rule(multiple: int) -> str:
-    return f"{multiple}k+1 (1, {multiple + 1}, {2 * multiple + 1}, ...)"
+def round_up_frames(frames: int, multiple: int, patch: int = 1) -> int:
+    """The smallest count at least `frames` the rule allows (`allows_frames`)."""
+    count = max(1, frames)
+    while not allows_frames(count, multiple, patch):  # fewer than multiple * patch steps
+        count += 1
+    return count
+
+
+def _rule(multiple: int, patch: int = 1) -> str:
+    first = [round_up_frames(1, multiple, patch)]
+    for _ in range(2):
+        first.append(round_up_frames(first[-1] + 1, multiple, patch))
+    counts = ", ".join(map(str, first))
+    if patch <= 1:
+        return f"{multiple}k+1 ({counts}, ...)"
+    return (f"one of {counts}, ... ({multiple}k+1 frames whose k+1 latent frames are a "
+            f"multiple of {patch})")
 
 
 def resolve_frames(request: VideoRequest, defaults: VideoDefaults, facts: VideoFacts
@@ -146,18 +164,18 @@ def resolve_frames(request: VideoRequest, defaults: VideoDefaults, facts: VideoF
     fps = defaults.fps if request.fps is None else request.fps
     if not 1 <= fps <= MAX_FPS:
         raise InvalidRequest("fps", f"fps must be between 1 and {MAX_FPS}, got {fps}")
-    multiple = facts.frame_multiple
+    multiple, patch = facts.frame_multiple, facts.frame_patch
     if request.num_frames is not None:
         frames, field = request.num_frames, "num_frames"
-        if frames < 1 or (multiple > 1 and (frames - 1) % multiple):
-            raise InvalidRequest("num_frames", f"num_frames must be {_rule(multiple)} for this "
-                                 f"model, got {frames}")
+        if not allows_frames(frames, multiple, patch):
+            raise InvalidRequest("num_frames", f"num_frames must be {_rule(multiple, patch)} "
+                                 f"for this model, got {frames}")
     elif request.seconds is not None:
         seconds, field = request.seconds, "seconds"
         if not (math.isfinite(seconds) and 0 < seconds <= MAX_SECONDS):
             raise InvalidRequest("seconds", f"seconds must be in (0, {MAX_SECONDS:g}], "
                                  f"got {seconds}")
-        frames = round_up_frames(math.ceil(seconds * fps - 1e-9), multiple)
+        frames = round_up_frames(math.ceil(seconds * fps - 1e-9), multiple, patch)
     else:
         frames, field = defaults.num_frames, "num_frames"
     if facts.max_frames and frames > facts.max_frames:

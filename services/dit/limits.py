@@ -35,6 +35,8 @@ class DitLimits:
     # Video and conditioning facts (services/dit/wan_adapter.py sets them for Wan models).
     max_frames: int = 0  # 0: an image model
     frame_multiple: int = 0  # num_frames = frame_multiple * k + 1 (Wan: 4)
+    #: latent frames per transformer token: a clip's latent frames are a multiple of it
+    frame_patch: int = 0
     has_second_transformer: bool = False  # guidance_scale_2 / boundary_ratio apply
     accepts_flow_shift: bool = False  # flow_shift may be set per request
     max_video_pixels: int = 0  # num_frames x height x width; 0: an image model

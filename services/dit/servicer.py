@@ -400,6 +400,7 @@ def _describe(
         max_images_per_request=limits.max_images_per_request,
         execution_modes=[MODE_TO_PROTO[other] for other in modes],
         max_frames=limits.max_frames, frame_multiple=limits.frame_multiple,
+        frame_patch=limits.frame_patch,
         max_condition_images=limits.max_condition_images,
         has_second_transformer=limits.has_second_transformer,
         accepts_flow_shift=limits.accepts_flow_shift, task=limits.task,

@@ -355,6 +355,7 @@ class WanDenoiseAdapter:
             image,
             max_frames=frames,
             frame_multiple=step,
+            frame_patch=folder.geometry.patch[0],
             max_condition_images=1 if folder.task == "image-to-video" else 0,
             has_second_transformer=folder.has_second_transformer,
             accepts_flow_shift=not self.scheduler.config.get("use_dynamic_shifting"),

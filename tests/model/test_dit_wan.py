@@ -325,6 +325,7 @@ def test_frames_come_in_whole_temporal_patches(t2v_clip_tokens_dir: Path) -> Non
     published max_frames is one of them, and 9 frames give the stock pipeline's latents."""
     adapter = WanDenoiseAdapter(t2v_clip_tokens_dir, max_frames=85)
     assert adapter.limits.max_frames == 81  # 21 latent frames; 85 would be 22
+    assert adapter.limits.frame_patch == 3  # Describe's frame_patch: what the gateway rounds to
     for frames in (5, 13, 85):
         with pytest.raises(InvalidInputError) as refused:
             adapter.check_inputs(_video(_embeddings(), num_frames=frames))
@@ -373,6 +374,7 @@ def test_the_servicer_serves_wan_folders(i2v_dir: Path, t2v_dir: Path) -> None:
                                    i2v.placement)
     assert (described.task, described.max_frames, described.frame_multiple) == (
         "image-to-video", 81, 4)
+    assert described.frame_patch == 1
     assert described.max_condition_images == 1
     assert described.has_second_transformer and described.accepts_flow_shift
     assert described.size_multiple == 16

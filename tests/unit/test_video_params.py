@@ -60,6 +60,29 @@ def test_frame_counts_round_up_to_the_next_4k_plus_1(frames: int, expected: int)
     assert round_up_frames(frames, 4) == expected
 
 
+@pytest.mark.parametrize(("frames", "expected"), [
+    (1, 9), (9, 9), (10, 21), (16, 21), (21, 21), (22, 33)])
+def test_frame_counts_round_up_to_whole_transformer_tokens(frames: int, expected: int) -> None:
+    """A transformer with 3 latent frames per token (tiny-shapes-video) takes 9, 21, 33 ..."""
+    assert round_up_frames(frames, 4, 3) == expected
+
+
+#: tiny-shapes-video's rule: 4k+1 frames whose k+1 latent frames are a multiple of 3.
+WHOLE_TOKENS = dataclasses.replace(T2V, frame_patch=3)
+
+
+def test_seconds_round_up_to_whole_transformer_tokens() -> None:
+    params = resolve_video_request(VideoRequest(prompt="x", seconds=2), DEFAULTS, WHOLE_TOKENS)
+    assert params.num_frames == 21  # 2 s at 8 fps = 16 frames: 17 would be 5 latent frames
+
+
+@pytest.mark.parametrize("frames", [5, 13, 17])
+def test_num_frames_off_whole_tokens_is_a_400_listing_the_counts(frames: int) -> None:
+    error = refused(VideoRequest(prompt="x", num_frames=frames), WHOLE_TOKENS)
+    assert error.field_name == "num_frames"
+    assert "one of 9, 21, 33" in error.message, error.message
+
+
 def test_defaults_fill_every_field() -> None:
     params = resolve_video_request(VideoRequest(prompt="a cat", seed=3), DEFAULTS, T2V)
     assert (params.width, params.height, params.num_frames, params.fps) == (32, 32, 9, 8)

@@ -312,6 +312,7 @@ class DescribeDitResponse(_message.Message):
     MIN_STEPS_FIELD_NUMBER: _builtins.int
     MAX_FRAMES_FIELD_NUMBER: _builtins.int
     FRAME_MULTIPLE_FIELD_NUMBER: _builtins.int
+    FRAME_PATCH_FIELD_NUMBER: _builtins.int
     MAX_CONDITION_IMAGES_FIELD_NUMBER: _builtins.int
     HAS_SECOND_TRANSFORMER_FIELD_NUMBER: _builtins.int
     ACCEPTS_FLOW_SHIFT_FIELD_NUMBER: _builtins.int
@@ -359,6 +360,11 @@ class DescribeDitResponse(_message.Message):
     """Most video frames per request; 0 for an image model."""
     frame_multiple: _builtins.int
     """A video's frame count must be frame_multiple * k + 1 (Wan: 4); 0 for an image model."""
+    frame_patch: _builtins.int
+    """Latent frames per transformer token (a Wan transformer's patch_size[0]): a video's latent
+    frames, (num_frames - 1) / frame_multiple + 1, must be a multiple of it. 0 for an image
+    model; 1: no rule beyond frame_multiple.
+    """
     max_condition_images: _builtins.int
     """Most condition_latents one request may carry (0: the model takes no image input; it is
     refused, and an image-to-video model needs exactly one).
@@ -448,6 +454,7 @@ class DescribeDitResponse(_message.Message):
         min_steps: _builtins.int = ...,
         max_frames: _builtins.int = ...,
         frame_multiple: _builtins.int = ...,
+        frame_patch: _builtins.int = ...,
         max_condition_images: _builtins.int = ...,
         has_second_transformer: _builtins.bool = ...,
         accepts_flow_shift: _builtins.bool = ...,
@@ -478,7 +485,7 @@ class DescribeDitResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "group_devices", b"group_devices", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "parallel_cfg", b"parallel_cfg", "parallel_ulysses", b"parallel_ulysses", "quantization", b"quantization", "runtime_lora_updates", b"runtime_lora_updates", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepts_flow_shift", b"accepts_flow_shift", "compile", b"compile", "default_preview_size", b"default_preview_size", "execution_modes", b"execution_modes", "frame_multiple", b"frame_multiple", "frame_patch", b"frame_patch", "group_devices", b"group_devices", "has_second_transformer", b"has_second_transformer", "lora_names", b"lora_names", "max_condition_images", b"max_condition_images", "max_frames", b"max_frames", "max_images_per_request", b"max_images_per_request", "max_lora_rank", b"max_lora_rank", "max_lora_scale", b"max_lora_scale", "max_loras", b"max_loras", "max_loras_per_request", b"max_loras_per_request", "max_pixels", b"max_pixels", "max_preview_size", b"max_preview_size", "max_side", b"max_side", "max_step_cache_threshold", b"max_step_cache_threshold", "max_steps", b"max_steps", "max_true_cfg_scale", b"max_true_cfg_scale", "max_video_pixels", b"max_video_pixels", "min_preview_every", b"min_preview_every", "min_steps", b"min_steps", "parallel_cfg", b"parallel_cfg", "parallel_ulysses", b"parallel_ulysses", "quantization", b"quantization", "runtime_lora_updates", b"runtime_lora_updates", "size_multiple", b"size_multiple", "stage", b"stage", "step_cache", b"step_cache", "step_cache_bytes_per_row", b"step_cache_bytes_per_row", "step_cache_final_steps", b"step_cache_final_steps", "step_cache_interval", b"step_cache_interval", "step_cache_max_skips", b"step_cache_max_skips", "step_cache_threshold", b"step_cache_threshold", "step_cache_warmup_steps", b"step_cache_warmup_steps", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
