@@ -67,6 +67,9 @@ class EditTrainConfig:
     balance_kinds: bool = True  # a third of the pairs per kind (`data.make_dataset`)
     keep_when_dropped: bool = True  # a dropped instruction's target is the source itself
     snapshot: bool = False  # also write <out>-halfway, the EMA weights at half the steps
+    #: the input image's tokens modulated as clean (timestep 0) rather than at the noisy
+    #: step's timestep (Qwen-Image-Edit-2511's `zero_cond_t`): they tell themselves apart
+    zero_cond_t: bool = False
 
     @classmethod
     def proxy(cls) -> EditTrainConfig:
@@ -171,7 +174,8 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
                                      prefix_tokens=drop)
     vae = AutoencoderKLQwenImage.from_pretrained(SHIPPED_TINY_SHAPES / "vae")
     vae.requires_grad_(False)
-    transformer = QwenImageTransformer2DModel.from_pretrained(SHIPPED_TINY_SHAPES / "transformer")
+    transformer = QwenImageTransformer2DModel.from_pretrained(
+        SHIPPED_TINY_SHAPES / "transformer", zero_cond_t=cfg.zero_cond_t)
     if transformer.config.joint_attention_dim != cfg.text_dim:
         raise ValueError("text_dim must be tiny-shapes' joint_attention_dim")
     pipe = QwenImageEditPipeline(
