@@ -10,16 +10,11 @@ from collections.abc import Iterable, Mapping
 
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, split_host_port
 from stagemesh.serve.plan import StageLaunch
+from stagemesh.shared.ports import free_port as free_port  # serve's, re-exported
 
 
 class PortInUse(RuntimeError):
     """A port a stage of this mesh needs is taken by another process."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _replica_target(host: str, ports: list[int]) -> str:

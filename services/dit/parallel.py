@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -88,6 +87,7 @@ from stagemesh.services.dit.parallel_cache import (
 from stagemesh.services.dit.step_cache import FirstBlockHooks, RowPlan
 from stagemesh.shared.engine.adapter import InvalidInputError
 from stagemesh.shared.engine.interrupt import StepInterrupt, StepInterrupted
+from stagemesh.shared.ports import free_port
 from stagemesh.shared.process import PARENT_PID_ENV, THREADS_ENV
 
 log = logging.getLogger(__name__)
@@ -775,13 +775,6 @@ def _may_fork() -> bool:
     return start_mode() is StartMode.FORK
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 class Workers:
     """Rank 0's worker processes: started together, watched by pid, stopped together.
 
@@ -798,7 +791,7 @@ class Workers:
         """args: the worker's BUILDER SOURCE OPTIONS; launcher: one to fork the workers from
         (its owner closes it); None: this group starts its own when it has more than one
         worker."""
-        self.port = free_port()
+        self.port = free_port(LOOPBACK)
         self.degrees = degrees
         self.devices = devices
         base = {**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid()),

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import io
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from stagemesh.gateway.realtime.session import RealtimeSession
 from stagemesh.gateway.recipes import Recipe, StageEndpoint, Task
 from stagemesh.models.registry import resolve_model
 from stagemesh.models.smollm2 import ensure_smollm2
+from stagemesh.serve import free_port
 from stagemesh.services.registry import build_stage
 from stagemesh.shared.proto.v1 import gateway_service_pb2 as pb
 from stagemesh.shared.proto.v1 import gateway_service_pb2_grpc, thinker_service_pb2
@@ -50,13 +50,6 @@ WaitUntil = Callable[..., Awaitable[None]]
 
 def sample(name: str, stage: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, {"stage": stage, **labels}) or 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass
