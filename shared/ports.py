@@ -22,6 +22,9 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 TRIES = 64
 
 _random = random.SystemRandom()  # not the `random` module's state: a test may seed that
+#: Every port this process handed out: a caller probes several before any is bound (all of a
+#: mesh's stage ports), so a random pick must not repeat one.
+_handed: set[int] = set()
 
 
 def _ephemeral_start() -> int:
@@ -37,11 +40,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     if high - LOWEST > TRIES:
         for _ in range(TRIES):
             port = _random.randrange(LOWEST, high)
+            if port in _handed:
+                continue
             with socket.socket() as probe:
                 try:
                     probe.bind((host, port))
                 except OSError:
                     continue
+                _handed.add(port)
                 return port
     with socket.socket() as probe:
         probe.bind((host, 0))

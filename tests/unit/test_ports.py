@@ -23,6 +23,20 @@ def test_a_free_port_is_below_the_ephemeral_range_and_bindable() -> None:
             sock.bind(("127.0.0.1", port))  # free indeed
 
 
+def test_no_port_is_handed_out_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mesh's stage ports are all probed before any stage binds one."""
+    picks = iter([20001, 20001, 20002])
+
+    class Scripted:
+        def randrange(self, low: int, high: int) -> int:
+            return next(picks)
+
+    monkeypatch.setattr(ports, "_random", Scripted())
+    monkeypatch.setattr(ports, "_handed", set())
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 32768)
+    assert [ports.free_port(), ports.free_port()] == [20001, 20002]
+
+
 def test_a_port_in_use_is_not_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
