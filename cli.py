@@ -35,7 +35,10 @@ COMMANDS: tuple[Command, ...] = (SERVE, GATEWAY, STAGE, MODEL, BENCH, TRAIN, EVA
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagemesh", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # the choices a person is shown: not the commands whose help is suppressed (internal)
+    shown = [c.name for c in COMMANDS if c.help != argparse.SUPPRESS]
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{" + ",".join(shown) + "}")
     for command in COMMANDS:
         command.add_arguments(sub.add_parser(command.name, help=command.help))
     return parser
