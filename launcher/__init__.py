@@ -35,8 +35,10 @@ from stagemesh.launcher.client import (
     LauncherUnavailable,
     StartMode,
     exited,
+    stagemesh_command,
     start_mode,
+    start_stagemesh,
 )
 
 __all__ = ["LAUNCHER_ENV", "ChildProcess", "ForkedChild", "Launcher", "LauncherUnavailable",
-           "StartMode", "exited", "start_mode"]
+           "StartMode", "exited", "stagemesh_command", "start_mode", "start_stagemesh"]

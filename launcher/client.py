@@ -252,3 +252,19 @@ class Launcher:
         except OSError:
             return b""
 
+
+
+def stagemesh_command(*args: str) -> list[str]:
+    """`python -m stagemesh ARGS` with this interpreter (the same install as this process)."""
+    return [sys.executable, "-m", "stagemesh", *args]
+
+
+def start_stagemesh(argv: Sequence[str], env: Mapping[str, str],
+                    launcher: Launcher | None = None, stdout: int | None = None) -> ChildProcess:
+    """`stagemesh ARGV` as a child in `env` (with `stdout` as its stdout): forked by
+    `launcher`; spawned as `python -m stagemesh ARGV` without one, or once it cannot fork (it
+    logs why)."""
+    if launcher is not None:
+        with contextlib.suppress(LauncherUnavailable):
+            return launcher.run(argv, env, stdout)
+    return subprocess.Popen(stagemesh_command(*argv), env=dict(env), stdout=stdout)

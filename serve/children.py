@@ -3,19 +3,12 @@ has torch & co. imported already, or spawned as `python -m stagemesh ARGV`."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import sys
 from collections.abc import Sequence
 
-from stagemesh.launcher import ChildProcess, Launcher, LauncherUnavailable
+from stagemesh.launcher import ChildProcess, Launcher, start_stagemesh
+from stagemesh.launcher import stagemesh_command as stagemesh_command  # serve's, re-exported
 from stagemesh.shared.process import PARENT_PID_ENV
-
-
-def stagemesh_command(*args: str) -> list[str]:
-    """`python -m stagemesh ARGS` with this interpreter (the same install as this process)."""
-    return [sys.executable, "-m", "stagemesh", *args]
 
 
 def child_env() -> dict[str, str]:
@@ -26,11 +19,5 @@ def child_env() -> dict[str, str]:
 
 def start_child(argv: Sequence[str], launcher: Launcher | None = None,
                 stdout: int | None = None) -> ChildProcess:
-    """`stagemesh ARGV` as a child of serve (with `stdout` as its stdout): forked by the
-    launcher; spawned as `python -m stagemesh ARGV` without one, or once it is gone (it logs
-    why)."""
-    env = child_env()
-    if launcher is not None:
-        with contextlib.suppress(LauncherUnavailable):
-            return launcher.run(argv, env, stdout)
-    return subprocess.Popen(stagemesh_command(*argv), env=env, stdout=stdout)
+    """`stagemesh ARGV` as a child of serve (`start_stagemesh` in `child_env()`)."""
+    return start_stagemesh(argv, child_env(), launcher, stdout)

@@ -34,13 +34,11 @@ has run (tests/model/test_dit_parallel.py and friends), the CUDA one awaits a mu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -67,7 +65,7 @@ from torch._C._distributed_c10d import TCPStore
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from stagemesh.commands.stage import GROUP_WORKER_COMMAND
-from stagemesh.launcher import ChildProcess, Launcher, LauncherUnavailable, StartMode, start_mode
+from stagemesh.launcher import ChildProcess, Launcher, StartMode, start_mode, start_stagemesh
 from stagemesh.services.dit.forward import (
     Branch,
     RowAdapters,
@@ -770,11 +768,6 @@ def shard_family(family: Family, degrees: Degrees, rank: int,
     return GroupForward(family, degrees, rank, devices, votes, tokens)
 
 
-def _may_fork() -> bool:
-    """Whether workers may be forked from a launcher (Linux, and not turned off)."""
-    return start_mode() is StartMode.FORK
-
-
 class Workers:
     """Rank 0's worker processes: started together, watched by pid, stopped together.
 
@@ -798,19 +791,14 @@ class Workers:
                 THREADS_ENV: str(threads), PORT_ENV: str(self.port),
                 WORLD_ENV: str(degrees.world)}
         #: The launcher this group started for itself (closed with the workers).
-        self._own_launcher = (Launcher.start(base)
-                              if launcher is None and degrees.world > 2 and _may_fork() else None)
+        # (forking needs Linux, and an operator may turn it off: STAGEMESH_STAGE_LAUNCHER)
+        own = launcher is None and degrees.world > 2 and start_mode() is StartMode.FORK
+        self._own_launcher = Launcher.start(base) if own else None
         launcher = launcher or self._own_launcher
-        argv = [GROUP_WORKER_COMMAND, *args]
-        self.processes: list[ChildProcess] = []
-        for rank in range(1, degrees.world):
-            env_of_rank = {**base, RANK_ENV: str(rank)}
-            process: ChildProcess | None = None
-            if launcher is not None:
-                with contextlib.suppress(LauncherUnavailable):  # it logged why
-                    process = launcher.run(argv, env_of_rank)
-            self.processes.append(process or subprocess.Popen(
-                [sys.executable, "-m", "stagemesh", *argv], env=env_of_rank))
+        self.processes: list[ChildProcess] = [
+            start_stagemesh([GROUP_WORKER_COMMAND, *args], {**base, RANK_ENV: str(rank)},
+                            launcher)
+            for rank in range(1, degrees.world)]
         #: Set once the group failed, after `watch`'s `on_fault` has run.
         self.fault = threading.Event()
         self._stopping = threading.Event()  # rank 0 ends them: no fault
