@@ -168,11 +168,12 @@ def _build_text_encoder(spec: WanPreset, vocab_size: int) -> UMT5EncoderModel:
     return UMT5EncoderModel(config)
 
 
-def _build_transformer(spec: WanPreset, in_channels: int, patch_frames: int = 1
-                       ) -> WanTransformer3DModel:
-    """`patch_frames` latent frames per token (Wan's: 1)."""
+def _build_transformer(spec: WanPreset, in_channels: int, patch_frames: int = 1,
+                       patch_side: int = 2) -> WanTransformer3DModel:
+    """`patch_frames` latent frames of `patch_side` x `patch_side` latent pixels per token
+    (Wan's: 1 of 2 x 2)."""
     transformer: WanTransformer3DModel = WanTransformer3DModel(
-        patch_size=(patch_frames, 2, 2),
+        patch_size=(patch_frames, patch_side, patch_side),
         num_attention_heads=spec.dit_heads,
         attention_head_dim=spec.dit_head_dim,
         in_channels=in_channels,

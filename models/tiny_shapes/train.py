@@ -258,12 +258,24 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
 
 
-def shape_weights(images: np.ndarray, weight: float) -> torch.Tensor:
-    """Per-pixel loss weight: `weight` on pixels that differ from the border colour, else 1."""
+def shape_mask(images: np.ndarray) -> torch.Tensor:
+    """(N, 1, H, W): 1.0 on pixels that differ from the border colour (the shape), else 0."""
     border = np.concatenate([images[:, 0], images[:, -1], images[:, :, 0], images[:, :, -1]], 1)
     background = np.median(border.astype(np.float32), axis=1)[:, None, None]
     distance = np.linalg.norm(images.astype(np.float32) - background, axis=-1)
-    return torch.from_numpy(1.0 + (weight - 1.0) * (distance > 20.0)).float()[:, None]
+    return torch.from_numpy(distance > 20.0).float()[:, None]
+
+
+def shape_weights(images: np.ndarray, weight: float) -> torch.Tensor:
+    """Per-pixel loss weight: `weight` on the shape's pixels (`shape_mask`), else 1."""
+    return 1.0 + (weight - 1.0) * shape_mask(images)
+
+
+def latent_shape_mask(images: np.ndarray, factor: int) -> torch.Tensor:
+    """(N, 1, H / factor, W / factor): 1.0 on the latent pixels the shape touches. The flow
+    loss of a transformer weighs the shape by it: the background is most of each image, and
+    under the plain MSE a few latent pixels of a square's corners cost little to round off."""
+    return F.max_pool2d(shape_mask(images), kernel_size=factor)
 
 
 def vae_forward(vae: AutoencoderKLQwenImage, x: torch.Tensor, *, sample: bool = True

@@ -29,7 +29,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np
 import PIL.Image
 import torch
-import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
@@ -70,6 +69,9 @@ class EditTrainConfig:
     #: the input image's tokens modulated as clean (timestep 0) rather than at the noisy
     #: step's timestep (Qwen-Image-Edit-2511's `zero_cond_t`): they tell themselves apart
     zero_cond_t: bool = False
+    #: > 1: the flow error weighs this much on the latent pixels the shape touches in the
+    #: source or the target (`base.latent_shape_mask`): the copy's outline is a few of them
+    shape_weight: float = 1.0
 
     @classmethod
     def proxy(cls) -> EditTrainConfig:
@@ -86,8 +88,9 @@ def _to_pil(images: np.ndarray) -> list[PIL.Image.Image]:
 
 def edit_loss(pipe: QwenImageEditPipeline, x0: torch.Tensor, cond: torch.Tensor,
               sources: list[PIL.Image.Image], instructions: list[str],
-              gen: torch.Generator) -> torch.Tensor:
-    """Rectified flow on the target latents, the source latents appended as the pipeline does."""
+              gen: torch.Generator, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Rectified flow on the target latents, the source latents appended as the pipeline does;
+    the squared error weighted per latent pixel by `weights` (N, 1, h, w) if given."""
     b, c, h, w = x0.shape
     noise = torch.randn(x0.shape, generator=gen)
     sigma = base.sample_sigmas(b, gen)
@@ -105,13 +108,27 @@ def edit_loss(pipe: QwenImageEditPipeline, x0: torch.Tensor, cond: torch.Tensor,
         img_shapes=[[(1, h // 2, w // 2), (1, h // 2, w // 2)]] * b,
         return_dict=False,
     )[0][:, : packed.shape[1]]
-    return F.mse_loss(pred, pipe._pack_latents(noise - x0, b, c, h, w))
+    err: torch.Tensor = (pred - pipe._pack_latents(noise - x0, b, c, h, w)).pow(2)
+    if weights is not None:
+        err = err * pipe._pack_latents(weights.expand(-1, c, -1, -1), b, c, h, w)
+    return err.mean()
+
+
+def pair_shape_weights(sources: np.ndarray, targets: np.ndarray, weight: float, factor: int
+                       ) -> torch.Tensor:
+    """(N, 1, H / factor, W / factor): `weight` on the latent pixels the shape touches in the
+    source or the target of each pair, else 1."""
+    touched = torch.maximum(base.latent_shape_mask(sources, factor),
+                            base.latent_shape_mask(targets, factor))
+    return 1.0 + (weight - 1.0) * touched
 
 
 def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.Tensor,
                sources: list[PIL.Image.Image], instructions: list[str], cfg: EditTrainConfig,
-               gen: torch.Generator, halfway: Callable[[], None] | None = None) -> list[float]:
+               gen: torch.Generator, halfway: Callable[[], None] | None = None,
+               weights: torch.Tensor | None = None) -> list[float]:
     """Trains transformer + text encoder (vision tower included); leaves the EMA weights in.
+    `weights` (N, 1, h, w), if given, weigh each pair's flow error per latent pixel.
 
     `halfway`, if given, runs once with the EMA weights loaded at half the steps (a snapshot to
     judge early). Returns the 1-minute load average sampled every 50 steps (others share this
@@ -129,7 +146,8 @@ def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.
             # "" reads as "change nothing": the guidance's negative (the recipe's "") is then
             # the source copied, and true CFG amplifies only what the instruction changes.
             x0 = torch.where(torch.tensor(drop)[:, None, None, None], conds[idx], x0)
-        return edit_loss(pipe, x0, conds[idx], [sources[i] for i in idx], batch_text, gen)
+        return edit_loss(pipe, x0, conds[idx], [sources[i] for i in idx], batch_text, gen,
+                         None if weights is None else weights[idx])
 
     def after_step(step: int) -> None:
         ema.update(step)
@@ -188,6 +206,10 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     )
     conds = normalised_latents(vae, sources)
     x0 = normalised_latents(vae, targets)
+    weights = None
+    if cfg.shape_weight != 1.0:
+        weights = pair_shape_weights(sources, targets, cfg.shape_weight,
+                                     factor=sources.shape[1] // x0.shape[-1])
     def save(folder: Path) -> None:
         pipe.save_pretrained(folder, safe_serialization=True)
         write_condition_area(folder, IMAGE_SIZE * IMAGE_SIZE)
@@ -196,7 +218,7 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     snapshot = out.with_name(out.name + "-halfway")
     load = harness.phase("dit", lambda: train_edit(
         pipe, x0, conds, _to_pil(sources), instructions, cfg, gen,
-        halfway=lambda: save(snapshot) if cfg.snapshot else None), timings)
+        halfway=lambda: save(snapshot) if cfg.snapshot else None, weights=weights), timings)
     save(out)
     report = {"config": asdict(cfg), "seed": seed, "seconds": timings,
               "cpu_seconds": round(time.process_time() - cpu_start, 1),

@@ -10,7 +10,8 @@ The components are Wan's (`stagemesh.models.wan` builds the UMT5 text encoder, i
 tokenizer - here over the grammar's words - and the `WanTransformer3DModel`); the VAE is
 `AutoencoderKLWan` at 4x spatial and 4x temporal downsampling (Wan's is 8x spatial, too coarse
 to draw a shape at 32x32): 9 frames of 32x32 are 3 latent frames of 8x8, which the
-transformer reads as 16 tokens of all 3 latent frames each (`dit_patch_frames`).
+transformer reads as 64 tokens of one latent pixel in all 3 latent frames each
+(`dit_patch_frames`, `dit_patch_side`).
 
 Training follows `WanPipeline`'s conventions: the text path is its `encode_prompt` at
 `max_sequence_length=PROMPT_TOKENS` (zero-padded to it; served so by the recipe's tokenizer
@@ -41,7 +42,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
@@ -70,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 #: Latent channels: Wan's (the transformer builder and the mesh's Wan stages assume it).
 Z_DIM = 16
+#: The VAE's downsampling (`build_vae`): 4x in space, 4x in time.
+SPATIAL_FACTOR = 4
+TEMPORAL_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,9 @@ class VideoTrainConfig:
     text_heads: int = 2
     dit_layers: int = 4
     dit_heads: int = 4
-    dit_head_dim: int = 64  # at 32 (128 wide) a 3-frame token (192 outputs) stalled at loss 0.66
+    # 4 heads of 32 (128 wide) predict a 1x1 token's 3 x 16 values; with 2x2 tokens (192
+    # values) 128 wide stalled at loss 0.66 and 256 wide was needed
+    dit_head_dim: int = 32
     dit_ffn: int = 512
     dit_freq_dim: int = 64
     # latent frames per transformer token; 3 = the whole clip in one token, so each token holds
@@ -100,7 +105,10 @@ class VideoTrainConfig:
     # one-frame token no absolute time to tell "moving right" from "moving left" by (at 1 the
     # transformer ignored the motion words: the word probe's motion ratio stayed 1.000)
     dit_patch_frames: int = 3
-    dit_steps: int = 4000  # ~0.4 s a step of 32 at one thread (load ~2.6): 26 minutes
+    # latent pixels per token side (Wan's: 2); 1 = 64 tokens a clip, each 4x4 pixels: with
+    # 8x8-pixel tokens squares came out round (held-out squares 0 of 18, now 4 of 18)
+    dit_patch_side: int = 1
+    dit_steps: int = 4000  # ~0.5 s a step of 32 at one thread (load ~2.5): 32 minutes
     dit_batch: int = 32
     dit_lr: float = 1e-3
     dit_warmup: int = 100
@@ -108,6 +116,10 @@ class VideoTrainConfig:
     # > 0: extra weight on the part of the flow error that varies across latent frames (the
     # motion); the plain MSE let the shipped model ignore the motion words entirely
     motion_weight: float = 0.0
+    # > 1: the flow error weighs this much where the shape is (in any frame a latent frame
+    # covers), as tiny-shapes' VAE weighs its pixels: the background is most of each clip, and
+    # the plain MSE let the transformer round a square's corners (a few latent pixels) off
+    shape_weight: float = 5.0
     sigma_location: float = 0.0  # logit-normal centre of the training sigmas (> 0: noisier)
     ema_decay: float = 0.998
     flow_shift: float = 2.0
@@ -153,8 +165,8 @@ def build_vae(cfg: VideoTrainConfig) -> AutoencoderKLWan:
         temperal_downsample=[True, True],
         latents_mean=[0.0] * Z_DIM,
         latents_std=[1.0] * Z_DIM,
-        scale_factor_temporal=4,
-        scale_factor_spatial=4,
+        scale_factor_temporal=TEMPORAL_FACTOR,
+        scale_factor_spatial=SPATIAL_FACTOR,
     )
     bias = vae.quant_conv.bias
     if bias is None:
@@ -210,6 +222,17 @@ def clip_shape_weights(clips: np.ndarray, weight: float) -> torch.Tensor:
     n, t = clips.shape[:2]
     frames = base.shape_weights(clips.reshape(n * t, *clips.shape[2:]), weight)
     return frames.reshape(n, t, 1, *frames.shape[2:]).permute(0, 2, 1, 3, 4)
+
+
+def latent_shape_weights(clips: np.ndarray, weight: float) -> torch.Tensor:
+    """`weight` on the latent pixels (N, 1, T', h, w) the shape touches in any of the frames
+    each latent frame encodes (Wan's causal VAE: frame 0 alone, then 4 frames each), else 1."""
+    n, t = clips.shape[:2]
+    frames = base.latent_shape_mask(clips.reshape(n * t, *clips.shape[2:]), SPATIAL_FACTOR)
+    touched = frames.reshape(n, t, *frames.shape[2:])  # (N, T, h, w)
+    groups = [touched[:, :1], *torch.split(touched[:, 1:], TEMPORAL_FACTOR, dim=1)]
+    latent = torch.stack([g.amax(dim=1) for g in groups], dim=1)[:, None]
+    return 1.0 + (weight - 1.0) * latent
 
 
 def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
@@ -316,8 +339,10 @@ def prompt_embeds(pipe: WanPipeline, captions: list[str]) -> torch.Tensor:
 
 
 def flow_loss(pipe: WanPipeline, x0: torch.Tensor, captions: list[str],
-              gen: torch.Generator, cfg: VideoTrainConfig) -> torch.Tensor:
-    """Rectified flow: x_t = (1-s) x0 + s noise, target noise - x0, timestep 1000 s; plus
+              gen: torch.Generator, cfg: VideoTrainConfig,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Rectified flow: x_t = (1-s) x0 + s noise, target noise - x0, timestep 1000 s, the
+    squared error weighted per latent pixel by `weights` (N, 1, T', h, w) if given; plus
     `motion_weight` x the error's deviation from its mean over latent frames (the motion: a
     shape held still in the middle of every frame costs the plain MSE little)."""
     noise = torch.randn(x0.shape, generator=gen)
@@ -327,17 +352,19 @@ def flow_loss(pipe: WanPipeline, x0: torch.Tensor, captions: list[str],
                             timestep=sigma * pipe.scheduler.config.num_train_timesteps,
                             encoder_hidden_states=prompt_embeds(pipe, captions),
                             return_dict=False)[0]
-    loss = F.mse_loss(pred, noise - x0)
+    err: torch.Tensor = pred - (noise - x0)  # (N, C, T, h, w)
+    loss = (err.pow(2) if weights is None else weights * err.pow(2)).mean()
     if cfg.motion_weight:
-        err = pred - (noise - x0)  # (N, C, T, h, w)
         loss = loss + cfg.motion_weight * (err - err.mean(dim=2, keepdim=True)).pow(2).mean()
     return loss
 
 
 def train_dit(pipe: WanPipeline, latents: torch.Tensor, captions: list[str],
               cfg: VideoTrainConfig, gen: torch.Generator,
-              checkpoint: Callable[[int], None] | None = None) -> list[float]:
-    """Trains transformer + text encoder jointly and leaves their EMA weights in;
+              checkpoint: Callable[[int], None] | None = None,
+              weights: torch.Tensor | None = None) -> list[float]:
+    """Trains transformer + text encoder jointly and leaves their EMA weights in (the flow
+    error weighted by `weights`, one (1, T', h, w) per latent, if given);
     `checkpoint(steps_done)`, if given, runs with the EMA weights in every `checkpoint_every`
     steps. Returns the load average samples."""
     modules = torch.nn.ModuleDict({"transformer": pipe.transformer,
@@ -348,7 +375,8 @@ def train_dit(pipe: WanPipeline, latents: torch.Tensor, captions: list[str],
         idx = torch.randint(0, len(latents), (cfg.dit_batch,), generator=gen).tolist()
         drop = (torch.rand(cfg.dit_batch, generator=gen) < cfg.caption_dropout).tolist()
         text = ["" if d else captions[i] for i, d in zip(idx, drop, strict=True)]
-        return flow_loss(pipe, latents[idx], text, gen, cfg)
+        return flow_loss(pipe, latents[idx], text, gen, cfg,
+                         None if weights is None else weights[idx])
 
     def after_step(step: int) -> None:
         ema.update(step)
@@ -382,8 +410,8 @@ def build_pipeline(cfg: VideoTrainConfig, seed: int) -> WanPipeline:
         text_encoder=seeded(seed, 2, lambda: _build_text_encoder(preset, len(tokenizer))),
         vae=seeded(seed, 1, lambda: build_vae(cfg)),
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG, flow_shift=cfg.flow_shift),
-        transformer=seeded(seed, 3, lambda: _build_transformer(preset, Z_DIM,
-                                                               cfg.dit_patch_frames)),
+        transformer=seeded(seed, 3, lambda: _build_transformer(
+            preset, Z_DIM, cfg.dit_patch_frames, cfg.dit_patch_side)),
     )
 
 
@@ -469,9 +497,10 @@ def _train(out: Path, cfg: VideoTrainConfig, seed: int) -> Path:
         write_folder(pipe, out, report(done))
         logger.info("checkpoint at DiT step %d written to %s", done, out)
 
+    weights = latent_shape_weights(clips, cfg.shape_weight) if cfg.shape_weight != 1.0 else None
     dit_start = time.perf_counter()
     load += harness.phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen,
-                                                   checkpoint), timings)
+                                                   checkpoint, weights), timings)
     write_folder(pipe, out, report(cfg.dit_steps))
     logger.info("wrote %s (%s)", out, timings)
     return out

@@ -69,11 +69,11 @@ def test_smoke_training_writes_a_wan_folder_the_stock_pipeline_runs(tmp_path: Pa
                for row in table.values())
 
 
-def test_a_transformer_token_can_hold_every_latent_frame_of_the_clip() -> None:
-    cfg = replace(VideoTrainConfig.smoke(), dit_patch_frames=3)
+def test_a_transformer_token_can_hold_every_latent_frame_of_one_latent_pixel() -> None:
+    cfg = replace(VideoTrainConfig.smoke(), dit_patch_frames=3, dit_patch_side=1)
     pipe = build_pipeline(cfg, seed=0)
-    assert list(pipe.transformer.config.patch_size) == [3, 2, 2]
-    latents = torch.randn(1, 16, 3, 8, 8)  # 9 frames of 32x32: 16 tokens instead of 48
+    assert list(pipe.transformer.config.patch_size) == [3, 1, 1]
+    latents = torch.randn(1, 16, 3, 8, 8)  # 9 frames of 32x32: 64 tokens (Wan's layout: 48)
     with torch.no_grad():  # the stock WanPipeline runs such a folder (the smoke test's path)
         out = pipe.transformer(hidden_states=latents, timestep=torch.tensor([500.0]),
                                encoder_hidden_states=prompt_embeds(pipe, ["a red circle"]),

@@ -4,9 +4,13 @@ condition area (the training path and the shipped weights: tests/model/test_tiny
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
 
 from stagemesh.models.families.qwen_image import (
     CONDITION_FILE,
@@ -24,6 +28,7 @@ from stagemesh.models.tiny_shapes_edit.data import (
     split,
 )
 from stagemesh.models.tiny_shapes_edit.judge import judge, judge_accuracy_on_renders
+from stagemesh.models.tiny_shapes_edit.train import edit_loss, pair_shape_weights
 
 
 def test_a_fifth_of_each_kinds_combinations_is_held_out_and_never_trained() -> None:
@@ -79,3 +84,55 @@ def test_a_folder_without_a_condition_file_conditions_at_the_stock_area(tmp_path
     (tmp_path / CONDITION_FILE).write_text('{"condition_area": "big"}')
     with pytest.raises(ValueError, match="condition_area"):
         condition_area(tmp_path)
+
+
+def test_the_shape_weight_covers_the_source_and_the_target_shape() -> None:
+    sources = np.zeros((1, 32, 32, 3), np.uint8)
+    targets = sources.copy()
+    sources[0, 0:4, 0:4] = 255  # latent pixel (0, 0) at 4x
+    targets[0, 28:32, 24:28] = 255  # latent pixel (7, 6)
+    weights = pair_shape_weights(sources, targets, 3.0, factor=4)
+    expected = torch.ones(1, 1, 8, 8)
+    expected[0, 0, 0, 0] = expected[0, 0, 7, 6] = 3.0
+    assert torch.equal(weights, expected)
+
+
+class _PackedTruth(torch.nn.Module):
+    """An edit transformer that predicts the packed flow target exactly, plus `offset`."""
+
+    def __init__(self, x0: torch.Tensor, offset: torch.Tensor) -> None:
+        super().__init__()
+        self.x0, self.offset = _pack(x0), _pack(offset)
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                **_: object) -> tuple[torch.Tensor]:
+        n, s = self.x0.shape[1], timestep.view(-1, 1, 1)
+        noise = (hidden_states[:, :n] - (1.0 - s) * self.x0) / s
+        return (torch.cat([noise - self.x0 + self.offset, hidden_states[:, n:]], dim=1),)
+
+
+def _pack(latents: torch.Tensor) -> torch.Tensor:
+    b, c, h, w = latents.shape
+    packed: torch.Tensor = QwenImageEditPipeline._pack_latents(latents, b, c, h, w)
+    return packed
+
+
+def test_the_edit_loss_weighs_each_latent_pixel_as_asked() -> None:
+    x0 = torch.randn(1, 16, 4, 4)
+    error = torch.zeros_like(x0)
+    error[:, :, 0, 0] = 0.1  # wrong only at one latent pixel
+    pipe: Any = SimpleNamespace(  # what edit_loss reads of a QwenImageEditPipeline
+        transformer=_PackedTruth(x0, error), _pack_latents=QwenImageEditPipeline._pack_latents,
+        encode_prompt=lambda *_, **__: (torch.zeros(1, 4, 8), torch.ones(1, 4)))
+    weights = torch.ones(1, 1, 4, 4)
+
+    def loss(w: torch.Tensor | None) -> float:
+        return float(edit_loss(pipe, x0, torch.zeros_like(x0), [], [""],
+                               torch.Generator().manual_seed(0), w))
+
+    plain = 0.01 / 16
+    assert loss(None) == pytest.approx(plain, rel=1e-4)
+    weights[:, :, 0, 0] = 5.0  # the erring pixel weighs 5 (as packed): the loss x5
+    assert loss(weights) == pytest.approx(5 * plain, rel=1e-4)
+    weights[:, :, 0, 0], weights[:, :, 3, 3] = 1.0, 5.0  # another pixel: no change
+    assert loss(weights) == pytest.approx(plain, rel=1e-4)

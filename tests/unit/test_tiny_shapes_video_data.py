@@ -35,7 +35,11 @@ from stagemesh.models.tiny_shapes_video.judge import (
     measure_clip,
 )
 from stagemesh.models.tiny_shapes_video.probe import swapped
-from stagemesh.models.tiny_shapes_video.train import VideoTrainConfig, flow_loss
+from stagemesh.models.tiny_shapes_video.train import (
+    VideoTrainConfig,
+    flow_loss,
+    latent_shape_weights,
+)
 
 
 def test_a_fifth_of_the_combinations_is_held_out_in_every_background() -> None:
@@ -156,6 +160,43 @@ def test_the_motion_weight_charges_only_errors_that_vary_across_frames() -> None
     assert loss(varying, 0.0) == pytest.approx(0.01, rel=1e-4)  # plain MSE: the same cost
     # deviation from the frame mean: 2/3 * 0.2 in one frame, 1/3 * 0.2 in two -> 0.2^2 * 2/9
     assert loss(varying, 4.0) == pytest.approx(0.01 + 4.0 * 0.04 * 2 / 9, rel=1e-4)
+
+
+def test_the_shape_weight_falls_on_the_latent_pixels_each_latent_frame_covers() -> None:
+    """Wan's causal VAE encodes frame 0 alone, then 4 frames per latent frame: a latent pixel
+    weighs more where the shape is in any frame its latent frame covers, 1 elsewhere."""
+    clips = np.zeros((1, NUM_FRAMES, 32, 32, 3), np.uint8)  # a black background
+    clips[0, 0, 0:4, 0:4] = 255  # frame 0: latent pixel (0, 0)
+    clips[0, 3, 12:14, 16:18] = 255  # frame 3 (latent frame 1): latent pixel (3, 4)
+    clips[0, 8, 28:32, 26:30] = 255  # frame 8 (latent frame 2): latent pixels (7, 6), (7, 7)
+    weights = latent_shape_weights(clips, 5.0)
+    assert weights.shape == (1, 1, 3, 8, 8)
+    expected = torch.ones(3, 8, 8)
+    expected[0, 0, 0] = expected[1, 3, 4] = expected[2, 7, 6] = expected[2, 7, 7] = 5.0
+    assert torch.equal(weights[0, 0], expected)
+    assert torch.equal(latent_shape_weights(clips, 1.0), torch.ones(1, 1, 3, 8, 8))
+
+
+def test_the_flow_loss_weighs_each_latent_pixel_as_asked() -> None:
+    x0 = torch.randn(1, 16, 3, 4, 4)
+    error = torch.zeros_like(x0)
+    error[:, :, :, 0, 0] = 0.1  # wrong only at one latent pixel of each latent frame
+    pipe: Any = SimpleNamespace(
+        transformer=_Truth(x0, error),
+        scheduler=SimpleNamespace(config=SimpleNamespace(num_train_timesteps=1000)),
+        encode_prompt=lambda *_, **__: (torch.zeros(1, PROMPT_TOKENS, 8),))
+    weights = torch.ones(1, 1, 3, 4, 4)
+
+    def loss(w: torch.Tensor | None) -> float:
+        return float(flow_loss(pipe, x0, [""], torch.Generator().manual_seed(0),
+                               VideoTrainConfig(), w))
+
+    plain = 0.01 / 16
+    assert loss(None) == pytest.approx(plain, rel=1e-4)
+    weights[:, :, :, 0, 0] = 5.0  # the erring pixel weighs 5: the loss x5
+    assert loss(weights) == pytest.approx(5 * plain, rel=1e-4)
+    weights[:, :, :, 0, 0], weights[:, :, :, 1, 1] = 1.0, 5.0  # another pixel: no change
+    assert loss(weights) == pytest.approx(plain, rel=1e-4)
 
 
 def test_stagemesh_train_takes_config_overrides() -> None:
