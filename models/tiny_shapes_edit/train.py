@@ -210,6 +210,7 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     if cfg.shape_weight != 1.0:
         weights = pair_shape_weights(sources, targets, cfg.shape_weight,
                                      factor=sources.shape[1] // x0.shape[-1])
+
     def save(folder: Path) -> None:
         pipe.save_pretrained(folder, safe_serialization=True)
         write_condition_area(folder, IMAGE_SIZE * IMAGE_SIZE)

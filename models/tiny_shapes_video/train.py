@@ -106,7 +106,7 @@ class VideoTrainConfig:
     # transformer ignored the motion words: the word probe's motion ratio stayed 1.000)
     dit_patch_frames: int = 3
     # latent pixels per token side (Wan's: 2); 1 = 64 tokens a clip, each 4x4 pixels: with
-    # 8x8-pixel tokens squares came out round (held-out squares 0 of 18, now 4 of 18)
+    # 8x8-pixel tokens squares came out round (held-out squares right 0 of 18; 4 of 18 at 1)
     dit_patch_side: int = 1
     dit_steps: int = 4000  # ~0.5 s a step of 32 at one thread (load ~2.5): 32 minutes
     dit_batch: int = 32
