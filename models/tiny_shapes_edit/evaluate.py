@@ -150,7 +150,7 @@ def pipeline_generator(folder: str | Path, *, steps: int = DEFAULT_STEPS,
 
 #: The README's example: what tiny-shapes draws, then each instruction applied to it.
 README_SOURCE, README_INSTRUCTIONS, README_SEED = (
-    "a red circle on the left", ("make it blue", "move it to the right", "make it a triangle"), 1)
+    "a red circle on the left", ("make it blue", "move it to the top", "make it a triangle"), 1)
 
 
 def write_readme_sample(edit_folder: str | Path, path: str | Path, *, steps: int = DEFAULT_STEPS,

@@ -56,7 +56,7 @@ class EditTrainConfig:
 
     n_pairs: int = 12000
     text_dim: int = 64
-    steps: int = 3000
+    steps: int = 5000
     batch: int = 32
     lr: float = 4e-4
     warmup: int = 100
@@ -68,7 +68,8 @@ class EditTrainConfig:
     snapshot: bool = False  # also write <out>-halfway, the EMA weights at half the steps
     #: the input image's tokens modulated as clean (timestep 0) rather than at the noisy
     #: step's timestep (Qwen-Image-Edit-2511's `zero_cond_t`): they tell themselves apart
-    zero_cond_t: bool = False
+    #: (at 5000 steps held-out recolours kept the rest 88% of the time, 63% without it at 3000)
+    zero_cond_t: bool = True
     #: > 1: the flow error weighs this much on the latent pixels the shape touches in the
     #: source or the target (`base.latent_shape_mask`): the copy's outline is a few of them
     shape_weight: float = 1.0

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 SOURCE_PROMPT, SEED = "a red circle on the left", 1
 #: The README's recolour, move and reshape: (kind, value).
-README_EDITS = (("colour", "blue"), ("position", "right"), ("shape", "triangle"))
+README_EDITS = (("colour", "blue"), ("position", "top"), ("shape", "triangle"))
 
 
 def client_of(served: Any) -> openai.OpenAI:

@@ -22,6 +22,7 @@ from stagemesh.models.tiny_shapes_video.data import (
     MOTIONS,
     NUM_FRAMES,
     PROMPT_TOKENS,
+    centres,
     held_out_combinations,
     make_dataset,
     parse_clip_caption,
@@ -71,6 +72,19 @@ def test_the_dataset_renders_training_clips_only() -> None:
     assert set(captions) <= {s.caption for s in training}
     again, _ = make_dataset(training, 6, seed=3)
     assert np.array_equal(clips, again)
+
+
+@pytest.mark.parametrize("motion", list(MOTIONS))
+def test_the_cross_range_bounds_where_the_path_sits_across_the_motion(motion: str) -> None:
+    axis = 1 if MOTIONS[motion][0] else 0  # the coordinate that stays put
+    for seed in range(20):
+        path = centres(motion, np.random.default_rng(seed), cross_range=2.0)
+        across = {point[axis] for point in path}
+        assert len(across) == 1 and abs(across.pop() - 16) <= 2.0
+        along = [point[1 - axis] for point in path]
+        assert along == sorted(along, reverse=sum(MOTIONS[motion]) < 0)
+    centred = centres(motion, np.random.default_rng(0), cross_range=0.0)
+    assert all(point[axis] == 16 for point in centred)
 
 
 def test_the_judge_passes_ground_truth_clips() -> None:
