@@ -123,6 +123,9 @@ class VideoTrainConfig:
     # covers), as tiny-shapes' VAE weighs its pixels: the background is most of each clip, and
     # the plain MSE let the transformer round a square's corners (a few latent pixels) off
     shape_weight: float = 5.0
+    # > 1: the flow error of the first latent frame (frame 1 alone) weighs this much more: a
+    # held-out square wrong in that frame alone was 4 of the 9 wrong squares
+    first_frame_weight: float = 1.0
     sigma_location: float = 0.0  # logit-normal centre of the training sigmas (> 0: noisier)
     ema_decay: float = 0.998
     flow_shift: float = 2.0
@@ -227,15 +230,19 @@ def clip_shape_weights(clips: np.ndarray, weight: float) -> torch.Tensor:
     return frames.reshape(n, t, 1, *frames.shape[2:]).permute(0, 2, 1, 3, 4)
 
 
-def latent_shape_weights(clips: np.ndarray, weight: float) -> torch.Tensor:
+def latent_shape_weights(clips: np.ndarray, weight: float, first_frame: float = 1.0
+                         ) -> torch.Tensor:
     """`weight` on the latent pixels (N, 1, T', h, w) the shape touches in any of the frames
-    each latent frame encodes (Wan's causal VAE: frame 0 alone, then 4 frames each), else 1."""
+    each latent frame encodes (Wan's causal VAE: frame 0 alone, then 4 frames each), else 1;
+    the first latent frame's weights times `first_frame`."""
     n, t = clips.shape[:2]
     frames = base.latent_shape_mask(clips.reshape(n * t, *clips.shape[2:]), SPATIAL_FACTOR)
     touched = frames.reshape(n, t, *frames.shape[2:])  # (N, T, h, w)
     groups = [touched[:, :1], *torch.split(touched[:, 1:], TEMPORAL_FACTOR, dim=1)]
     latent = torch.stack([g.amax(dim=1) for g in groups], dim=1)[:, None]
-    return 1.0 + (weight - 1.0) * latent
+    weights = 1.0 + (weight - 1.0) * latent
+    weights[:, :, 0] *= first_frame
+    return weights
 
 
 def decode_unclamped(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
@@ -501,7 +508,8 @@ def _train(out: Path, cfg: VideoTrainConfig, seed: int) -> Path:
         write_folder(pipe, out, report(done))
         logger.info("checkpoint at DiT step %d written to %s", done, out)
 
-    weights = latent_shape_weights(clips, cfg.shape_weight) if cfg.shape_weight != 1.0 else None
+    weights = (latent_shape_weights(clips, cfg.shape_weight, cfg.first_frame_weight)
+               if (cfg.shape_weight, cfg.first_frame_weight) != (1.0, 1.0) else None)
     dit_start = time.perf_counter()
     load += harness.phase("dit", lambda: train_dit(pipe, latents, captions, cfg, gen,
                                                    checkpoint, weights), timings)

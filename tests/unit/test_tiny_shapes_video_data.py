@@ -189,6 +189,10 @@ def test_the_shape_weight_falls_on_the_latent_pixels_each_latent_frame_covers() 
     expected[0, 0, 0] = expected[1, 3, 4] = expected[2, 7, 6] = expected[2, 7, 7] = 5.0
     assert torch.equal(weights[0, 0], expected)
     assert torch.equal(latent_shape_weights(clips, 1.0), torch.ones(1, 1, 3, 8, 8))
+    # the first latent frame (frame 0 alone) weighs `first_frame` times more, shape or not
+    first = latent_shape_weights(clips, 5.0, first_frame=3.0)
+    assert torch.equal(first[0, 0, 0], 3.0 * expected[0])
+    assert torch.equal(first[0, 0, 1:], expected[1:])
 
 
 def test_the_flow_loss_weighs_each_latent_pixel_as_asked() -> None:
