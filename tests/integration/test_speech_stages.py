@@ -157,6 +157,12 @@ async def test_without_a_voice_the_talker_speaks_its_default_voice(speech: Speec
     np.testing.assert_allclose(default, named, atol=1e-5)
 
 
+#: Long enough (750 frames, ~11 s here) that the talker is still generating when the test stops
+#: it, however late the first audio reaches the test on a loaded machine (200 frames, ~3 s, once
+#: let the talker finish first on CI, so that only the codec counted an abort).
+LONG_UTTERANCE_FRAMES = 750
+
+
 def _snapshot() -> dict[str, float]:
     return {f"{stage}/{what}": value for stage in ("talker", "codec") for what, value in (
         ("steps", sample("stagemesh_steps_total", stage)),
@@ -180,7 +186,7 @@ async def test_a_gone_client_stops_talker_and_codec(speech: Speech, wait_until: 
     async def on_piece(piece: AudioPiece) -> None:
         got_audio.set()
 
-    task = asyncio.create_task(run(speech, on_piece, max_new_tokens=200))
+    task = asyncio.create_task(run(speech, on_piece, max_new_tokens=LONG_UTTERANCE_FRAMES))
     await asyncio.wait_for(got_audio.wait(), 30)
     task.cancel()  # what until_disconnect does when the HTTP client goes away
     with pytest.raises(asyncio.CancelledError):
@@ -197,7 +203,7 @@ async def test_cancel_by_id_stops_talker_and_codec(speech: Speech, wait_until: A
         got_audio.set()
 
     task = asyncio.create_task(run(speech, on_piece, request_id="tts-cancel-1",
-                                   max_new_tokens=200))
+                                   max_new_tokens=LONG_UTTERANCE_FRAMES))
     await asyncio.wait_for(got_audio.wait(), 30)
     outcome = await speech.core.cancel("tts-cancel-1")
     # Both stages hold the request and get the cancel at once; the first to acknowledge answers,
