@@ -84,6 +84,13 @@ def all_edits() -> list[Edit]:
             for value in values if value != getattr(spec, kind)]
 
 
+def no_op_edits() -> list[Edit]:
+    """Every source spec x every instruction that names what it already is ("make it a square"
+    on a square: the target is the source), 270 x 3. No held-out combination is one of them;
+    they show each instruction on one more source than the edits that change something."""
+    return [Edit(spec, kind, getattr(spec, kind)) for spec in all_specs() for kind in KINDS]
+
+
 def held_out_combinations() -> frozenset[tuple[str, str, str]]:
     """20% of each kind's (kind, from, to) combinations (at least one), fixed by SPLIT_SEED."""
     rng = np.random.default_rng(SPLIT_SEED)
@@ -95,12 +102,12 @@ def held_out_combinations() -> frozenset[tuple[str, str, str]]:
     return frozenset(held)
 
 
-def split() -> tuple[list[Edit], list[Edit]]:
-    """(training edits, held-out edits)."""
+def split(*, no_ops: bool = False) -> tuple[list[Edit], list[Edit]]:
+    """(training edits, held-out edits); `no_ops` adds `no_op_edits()` to the training ones."""
     held = held_out_combinations()
     edits = all_edits()
-    return ([e for e in edits if e.combination not in held],
-            [e for e in edits if e.combination in held])
+    training = [e for e in edits if e.combination not in held]
+    return training + (no_op_edits() if no_ops else []), [e for e in edits if e.combination in held]
 
 
 def render_pair(edit: Edit, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -73,6 +73,8 @@ class EditTrainConfig:
     #: > 1: the flow error weighs this much on the latent pixels the shape touches in the
     #: source or the target (`base.latent_shape_mask`): the copy's outline is a few of them
     shape_weight: float = 1.0
+    #: train also on instructions that name what the source already is (`data.no_op_edits`)
+    no_op_edits: bool = False
 
     @classmethod
     def proxy(cls) -> EditTrainConfig:
@@ -182,7 +184,7 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     gen = harness.seeded_generator(seed)
     timings: dict[str, float] = {}
     cpu_start = time.process_time()
-    training_edits, held_out = split()
+    training_edits, held_out = split(no_ops=cfg.no_op_edits)
     sources, targets, instructions = harness.phase(
         "render", lambda: make_dataset(training_edits, cfg.n_pairs, seed=seed,
                                        balance_kinds=cfg.balance_kinds), timings)

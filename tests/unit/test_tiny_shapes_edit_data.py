@@ -42,6 +42,18 @@ def test_a_fifth_of_each_kinds_combinations_is_held_out_and_never_trained() -> N
     assert held_out_combinations() == held  # fixed by its seed
 
 
+def test_no_op_edits_add_one_instruction_per_kind_whose_target_is_the_source() -> None:
+    plain, held_out = split()
+    training, held_out_too = split(no_ops=True)
+    assert held_out_too == held_out
+    added = training[len(plain):]
+    assert training[:len(plain)] == plain and len(added) == 270 * len(KINDS)
+    assert all(edit.target == edit.source for edit in added)
+    assert {e.combination for e in added}.isdisjoint(held_out_combinations())
+    source, target = render_pair(added[0], np.random.default_rng(2))
+    np.testing.assert_array_equal(source, target)
+
+
 def test_a_pair_differs_only_in_the_edited_attribute() -> None:
     rng = np.random.default_rng(0)
     training, _ = split()
