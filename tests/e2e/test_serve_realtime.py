@@ -151,11 +151,13 @@ async def test_a_spoken_question_is_answered_and_talking_over_the_answer_stops_i
     transcribed = await session.until("conversation.item.input_audio_transcription.completed")
     assert transcribed < await session.until("response.created")
     question = str(session.events[transcribed][1]["transcript"]).lower()
-    assert "capital" in question, question
+    # A mishearing fails here, naming what was heard, rather than as a wrong answer below.
+    assert "capital of france" in question, question
     response = session.events[done][1]["response"]
     assert isinstance(response, dict) and response["status"] == "completed", response
     answer = _audio(session.of("response.output_audio.delta", transcribed, done))
-    assert "paris" in (await asyncio.to_thread(heard, served, answer)).lower()
+    said = (await asyncio.to_thread(heard, served, answer)).lower()
+    assert "paris" in said, (question, said)
 
     # Barge in 0.5 s after the first audio of a long answer.
     before = await asyncio.to_thread(_counts, served)
