@@ -8,6 +8,7 @@ drawn 4x larger and box-downsampled, so edges are anti-aliased the same way in e
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,6 +26,10 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "orange": (250, 130, 20),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+#: Shapes `render` also draws that no caption or instruction names: tiny-shapes-edit trains
+#: reshapes from them, so an instruction is seen applied to more sources than the world's
+#: three (`tiny_shapes_edit.data.make_dataset`'s `distractors`).
+DISTRACTOR_SHAPES: tuple[str, ...] = ("diamond", "hexagon", "plus")
 POSITIONS: tuple[str, ...] = ("left", "right", "top", "bottom", "centre")
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {
     "white": (245, 245, 245),
@@ -91,6 +96,16 @@ def _polygon(shape: str, cx: float, cy: float, half: float) -> list[tuple[float,
                 (cx - half, cy + half)]
     if shape == "triangle":  # apex up, base as wide as the square
         return [(cx, cy - half), (cx + half, cy + half), (cx - half, cy + half)]
+    if shape == "diamond":
+        return [(cx, cy - half), (cx + half, cy), (cx, cy + half), (cx - half, cy)]
+    if shape == "hexagon":  # flat top and bottom
+        return [(cx + half * math.cos(a), cy + half * math.sin(a))
+                for a in (k * math.pi / 3 for k in range(6))]
+    if shape == "plus":  # arms a 0.8 * half wide
+        w = 0.4 * half
+        return [(cx - w, cy - half), (cx + w, cy - half), (cx + w, cy - w), (cx + half, cy - w),
+                (cx + half, cy + w), (cx + w, cy + w), (cx + w, cy + half), (cx - w, cy + half),
+                (cx - w, cy + w), (cx - half, cy + w), (cx - half, cy - w), (cx - w, cy - w)]
     return None
 
 

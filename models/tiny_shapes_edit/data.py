@@ -19,6 +19,7 @@ import numpy as np
 from stagemesh.models.tiny_shapes.data import (
     COLOUR_JITTER,
     COLOURS,
+    DISTRACTOR_SHAPES,
     HALF_SIZE_RANGE,
     POSITION_CENTRES,
     POSITION_JITTER,
@@ -125,15 +126,37 @@ def render_pair(edit: Edit, rng: np.random.Generator) -> tuple[np.ndarray, np.nd
     return draw(edit.source), draw(edit.target)
 
 
-def make_dataset(edits: list[Edit], n: int, seed: int = 0, *, balance_kinds: bool = False
-                 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """`n` rendered pairs cycling through `edits` in a seeded order: uint8 sources and targets
-    (n, 32, 32, 3) and their instructions.
+def with_distractor(edit: Edit, shape: str) -> Edit:
+    """`edit` from a source of the distractor `shape` (`DISTRACTOR_SHAPES`): a recolour or move
+    keeps that shape, a reshape turns it into the world's shape asked for."""
+    return replace(edit, source=replace(edit.source, shape=shape))
+
+
+def make_dataset(edits: list[Edit], n: int, seed: int = 0, *, balance_kinds: bool = False,
+                 distractors: float = 0.0) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """`n` rendered pairs of `pick_edits`: uint8 sources and targets (n, 32, 32, 3) and their
+    instructions."""
+    rng = np.random.default_rng(seed)
+    chosen = pick_edits(edits, n, rng, balance_kinds=balance_kinds, distractors=distractors)
+    pairs = [render_pair(edit, rng) for edit in chosen]
+    return (np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]),
+            [edit.instruction for edit in chosen])
+
+
+def pick_edits(edits: list[Edit], n: int, rng: np.random.Generator, *,
+               balance_kinds: bool = False, distractors: float = 0.0) -> list[Edit]:
+    """`n` edits cycling through `edits` in an order drawn from `rng`.
 
     `balance_kinds` cycles through each kind's edits separately, a third of the pairs each:
     cycling through all edits gives each kind its share of the edits (reshape, with 3 shapes,
-    only 19%), and the held-out reshape was the kind the model learned least."""
-    rng = np.random.default_rng(seed)
+    only 19%), and the held-out reshape was the kind the model learned least.
+
+    `distractors`: that fraction of the edits has its source drawn as a distractor shape
+    (`with_distractor`), the instruction unchanged. With the world's three shapes, each
+    "make it a <shape>" is otherwise seen from one or two source shapes only ("make it a
+    square" from circles alone once triangle -> square is held out), and the model learns it
+    as a rule of those sources; from three more, it can read as "whatever the source is". No
+    held-out (kind, from, to) is one of these: their "from" is no shape of the world."""
     groups = ([[i for i, e in enumerate(edits) if e.kind == kind] for kind in KINDS]
               if balance_kinds else [list(range(len(edits)))])
     groups = [g for g in groups if g]
@@ -144,6 +167,8 @@ def make_dataset(edits: list[Edit], n: int, seed: int = 0, *, balance_kinds: boo
     order = np.concatenate(picks)
     if balance_kinds:
         order = order[rng.permutation(n)]
-    pairs = [render_pair(edits[i], rng) for i in order]
-    return (np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]),
-            [edits[i].instruction for i in order])
+    chosen = [edits[i] for i in order]
+    if distractors > 0:  # no draw otherwise: the rng's stream (the dataset) stays as it was
+        chosen = [with_distractor(e, str(rng.choice(DISTRACTOR_SHAPES)))
+                  if rng.random() < distractors else e for e in chosen]
+    return chosen

@@ -32,6 +32,7 @@ import torch
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from stagemesh.models.families.qwen_image import write_condition_area
 from stagemesh.models.qwen_image_edit import build_vl_processor
@@ -56,7 +57,7 @@ class EditTrainConfig:
 
     n_pairs: int = 12000
     text_dim: int = 64
-    steps: int = 5000
+    steps: int = 6500
     batch: int = 32
     lr: float = 4e-4
     warmup: int = 100
@@ -75,6 +76,12 @@ class EditTrainConfig:
     shape_weight: float = 1.0
     #: train also on instructions that name what the source already is (`data.no_op_edits`)
     no_op_edits: bool = False
+    #: the fraction of pairs whose source is a distractor shape (`data.make_dataset`)
+    distractors: float = 0.5
+    #: start the text encoder from tiny-shapes' trained one (`text_encoder_from_base`), so the
+    #: words the DiT (also tiny-shapes') already draws from ("square", "red") mean that at
+    #: step 0, rather than from a random encoder
+    text_from_base: bool = True
 
     @classmethod
     def proxy(cls) -> EditTrainConfig:
@@ -166,6 +173,26 @@ def train_edit(pipe: QwenImageEditPipeline, targets: torch.Tensor, conds: torch.
     return load
 
 
+def text_encoder_from_base(encoder: torch.nn.Module, tokenizer: Qwen2Tokenizer,
+                           base_dir: Path) -> int:
+    """Loads `base_dir`'s text model into `encoder` (same sizes; the vision tower, which the
+    text-to-image pipeline never calls, stays as built): every weight but the embedding, and
+    the embedding row of every token whose text both vocabularies share. Returns that count."""
+    base = Qwen2_5_VLForConditionalGeneration.from_pretrained(base_dir / "text_encoder")
+    base_vocab = Qwen2Tokenizer.from_pretrained(base_dir / "tokenizer").get_vocab()
+    theirs, ours = base.state_dict(), encoder.state_dict()
+    embedding = "model.language_model.embed_tokens.weight"
+    for name, value in theirs.items():
+        if name.startswith("model.language_model.") and name != embedding:
+            ours[name] = value
+    shared = [(i, base_vocab[token]) for token, i in tokenizer.get_vocab().items()
+              if token in base_vocab]
+    rows = torch.tensor(shared)
+    ours[embedding][rows[:, 0]] = theirs[embedding][rows[:, 1]]
+    encoder.load_state_dict(ours)  # lm_head is tied to the embedding
+    return len(shared)
+
+
 def normalised_latents(vae: AutoencoderKLQwenImage, images: np.ndarray) -> torch.Tensor:
     """What the pipeline's `_encode_vae_image` gives (posterior mode, normalised)."""
     latents = base.encode_latents(vae, images)
@@ -187,7 +214,8 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
     training_edits, held_out = split(no_ops=cfg.no_op_edits)
     sources, targets, instructions = harness.phase(
         "render", lambda: make_dataset(training_edits, cfg.n_pairs, seed=seed,
-                                       balance_kinds=cfg.balance_kinds), timings)
+                                       balance_kinds=cfg.balance_kinds,
+                                       distractors=cfg.distractors), timings)
 
     template, drop = _edit_template()
     tokenizer = base.build_tokenizer(all_instructions(), template=template,
@@ -199,10 +227,15 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
         SHIPPED_TINY_SHAPES / "transformer", zero_cond_t=cfg.zero_cond_t)
     if transformer.config.joint_attention_dim != cfg.text_dim:
         raise ValueError("text_dim must be tiny-shapes' joint_attention_dim")
+    text_encoder = base.build_text_encoder(tokenizer, cfg.text_dim)
+    if cfg.text_from_base:
+        shared = text_encoder_from_base(text_encoder, tokenizer, SHIPPED_TINY_SHAPES)
+        logger.info("text encoder from tiny-shapes': %d of %d tokens shared", shared,
+                    len(tokenizer))
     pipe = QwenImageEditPipeline(
         scheduler=base.build_scheduler(),  # type: ignore[arg-type]
         vae=vae,
-        text_encoder=base.build_text_encoder(tokenizer, cfg.text_dim),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
         processor=build_vl_processor(tokenizer),
         transformer=transformer,

@@ -22,11 +22,11 @@ from stagemesh.models.tiny_shapes_edit.evaluate import (
 )
 
 #: The shipped model's floors on a 10-per-kind held-out sample, at the guidance it is served at
-#: (none): recolour and move are edited as asked (100% on 10, and on 60 through the mesh), and
-#: what is kept (50% / 70% / 100% here) has floors too. The held-out reshape (triangle->square,
-#: 0-5% without guidance) and shape keeping are below the issue's bar (docs/edit-and-video.md).
-EDITED_FLOORS = {"colour": 0.9, "position": 0.9}
-KEPT_FLOORS = {"colour": 0.4, "position": 0.6, "shape": 0.9}
+#: (none): recolour and move are edited as asked (100% here, and on 60 through the mesh), the
+#: held-out reshape (triangle->square) half the time here (68% on 60 in-process: below the
+#: issue's 85%, docs/edit-and-video.md), and what is kept (90% / 100% / 100% here) has floors.
+EDITED_FLOORS = {"colour": 0.9, "position": 0.9, "shape": 0.3}
+KEPT_FLOORS = {"colour": 0.7, "position": 0.8, "shape": 0.9}
 
 
 def _weights(folder: Path) -> dict[str, bytes]:
@@ -57,6 +57,37 @@ def test_smoke_training_writes_an_edit_folder_the_stock_pipeline_runs(tmp_path: 
                      height=32, width=32, num_inference_steps=2, output_type="np",
                      generator=torch.Generator().manual_seed(0)).images
     assert image.shape == (1, 32, 32, 3) and np.isfinite(image).all()
+
+
+def test_the_text_encoder_from_base_takes_tiny_shapes_words_and_layers() -> None:
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    from stagemesh.models.registry import SHIPPED_TINY_SHAPES
+    from stagemesh.models.tiny_shapes import train as base
+    from stagemesh.models.tiny_shapes_edit.data import all_instructions
+    from stagemesh.models.tiny_shapes_edit.train import _edit_template, text_encoder_from_base
+
+    template, drop = _edit_template()
+    tokenizer = base.build_tokenizer(all_instructions(), template=template,
+                                     prefix=template.split("<|vision_start|>")[0],
+                                     prefix_tokens=drop)
+    torch.manual_seed(0)
+    encoder = base.build_text_encoder(tokenizer, 64)
+    built = {k: v.clone() for k, v in encoder.state_dict().items()}
+    shared = text_encoder_from_base(encoder, tokenizer, SHIPPED_TINY_SHAPES)
+    theirs = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        SHIPPED_TINY_SHAPES / "text_encoder").state_dict()
+    their_vocab = Qwen2Tokenizer.from_pretrained(SHIPPED_TINY_SHAPES / "tokenizer").get_vocab()
+    ours, vocab = encoder.state_dict(), tokenizer.get_vocab()
+    assert 0 < shared < len(vocab)
+    embedding = "model.language_model.embed_tokens.weight"
+    assert torch.equal(ours[embedding][vocab["Ġsquare"]], theirs[embedding][their_vocab["Ġsquare"]])
+    assert "Ġcentre" not in their_vocab  # the edit's own word keeps its built row
+    assert torch.equal(ours[embedding][vocab["Ġcentre"]], built[embedding][vocab["Ġcentre"]])
+    layer = "model.language_model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(ours[layer], theirs[layer]) and not torch.equal(ours[layer], built[layer])
+    vision = next(k for k in ours if k.startswith("model.visual."))
+    assert torch.equal(ours[vision], built[vision])
 
 
 @pytest.mark.slow

@@ -19,13 +19,16 @@ from stagemesh.models.families.qwen_image import (
     edit_image_size,
     write_condition_area,
 )
+from stagemesh.models.tiny_shapes.data import DISTRACTOR_SHAPES, SHAPES
 from stagemesh.models.tiny_shapes.scoring import measure
 from stagemesh.models.tiny_shapes_edit.data import (
     KINDS,
     held_out_combinations,
     make_dataset,
+    pick_edits,
     render_pair,
     split,
+    with_distractor,
 )
 from stagemesh.models.tiny_shapes_edit.judge import judge, judge_accuracy_on_renders
 from stagemesh.models.tiny_shapes_edit.train import edit_loss, pair_shape_weights
@@ -67,6 +70,37 @@ def test_the_dataset_cycles_through_training_edits_only() -> None:
     sources, targets, instructions = make_dataset(training, 40, seed=3)
     assert sources.shape == targets.shape == (40, 32, 32, 3)
     assert set(instructions) <= {e.instruction for e in training}
+
+
+def test_distractor_sources_keep_their_shape_unless_reshaped_and_hold_nothing_out() -> None:
+    training, _ = split()
+    by_kind = {kind: next(e for e in training if e.kind == kind) for kind in KINDS}
+    for kind, edit in by_kind.items():
+        moved = with_distractor(edit, "plus")
+        assert moved.source.shape == "plus" and moved.instruction == edit.instruction
+        assert moved.target.shape == (edit.value if kind == "shape" else "plus")
+        assert moved.combination not in held_out_combinations()
+    source, target = render_pair(with_distractor(by_kind["colour"], "diamond"),
+                                 np.random.default_rng(0))
+    assert measure(target).colour == by_kind["colour"].value
+    assert not np.array_equal(source, render_pair(by_kind["colour"], np.random.default_rng(0))[0])
+    assert set(DISTRACTOR_SHAPES).isdisjoint(SHAPES)
+
+
+def test_a_distractor_fraction_swaps_that_share_of_sources_and_zero_changes_nothing() -> None:
+    training, _ = split()
+    plain = make_dataset(training, 60, seed=3, balance_kinds=True)
+    none = make_dataset(training, 60, seed=3, balance_kinds=True, distractors=0.0)
+    for ours, theirs in zip(plain, none, strict=True):  # the shipped model's data is unchanged
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    world = pick_edits(training, 600, np.random.default_rng(4), balance_kinds=True)
+    mixed = pick_edits(training, 600, np.random.default_rng(4), balance_kinds=True,
+                       distractors=0.5)
+    swapped = [m for w, m in zip(world, mixed, strict=True) if m != w]
+    assert 0.4 < len(swapped) / 600 < 0.6
+    assert {m.source.shape for m in swapped} == set(DISTRACTOR_SHAPES)
+    assert all(with_distractor(w, m.source.shape) == m
+               for w, m in zip(world, mixed, strict=True) if m != w), "only the source's shape"
 
 
 def test_balanced_kinds_give_each_kind_a_third_of_the_pairs() -> None:
