@@ -4,8 +4,8 @@ As the README shows it: tiny-shapes draws "a red circle on the left", tiny-shape
 that picture through the unmodified openai SDK. Each result is judged with the edit judge
 (`models/tiny_shapes_edit/judge.py`) against what the scorer reads off the source: the edited
 attribute must read as asked and every other one (colour, shape, position, background) as in
-the source. (On held-out combinations the model keeps less, and the held-out reshape fails:
-docs/edit-and-video.md; the README's three edits are trained combinations.)
+the source. (On held-out combinations it keeps a little less, and makes the held-out reshape two
+times in three: docs/edit-and-video.md; the README's three edits are trained combinations.)
 """
 
 from __future__ import annotations
