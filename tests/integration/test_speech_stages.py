@@ -166,14 +166,18 @@ LONG_UTTERANCE_FRAMES = 750
 def _snapshot() -> dict[str, float]:
     return {f"{stage}/{what}": value for stage in ("talker", "codec") for what, value in (
         ("steps", sample("stagemesh_steps_total", stage)),
-        ("aborted", sample("stagemesh_requests_finished_total", stage, status="aborted")))}
+        ("aborted", sample("stagemesh_requests_finished_total", stage, status="aborted")),
+        ("completed", sample("stagemesh_requests_finished_total", stage, status="completed")))}
 
 
 async def _assert_both_stopped(speech: Speech, before: dict[str, float],
                                wait_until: Any) -> None:
-    await wait_until(lambda: all(_snapshot()[f"{s}/aborted"] == before[f"{s}/aborted"] + 1
-                                 for s in ("talker", "codec")),
-                     what="talker and codec each counting one abort")
+    try:
+        await wait_until(lambda: all(_snapshot()[f"{s}/aborted"] == before[f"{s}/aborted"] + 1
+                                     for s in ("talker", "codec")),
+                         what="talker and codec each counting one abort")
+    except AssertionError as failed:  # which stage counted what (CI saw this fail once)
+        raise AssertionError(f"{failed}: before {before}, now {_snapshot()}") from None
     # With no request left in either engine, neither stage can take another step.
     await wait_until(speech.idle, what="talker and codec holding no request")
     assert _snapshot()["talker/steps"] - before["talker/steps"] < 150
