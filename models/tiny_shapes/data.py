@@ -28,7 +28,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 #: Shapes `render` also draws that no caption or instruction names: tiny-shapes-edit trains
 #: reshapes from them, so an instruction is seen applied to more sources than the world's
-#: three (`tiny_shapes_edit.data.make_dataset`'s `distractors`).
+#: three (`tiny_shapes_edit.data.pick_edits`' `distractors`).
 DISTRACTOR_SHAPES: tuple[str, ...] = ("diamond", "hexagon", "plus")
 POSITIONS: tuple[str, ...] = ("left", "right", "top", "bottom", "centre")
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {

@@ -51,6 +51,14 @@ def _edit_template() -> tuple[str, int]:
     return pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
 
 
+def build_edit_tokenizer() -> Qwen2Tokenizer:
+    """tiny-shapes' BPE built over the edit template and the instructions; the template's
+    system prefix is the part the pipeline drops."""
+    template, drop = _edit_template()
+    return base.build_tokenizer(all_instructions(), template=template,
+                                prefix=template.split("<|vision_start|>")[0], prefix_tokens=drop)
+
+
 @dataclass(frozen=True)
 class EditTrainConfig:
     """Everything that decides the trained weights besides the seed."""
@@ -76,7 +84,7 @@ class EditTrainConfig:
     shape_weight: float = 1.0
     #: train also on instructions that name what the source already is (`data.no_op_edits`)
     no_op_edits: bool = False
-    #: the fraction of pairs whose source is a distractor shape (`data.make_dataset`)
+    #: the fraction of pairs whose source is a distractor shape (`data.pick_edits`)
     distractors: float = 0.5
     #: start the text encoder from tiny-shapes' trained one (`text_encoder_from_base`), so the
     #: words the DiT (also tiny-shapes') already draws from ("square", "red") mean that at
@@ -217,10 +225,7 @@ def _train(out: Path, cfg: EditTrainConfig, seed: int) -> Path:
                                        balance_kinds=cfg.balance_kinds,
                                        distractors=cfg.distractors), timings)
 
-    template, drop = _edit_template()
-    tokenizer = base.build_tokenizer(all_instructions(), template=template,
-                                     prefix=template.split("<|vision_start|>")[0],
-                                     prefix_tokens=drop)
+    tokenizer = build_edit_tokenizer()
     vae = AutoencoderKLQwenImage.from_pretrained(SHIPPED_TINY_SHAPES / "vae")
     vae.requires_grad_(False)
     transformer = QwenImageTransformer2DModel.from_pretrained(

