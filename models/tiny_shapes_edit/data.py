@@ -36,6 +36,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "position": POSITIONS,
     "shape": SHAPES,
 }
+#: Each kind's share of the pairs when `pick_edits` balances them, unless told otherwise.
+EQUAL_SHARE = 1 / len(KINDS)
 _MOVE_PHRASES = {"left": "the left", "right": "the right", "top": "the top",
                  "bottom": "the bottom", "centre": "the centre"}
 HELD_OUT_FRACTION = 0.2
@@ -133,23 +135,37 @@ def with_distractor(edit: Edit, shape: str) -> Edit:
 
 
 def make_dataset(edits: list[Edit], n: int, seed: int = 0, *, balance_kinds: bool = False,
-                 distractors: float = 0.0) -> tuple[np.ndarray, np.ndarray, list[str]]:
+                 reshape_share: float = EQUAL_SHARE, distractors: float = 0.0
+                 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """`n` rendered pairs of `pick_edits`: uint8 sources and targets (n, 32, 32, 3) and their
     instructions."""
     rng = np.random.default_rng(seed)
-    chosen = pick_edits(edits, n, rng, balance_kinds=balance_kinds, distractors=distractors)
+    chosen = pick_edits(edits, n, rng, balance_kinds=balance_kinds, reshape_share=reshape_share,
+                        distractors=distractors)
     pairs = [render_pair(edit, rng) for edit in chosen]
     return (np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]),
             [edit.instruction for edit in chosen])
 
 
+def _kind_counts(n: int, groups: int, reshape_share: float | None) -> list[int]:
+    """How many of `n` pairs each group gets: equal shares (the first groups one more where `n`
+    does not divide), or the last group (`KINDS`' reshapes) `reshape_share` of them."""
+    if reshape_share is None or reshape_share == EQUAL_SHARE:
+        return [n // groups + (k < n % groups) for k in range(groups)]
+    last = round(n * reshape_share)
+    return [*_kind_counts(n - last, groups - 1, None), last]
+
+
 def pick_edits(edits: list[Edit], n: int, rng: np.random.Generator, *,
-               balance_kinds: bool = False, distractors: float = 0.0) -> list[Edit]:
+               balance_kinds: bool = False, reshape_share: float = EQUAL_SHARE,
+               distractors: float = 0.0) -> list[Edit]:
     """`n` edits cycling through `edits` in an order drawn from `rng`.
 
     `balance_kinds` cycles through each kind's edits separately, a third of the pairs each:
     cycling through all edits gives each kind its share of the edits (reshape, with 3 shapes,
-    only 19%), and the held-out reshape was the kind the model learned least.
+    only 19%), and the held-out reshape was the kind the model learned least. With it,
+    `reshape_share` gives the reshapes that share of the pairs instead, the other kinds
+    splitting the rest.
 
     `distractors`: that fraction of the edits has its source drawn as a distractor shape
     (`with_distractor`), the instruction unchanged. With the world's three shapes, each
@@ -157,10 +173,13 @@ def pick_edits(edits: list[Edit], n: int, rng: np.random.Generator, *,
     square" from circles alone once triangle -> square is held out), and the model learns it
     as a rule of those sources; from three more, it can read as "whatever the source is". No
     held-out (kind, from, to) is one of these: their "from" is no shape of the world."""
+    if not 0.0 < reshape_share < 1.0 or (reshape_share != EQUAL_SHARE and not balance_kinds):
+        raise ValueError(f"reshape_share must be in (0, 1) and needs balance_kinds, got "
+                         f"{reshape_share} (balance_kinds={balance_kinds})")
     groups = ([[i for i, e in enumerate(edits) if e.kind == kind] for kind in KINDS]
               if balance_kinds else [list(range(len(edits)))])
     groups = [g for g in groups if g]
-    counts = [n // len(groups) + (k < n % len(groups)) for k in range(len(groups))]
+    counts = _kind_counts(n, len(groups), reshape_share if balance_kinds else None)
     picks = [np.asarray(g)[np.concatenate([rng.permutation(len(g))
                                            for _ in range(count // len(g) + 1)])[:count]]
              for g, count in zip(groups, counts, strict=True)]

@@ -109,6 +109,18 @@ def test_balanced_kinds_give_each_kind_a_third_of_the_pairs() -> None:
     assert [kind_of[i] for i in unbalanced].count("shape") < 30  # 19% of the edits
 
 
+def test_a_reshape_share_gives_the_reshapes_that_share_and_splits_the_rest() -> None:
+    training, _ = split()
+    picked = pick_edits(training, 200, np.random.default_rng(0), balance_kinds=True,
+                        reshape_share=0.45)
+    counts = {kind: [e.kind for e in picked].count(kind) for kind in KINDS}
+    assert counts == {"colour": 55, "position": 55, "shape": 90}
+    with pytest.raises(ValueError, match="reshape_share"):
+        pick_edits(training, 200, np.random.default_rng(0), reshape_share=0.45)
+    with pytest.raises(ValueError, match="reshape_share"):
+        pick_edits(training, 200, np.random.default_rng(0), balance_kinds=True, reshape_share=1.0)
+
+
 def test_the_judge_passes_true_targets_and_fails_an_unedited_source() -> None:
     assert all(v == 1.0 for kind in judge_accuracy_on_renders(30).values() for v in kind.values())
     _, held_out = split()
