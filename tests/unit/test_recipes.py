@@ -19,6 +19,7 @@ from stagemesh.gateway.recipes import (
     default_recipe,
     load_recipes,
 )
+from stagemesh.models.tiny_shapes_edit.evaluate import EDIT_GUIDANCE
 
 K8S_RECIPES = Path(__file__).resolve().parents[2] / "k8s" / "base" / "recipes.yaml"
 
@@ -75,13 +76,13 @@ def test_the_default_mesh_keeps_its_limits_as_stage_options() -> None:
 def test_the_default_edit_recipe_answers_a_small_image_when_no_size_is_named() -> None:
     """Without these defaults an edit takes the stock derived size (~1 Mpx, ~8 s an image on a
     CPU): `make serve` answers a first edit quickly at the size tiny-shapes-edit was trained
-    at, with the steps and guidance it was evaluated with (no true CFG: its negative, "", is
-    trained as "change nothing", and guidance 4 over-shoots recolours, e.g. red + "make it blue"
+    at, with the steps and guidance it was evaluated with (a light true CFG: its negative, "", is
+    trained as "change nothing"; guidance 4 over-shoots recolours, e.g. red + "make it blue"
     -> green)."""
     edit = load_recipes(DEFAULT_RECIPES)["tiny-shapes-edit"]
     assert edit.task is Task.IMAGE_EDIT
     assert edit.image_defaults == ImageDefaults(width=32, height=32, num_inference_steps=16,
-                                                true_cfg_scale=1.0, negative_prompt="")
+                                                true_cfg_scale=EDIT_GUIDANCE, negative_prompt="")
 
 
 def test_fields_are_read(tmp_path: Path) -> None:
