@@ -72,7 +72,7 @@ class EditTrainConfig:
     caption_dropout: float = 0.2
     ema_decay: float = 0.998
     threads: int = 1
-    balance_kinds: bool = True  # a third of the pairs per kind (`data.make_dataset`)
+    balance_kinds: bool = True  # pairs drawn per kind, as reshape_share says (`data.pick_edits`)
     #: with balance_kinds, the reshapes' share of the pairs (`data.pick_edits`): the held-out
     #: reshape is the kind learned last (0.45 at 7500 steps: 68% -> 72-78% of it made)
     reshape_share: float = 0.55
